@@ -1,0 +1,1 @@
+"""Dataset recipes (the `datasets` library), shipped small data and trajectory generators."""

@@ -1,0 +1,1 @@
+"""Stage DAG, run directories and manifests, local and Ray executors, resume."""

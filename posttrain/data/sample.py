@@ -1,0 +1,124 @@
+"""The one record that flows data recipe -> renderer -> engine -> rewards -> trainer.
+
+Every stage reads and writes `Sample`; no stage invents its own dict. Per-token fields are aligned
+with `tokens` (the whole rendered sequence: prompt, generated tokens and any tool-result tokens the
+environment appended), so masks and log-probs never need re-indexing between stages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+EFFORTS: tuple[str, ...] = ("low", "high", "max")
+DOMAINS: tuple[str, ...] = ("general", "agent", "coding")
+
+FinishReason = Literal["stop", "length", "tool_call", "paused", "aborted"]
+
+
+@dataclass
+class Sample:
+    """One prompt and, once sampled, one trajectory.
+
+    Identity and task
+      uid: unique id of this trajectory (prompt id + sample index).
+      group: id of the prompt group (the n samples of one prompt share it; advantages are
+        group-relative).
+      domain / effort: the teacher route and the reasoning-effort conditioning input.
+      messages: OpenAI-style conversation so far (system/user/assistant/tool), including the
+        assistant turns generated and the tool results appended by the environment.
+      tools: JSON schemas of the tools offered in this episode.
+      task: the environment's private data (reference answer, hidden tests, ...). Never rendered
+        into the prompt.
+
+    Tokens (all per-token lists have len(tokens))
+      tokens: rendered token ids of the whole trajectory.
+      prompt_length: number of leading tokens that are prompt (never trained).
+      loss_mask: 1 where the token was produced by the policy (or, in SFT, is an assistant token).
+      rollout_logprobs: behaviour log-prob of each generated token at sampling time (0.0 elsewhere).
+      policy_version: policy version that produced each generated token (-1 elsewhere).
+
+    Generation state
+      finish_reason: why generation stopped, None while never generated; "paused" means the
+        sample is queued as a partial rollout and resumes from `tokens` (and `sandbox_snapshot`).
+      sandbox_snapshot: directory of the environment's snapshot for a paused agent trajectory.
+
+    Scores
+      reward: scalar outcome reward (verifier / GenRM / budget), None until scored.
+      token_rewards: dense per-token rewards (MOPD), aligned with tokens.
+      teacher_logprobs: teacher's log-prob of each token (MOPD prefill), aligned with tokens.
+      metrics: free-form numbers for logging (usage tokens, verifier details, retries).
+    """
+
+    uid: str
+    domain: str = "general"
+    effort: str = "high"
+    group: str = ""
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    task: dict[str, Any] = field(default_factory=dict)
+
+    tokens: list[int] = field(default_factory=list)
+    prompt_length: int = 0
+    loss_mask: list[int] = field(default_factory=list)
+    rollout_logprobs: list[float] = field(default_factory=list)
+    policy_version: list[int] = field(default_factory=list)
+
+    finish_reason: FinishReason | None = None
+    sandbox_snapshot: str | None = None
+
+    reward: float | None = None
+    token_rewards: list[float] | None = None
+    teacher_logprobs: list[float] | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def response_length(self) -> int:
+        """Tokens after the prompt (generated plus environment-appended)."""
+        return len(self.tokens) - self.prompt_length
+
+    @property
+    def num_generated(self) -> int:
+        return sum(self.loss_mask[self.prompt_length :])
+
+    def append(self, token_ids: list[int], *, generated: bool, logprobs: list[float] | None = None,
+               version: int = -1) -> None:
+        """Extend the trajectory, keeping every per-token list aligned with `tokens`."""
+        n = len(token_ids)
+        if logprobs is not None and len(logprobs) != n:
+            raise ValueError(f"sample {self.uid}: {n} tokens but {len(logprobs)} logprobs")
+        self.tokens.extend(token_ids)
+        self.loss_mask.extend([1 if generated else 0] * n)
+        self.rollout_logprobs.extend(logprobs if logprobs is not None else [0.0] * n)
+        self.policy_version.extend([version if generated else -1] * n)
+
+    def check(self) -> None:
+        """Raise if per-token fields are misaligned (a bug, never user input)."""
+        n = len(self.tokens)
+        for name in ("loss_mask", "rollout_logprobs", "policy_version"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"sample {self.uid}: {name} has {len(getattr(self, name))} entries, tokens {n}")
+        for name in ("token_rewards", "teacher_logprobs"):
+            value = getattr(self, name)
+            if value is not None and len(value) != n:
+                raise ValueError(f"sample {self.uid}: {name} has {len(value)} entries, tokens {n}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Sample:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - names
+        if unknown:
+            raise ValueError(f"unknown Sample fields {sorted(unknown)}")
+        return cls(**data)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), ensure_ascii=False)
+
+    @classmethod
+    def from_json(cls, line: str) -> Sample:
+        return cls.from_dict(json.loads(line))

@@ -1,0 +1,1 @@
+"""Kernels, fla-style: each op has `naive.py` (the spec) and optimised twins tested against it."""

@@ -1,0 +1,1 @@
+"""Reward plug-ins: budget reward, length-capped GenRM, verifiers, MOPD log-ratio reward."""

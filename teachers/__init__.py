@@ -1,0 +1,1 @@
+"""Teacher domains for MOPD: (domain, effort) -> model directory + engine. Registered by decorator."""
