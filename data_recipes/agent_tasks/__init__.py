@@ -1,0 +1,19 @@
+"""Shipped task families for the default run (general, agent, coding) and their real tools.
+
+Importing this package registers the families in posttrain.data.tasks.TASK_FAMILIES.
+"""
+
+from data_recipes.agent_tasks import agent, coding, general
+
+FAMILIES: tuple[str, ...] = (
+    general.Arithmetic.name,
+    general.Elements.name,
+    general.Ordering.name,
+    agent.OrderTotal.name,
+    agent.StaffOffice.name,
+    agent.DesksPerFloor.name,
+    coding.WriteFunction.name,
+    coding.FixFunction.name,
+)
+
+__all__ = ["FAMILIES"]

@@ -1,0 +1,195 @@
+"""Agent-domain task families: search the shipped documents, compute, write a file, report.
+
+Multi-turn tool use scored on the final workspace state (the file's content), which the policy
+never sees: task["path"] and task["answer"] are the hidden verifier data.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Iterator
+from typing import Any
+
+from data_recipes.agent_tasks.common import ToolFamily, system_message, thinking
+from data_recipes.agent_tasks.tools import documents
+from posttrain.data.sample import Sample
+from posttrain.data.tasks import TASK_FAMILIES, Episode, FinalState
+
+FILE_NAMES = ("answer.txt", "result.txt", "report.txt", "out.txt")
+
+
+def _facts(document: str, pattern: str) -> list[re.Match[str]]:
+    """Regex matches over one shipped document's lines (what the tasks are built from)."""
+    return [m for name, line in documents() if name == document and (m := re.fullmatch(pattern, line))]
+
+
+def _read(results: list[str], pattern: str) -> re.Match[str]:
+    """Find a fact in tool results; a demonstration reads values from what the tools returned."""
+    for result in results:
+        for line in result.splitlines():
+            if match := re.search(pattern, line):
+                return match
+    raise RuntimeError(f"no tool result matched {pattern!r}: {results}")
+
+
+class FileAnswerFamily(ToolFamily):
+    """Solved when the workspace file task["path"] holds exactly task["answer"]."""
+
+    tool_names = ("search", "calculator", "write_file")
+
+    def verify(self, sample: Sample, state: FinalState) -> float:
+        written = state.files.get(sample.task["path"])
+        return float(written is not None and written.strip() == sample.task["answer"])
+
+
+PRODUCT = r"(?P<product>[A-Z]\w+ [A-Z]\w+): price (?P<price>\d+) dollars, weight (?P<weight>\d+) grams\."
+REGION = r"(?P<region>\w+) region: shipping fee (?P<fee>\d+) dollars per order\."
+
+
+@TASK_FAMILIES.register("agent/order_total")
+class OrderTotal(FileAnswerFamily):
+    """Price x quantity + shipping fee, looked up in two documents, written to a file."""
+
+    name = "agent/order_total"
+    domain = "agent"
+
+    def make_prompt(self, rng: random.Random, effort: str) -> Sample:
+        product = rng.choice(_facts("catalog.txt", PRODUCT))
+        region = rng.choice(_facts("shipping.txt", REGION))
+        quantity, path = rng.randint(2, 9), rng.choice(FILE_NAMES)
+        question = (
+            f"A customer orders {quantity} {product['product']} units to the {region['region']} region. "
+            f"Find the total cost in dollars and write only the number to {path}."
+        )
+        total = quantity * int(product["price"]) + int(region["fee"])
+        messages = [system_message(self.domain, rng), {"role": "user", "content": question}]
+        task = {
+            "answer": str(total),
+            "path": path,
+            "values": {"product": product["product"], "region": region["region"], "quantity": str(quantity)},
+        }
+        return self.sample(f"{self.name}-{rng.getrandbits(40):010x}", effort, messages, task)
+
+    def demonstration(self, sample: Sample, episode: Episode) -> Iterator[dict[str, Any]]:
+        values, path, effort = sample.task["values"], sample.task["path"], sample.effort
+        product, region, quantity = values["product"], values["region"], values["quantity"]
+        yield episode.assistant(
+            thinking(
+                effort,
+                f"I need the {product} price and the {region} shipping fee.",
+                ["The catalog has prices and the shipping document has fees.", "I search both at once."],
+                ["The fee is charged once per order, not per unit."],
+            ),
+            calls=[("search", {"query": product}), ("search", {"query": f"{region} region shipping fee"})],
+        )
+        price = _read(episode.results(), rf"{product}: price (\d+)").group(1)
+        fee = _read(episode.results(), rf"{region} region: shipping fee (\d+)").group(1)
+        expression = f"{quantity}*{price}+{fee}"
+        yield episode.assistant(
+            thinking(
+                effort,
+                f"Price {price}, fee {fee}: the total is {expression}.",
+                [f"{quantity} units at {price} dollars each, plus one fee of {fee}."],
+                [f"Estimate: {quantity}*{price} is under {int(quantity) * (int(price) + 10)}."],
+            ),
+            calls=[("calculator", {"expression": expression})],
+        )
+        total = episode.results()[0]
+        yield episode.assistant(
+            thinking(effort, f"The total is {total}. I write it to {path}.", [], ["Only the number goes in the file."]),
+            calls=[("write_file", {"path": path, "content": total})],
+        )
+        yield episode.assistant(
+            thinking(effort, "The file is written.", [], [f"The tool confirmed the write to {path}."]),
+            content=f"The total is {total} dollars. I wrote it to {path}.",
+        )
+
+
+STAFF = r"(?P<person>\w+ \w+) works in the (?P<team>\w+) team at the (?P<city>\w+) office\."
+OFFICE = r"(?P<city>\w+) office: opened in (?P<year>\d+), (?P<floors>\d+) floors, (?P<desks>\d+) desks\."
+
+
+@TASK_FAMILIES.register("agent/staff_office")
+class StaffOffice(FileAnswerFamily):
+    """Find the city a person works in and save it."""
+
+    name = "agent/staff_office"
+    domain = "agent"
+
+    def make_prompt(self, rng: random.Random, effort: str) -> Sample:
+        person, path = rng.choice(_facts("staff.txt", STAFF)), rng.choice(FILE_NAMES)
+        asks = (
+            f"In which city does {person['person']} work? Save the city name to {path}.",
+            f"Look up the office city of {person['person']} and write it to {path}.",
+        )
+        messages = [system_message(self.domain, rng), {"role": "user", "content": rng.choice(asks)}]
+        task = {"answer": person["city"], "path": path, "values": {"person": person["person"]}}
+        return self.sample(f"{self.name}-{rng.getrandbits(40):010x}", effort, messages, task)
+
+    def demonstration(self, sample: Sample, episode: Episode) -> Iterator[dict[str, Any]]:
+        person, path, effort = sample.task["values"]["person"], sample.task["path"], sample.effort
+        yield episode.assistant(
+            thinking(
+                effort,
+                f"Search the staff directory for {person}.",
+                ["The directory lists each person's team and office city."],
+                ["If two people share a name I would need to ask, so I check the hit."],
+            ),
+            calls=[("search", {"query": person})],
+        )
+        city = _read(episode.results(), rf"{person} works in the \w+ team at the (\w+) office").group(1)
+        yield episode.assistant(
+            thinking(effort, f"{person} works at the {city} office.", [f"I save {city} to {path}."], []),
+            calls=[("write_file", {"path": path, "content": city})],
+        )
+        yield episode.assistant(
+            thinking(effort, "Saved.", [], [f"The write to {path} succeeded."]),
+            content=f"{person} works in {city}. I saved it to {path}.",
+        )
+
+
+@TASK_FAMILIES.register("agent/desks_per_floor")
+class DesksPerFloor(FileAnswerFamily):
+    """Average desks per floor of an office: search, divide, write."""
+
+    name = "agent/desks_per_floor"
+    domain = "agent"
+
+    def make_prompt(self, rng: random.Random, effort: str) -> Sample:
+        office, path = rng.choice(_facts("offices.txt", OFFICE)), rng.choice(FILE_NAMES)
+        question = f"How many desks per floor does the {office['city']} office have on average? Write the number to {path}."
+        messages = [system_message(self.domain, rng), {"role": "user", "content": question}]
+        answer = str(int(office["desks"]) // int(office["floors"]))
+        task = {"answer": answer, "path": path, "values": {"city": office["city"]}}
+        return self.sample(f"{self.name}-{rng.getrandbits(40):010x}", effort, messages, task)
+
+    def demonstration(self, sample: Sample, episode: Episode) -> Iterator[dict[str, Any]]:
+        city, path, effort = sample.task["values"]["city"], sample.task["path"], sample.effort
+        yield episode.assistant(
+            thinking(
+                effort,
+                f"Find the {city} office's floors and desks.",
+                ["The offices document lists floors and desks per office."],
+                ["I search with the words floors and desks so the office line ranks first."],
+            ),
+            calls=[("search", {"query": f"{city} office floors desks"})],
+        )
+        found = _read(episode.results(), rf"{city} office: opened in \d+, (\d+) floors, (\d+) desks")
+        floors, desks = found.group(1), found.group(2)
+        expression = f"{desks}/{floors}"
+        yield episode.assistant(
+            thinking(effort, f"{desks} desks over {floors} floors: {expression}.", ["Divide desks by floors."], []),
+            calls=[("calculator", {"expression": expression})],
+        )
+        average = episode.results()[0]
+        yield episode.assistant(
+            thinking(
+                effort, f"The average is {average}.", [f"I write {average} to {path}."], [f"{average}*{floors} = {desks}."]
+            ),
+            calls=[("write_file", {"path": path, "content": average})],
+        )
+        yield episode.assistant(
+            thinking(effort, "Written.", [], [f"The file {path} now holds {average}."]),
+            content=f"The {city} office has {average} desks per floor on average. I wrote it to {path}.",
+        )

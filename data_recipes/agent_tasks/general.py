@@ -1,0 +1,199 @@
+"""General-domain task families: word arithmetic with a calculator, element facts, order puzzles.
+
+Every answer is exact (a number or a name) and checked by normalised string match.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from data_recipes.agent_tasks.common import ToolFamily, normalise_answer, system_message, thinking
+from data_recipes.agent_tasks.tools import calculator
+from posttrain.data.sample import Sample
+from posttrain.data.tasks import TASK_FAMILIES, Episode, FinalState
+
+FACTS_PATH = Path(__file__).resolve().parents[1] / "facts" / "elements.json"
+NAMES = ("Ana", "Ben", "Cleo", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun", "Kai", "Lea")
+
+
+class ExactAnswerFamily(ToolFamily):
+    """The final answer must equal task["answer"] after `normalise_answer`."""
+
+    def verify(self, sample: Sample, state: FinalState) -> float:
+        return float(normalise_answer(state.answer) == normalise_answer(sample.task["answer"]))
+
+
+def _round10(value: int) -> int:
+    return max(10, round(value, -1))
+
+
+# (question, expression, working) with a, b, c the numbers and n a person's name.
+ARITHMETIC_TEMPLATES = (
+    (
+        "A shop has {a} boxes of {b} pens and {c} loose pens. How many pens are there in total?",
+        "{a}*{b}+{c}",
+        ["There are {a} boxes of {b} pens, so {a}*{b} pens in boxes.", "Then add the {c} loose pens."],
+    ),
+    (
+        "A farm has {a} rows of {b} trees. {c} trees are cut down. How many trees remain?",
+        "{a}*{b}-{c}",
+        ["{a} rows of {b} trees is {a}*{b} trees.", "Removing {c} trees leaves {a}*{b}-{c}."],
+    ),
+    (
+        "{n} has {a} coins, spends {c} and then earns {b}. How many coins does {n} have now?",
+        "{a}-{c}+{b}",
+        ["{n} starts with {a} coins.", "Spending {c} and earning {b} gives {a}-{c}+{b}."],
+    ),
+    (
+        "A bus carries {b} people on each of {a} trips, plus {c} people on a last trip. How many people ride?",
+        "{a}*{b}+{c}",
+        ["{a} full trips of {b} people is {a}*{b}.", "The last trip adds {c}."],
+    ),
+    (
+        "What is {a} times {b} plus {c}?",
+        "{a}*{b}+{c}",
+        ["Multiply {a} by {b} first.", "Then add {c}."],
+    ),
+)
+
+
+@TASK_FAMILIES.register("general/arithmetic")
+class Arithmetic(ExactAnswerFamily):
+    """Word problems solved with one calculator call."""
+
+    name = "general/arithmetic"
+    domain = "general"
+    tool_names = ("calculator",)
+
+    def make_prompt(self, rng: random.Random, effort: str) -> Sample:
+        template = rng.randrange(len(ARITHMETIC_TEMPLATES))
+        question, expression, _ = ARITHMETIC_TEMPLATES[template]
+        values = {"a": rng.randint(3, 40), "b": rng.randint(3, 40), "c": rng.randint(2, 30), "n": rng.choice(NAMES)}
+        if template == 2:
+            values["c"] = rng.randint(1, values["a"])
+        messages = [system_message(self.domain, rng), {"role": "user", "content": question.format(**values)}]
+        expression = expression.format(**values)
+        task = {
+            "answer": calculator(expression),
+            "expression": expression,
+            "template": str(template),
+            "values": {key: str(value) for key, value in values.items()},
+        }
+        return self.sample(f"{self.name}-{rng.getrandbits(40):010x}", effort, messages, task)
+
+    def demonstration(self, sample: Sample, episode: Episode) -> Iterator[dict[str, Any]]:
+        expression = sample.task["expression"]
+        template = ARITHMETIC_TEMPLATES[int(sample.task["template"])]
+        values = sample.task["values"]
+        working = [line.format(**values) for line in template[2]]
+        a, b = int(values["a"]), int(values["b"])
+        estimate = f"Estimate: {a}*{b} is about {_round10(a)}*{_round10(b)} = {_round10(a) * _round10(b)}."
+        plan = f"The answer is {expression}; I will use the calculator."
+        yield episode.assistant(
+            thinking(sample.effort, plan, working, [estimate]), calls=[("calculator", {"expression": expression})]
+        )
+        result = episode.results()[0]
+        checks = [f"Check: {result} is near my estimate, and a count must be a whole number, so it stands."]
+        yield episode.assistant(
+            thinking(sample.effort, f"The calculator gives {result}.", ["That is the final count."], checks),
+            content=result,
+        )
+
+
+@cache
+def elements() -> tuple[dict[str, Any], ...]:
+    return tuple(json.loads(FACTS_PATH.read_text()))
+
+
+@TASK_FAMILIES.register("general/elements")
+class Elements(ExactAnswerFamily):
+    """Facts about the first 30 chemical elements, recalled or combined with the calculator."""
+
+    name = "general/elements"
+    domain = "general"
+    tool_names = ("calculator",)
+    kinds = ("symbol", "number", "name", "sum")
+
+    def make_prompt(self, rng: random.Random, effort: str) -> Sample:
+        kind = rng.choice(self.kinds)
+        first, second = rng.sample(elements(), 2)
+        if kind == "symbol":
+            question, answer = f"What is the chemical symbol of {first['name'].lower()}?", first["symbol"]
+        elif kind == "number":
+            question, answer = f"What is the atomic number of {first['name'].lower()}?", str(first["number"])
+        elif kind == "name":
+            question, answer = f"Which element has the symbol {first['symbol']}?", first["name"]
+        else:
+            question = (
+                f"What is the sum of the atomic numbers of {first['name'].lower()} and {second['name'].lower()}?"
+            )
+            answer = str(first["number"] + second["number"])
+        messages = [system_message(self.domain, rng), {"role": "user", "content": question}]
+        task = {"answer": answer, "kind": kind, "elements": [first["name"], second["name"]]}
+        return self.sample(f"{self.name}-{rng.getrandbits(40):010x}", effort, messages, task)
+
+    def demonstration(self, sample: Sample, episode: Episode) -> Iterator[dict[str, Any]]:
+        by_name = {element["name"]: element for element in elements()}
+        first, second = (by_name[name] for name in sample.task["elements"])
+        fact = f"{first['name']} is element {first['number']} with symbol {first['symbol']}."
+        if sample.task["kind"] != "sum":
+            answer = sample.task["answer"]
+            neighbours = [e for e in elements() if abs(e["number"] - first["number"]) == 1]
+            checks = [
+                f"Check against its neighbour: {e['name']} is {e['number']} ({e['symbol']}), a different element."
+                for e in neighbours[:1]
+            ]
+            working = ["The question asks for one fact from the periodic table.", f"So the answer is {answer}."]
+            yield episode.assistant(thinking(sample.effort, fact, working, checks), content=answer)
+            return
+        other = f"{second['name']} is element {second['number']}."
+        expression = f"{first['number']}+{second['number']}"
+        plan = f"{fact} {other} I add {expression} with the calculator."
+        working = ["The atomic number counts the protons, so the sum is a whole number."]
+        checks = ["Both numbers are at most 30, so the sum is at most 60."]
+        yield episode.assistant(
+            thinking(sample.effort, plan, working, checks), calls=[("calculator", {"expression": expression})]
+        )
+        result = episode.results()[0]
+        yield episode.assistant(
+            thinking(sample.effort, f"The sum is {result}.", [], [f"{expression} = {result} is at most 60."]),
+            content=result,
+        )
+
+
+RELATIONS = (("taller", "shortest", "tallest"), ("older", "youngest", "oldest"), ("faster", "slowest", "fastest"))
+
+
+@TASK_FAMILIES.register("general/ordering")
+class Ordering(ExactAnswerFamily):
+    """Order puzzles: from 'X is taller than Y' facts, name the extreme person. No tools."""
+
+    name = "general/ordering"
+    domain = "general"
+    tool_names = ()
+
+    def make_prompt(self, rng: random.Random, effort: str) -> Sample:
+        relation, low, high = rng.choice(RELATIONS)
+        people = rng.sample(NAMES, rng.choice((3, 4)))
+        facts = [f"{people[i]} is {relation} than {people[i + 1]}." for i in range(len(people) - 1)]
+        rng.shuffle(facts)
+        ask_low = rng.random() < 0.5
+        question = f"{' '.join(facts)} Who is the {low if ask_low else high}?"
+        messages = [system_message(self.domain, rng), {"role": "user", "content": question}]
+        answer = people[-1] if ask_low else people[0]
+        task = {"answer": answer, "order": people, "relation": relation, "asked": low if ask_low else high}
+        return self.sample(f"{self.name}-{rng.getrandbits(40):010x}", effort, messages, task)
+
+    def demonstration(self, sample: Sample, episode: Episode) -> Iterator[dict[str, Any]]:
+        people, relation = sample.task["order"], sample.task["relation"]
+        chain = " > ".join(people)
+        plan = f"Ordering by {relation}: {chain}. The {sample.task['asked']} is {sample.task['answer']}."
+        working = [f"{people[i]} is {relation} than {people[i + 1]}." for i in range(len(people) - 1)]
+        working.append("Chaining these facts gives one order.")
+        checks = [f"Check: nobody is {relation} than {people[0]}, and {people[-1]} is {relation} than nobody."]
+        yield episode.assistant(thinking(sample.effort, plan, working, checks), content=sample.task["answer"])

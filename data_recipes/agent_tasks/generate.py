@@ -1,0 +1,63 @@
+"""Generate the shipped SFT trajectories: `python -m data_recipes.agent_tasks.generate`.
+
+Each trajectory depends only on (seed, family, index): its own `random.Random` is seeded from that
+string and its tools run in a fresh workspace, so any row can be regenerated alone and the whole
+file is byte-identical on every run. Efforts cycle low/high/max over the index.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from data_recipes.agent_tasks import FAMILIES
+from posttrain.data.sample import EFFORTS
+from posttrain.data.tasks import TASK_FAMILIES
+
+DEFAULT_OUTPUT = Path(__file__).resolve().parents[1] / "data" / "agent_sft.jsonl"
+DEFAULT_PER_FAMILY = 40
+
+
+def generate_trajectory(family_name: str, index: int, seed: int = 0) -> dict[str, Any]:
+    """One demonstrated, verified trajectory record."""
+    family = TASK_FAMILIES.get(family_name)()
+    rng = random.Random(f"sft:{seed}:{family_name}:{index}")
+    sample = family.make_prompt(rng, EFFORTS[index % len(EFFORTS)])
+    with tempfile.TemporaryDirectory(prefix="demo-") as workspace:
+        messages = family.demonstrate(sample, Path(workspace))
+    return {
+        "uid": sample.uid,
+        "domain": sample.domain,
+        "effort": sample.effort,
+        "messages": messages,
+        "tools": sample.tools,
+        "task": sample.task,
+    }
+
+
+def generate(seed: int = 0, per_family: int = DEFAULT_PER_FAMILY) -> list[dict[str, Any]]:
+    return [generate_trajectory(name, index, seed) for name in FAMILIES for index in range(per_family)]
+
+
+def to_jsonl(records: list[dict[str, Any]]) -> str:
+    return "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--per-family", type=int, default=DEFAULT_PER_FAMILY)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUTPUT)
+    args = parser.parse_args()
+    records = generate(args.seed, args.per_family)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(to_jsonl(records))
+    print(f"wrote {len(records)} trajectories to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

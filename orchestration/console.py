@@ -1,0 +1,131 @@
+"""What the CLI prints: the plan table, live progress bars, the final summary and `status`.
+
+Kept apart from posttrain/cli.py so the CLI stays a thin argument front and the rendering can be
+read (and changed) in one place.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from orchestration.executors import Outcome
+from orchestration.pipeline import Pipeline
+from orchestration.rundir import StageState, is_running, read_json, read_manifest, read_progress, stage_dir
+from posttrain.checkpoint import latest_checkpoint_step
+from posttrain.config.errors import ConfigError
+
+STATUS_STYLE = {"done": "green", "skipped": "green", "stale": "yellow", "pending": "cyan", "running": "magenta",
+                "failed": "red", "blocked": "red"}
+
+
+def print_config_error(console: Console, error: ConfigError, title: str = "invalid stage configuration") -> None:
+    count = len(error.issues)
+    console.print(f"[bold red]posttrain: {title}[/] ({count} problem{'s' * (count > 1)}):", highlight=False)
+    for issue in error.issues:
+        console.print(f"  {issue}", markup=False, highlight=False, soft_wrap=True)
+
+
+def _needs(needs: list[str]) -> str:
+    return ", ".join(needs) if len(needs) <= 3 else f"{needs[0]} +{len(needs) - 1}"
+
+
+def plan_table(pipeline: Pipeline, states: dict[str, StageState]) -> Table:
+    table = Table(title=f"plan: {pipeline.root.name} ({len(pipeline.stages)} stages)", title_justify="left")
+    for column in ("stage", "kind", "needs", "status", "detail"):
+        table.add_column(column, no_wrap=column != "detail")
+    if pipeline.unregistered:
+        table.caption = "* kind not registered: its keys cannot be checked and the stage cannot run"
+    for sid, stage in pipeline.stages.items():
+        state = states[sid]
+        kind = stage.kind if stage.registered else f"{stage.kind}*"
+        style = STATUS_STYLE.get(state.status, "")
+        table.add_row(sid, kind, _needs(stage.needs), f"[{style}]{state.status}[/]", state.reason)
+    return table
+
+
+def _metrics_text(metrics: dict[str, Any], limit: int = 4) -> str:
+    items = sorted(metrics.items())
+    text = ", ".join(f"{k}={v:.4g}" for k, v in items[:limit])
+    return text + (f" (+{len(items) - limit})" if len(items) > limit else "")
+
+
+def summary_table(pipeline: Pipeline, run_dir: Path, outcome: Outcome) -> Table:
+    table = Table(title=f"summary: {run_dir}", title_justify="left")
+    for column in ("stage", "status", "time (s)", "attempts", "final metrics"):
+        table.add_column(column)
+    for sid in outcome.status:
+        manifest = read_manifest(stage_dir(run_dir, sid)) or {}
+        status = outcome.status[sid]
+        seconds = manifest.get("run_seconds")
+        detail = _metrics_text(manifest.get("metrics", {}))
+        if status == "failed":
+            detail = manifest.get("error", "") + f"  (log: {stage_dir(run_dir, sid) / 'stage.log'})"
+        table.add_row(sid, f"[{STATUS_STYLE[status]}]{status}[/]", f"{seconds:.1f}" if seconds else "",
+                      str(manifest.get("attempts", "")), detail)
+    return table
+
+
+def status_table(run_dir: Path) -> Table:
+    """The run dir as its manifests describe it (no stage files needed)."""
+    plan = read_json(run_dir / "pipeline.json") or {}
+    order = list(plan.get("stages", {})) or sorted(p.parent.name for p in run_dir.glob("*/manifest.json"))
+    table = Table(title=f"status: {run_dir}", title_justify="left")
+    for column in ("stage", "status", "progress", "attempts", "time (s)", "final metrics / error"):
+        table.add_column(column)
+    for sid in order:
+        directory = stage_dir(run_dir, sid)
+        manifest = read_manifest(directory) or {}
+        status = "running" if is_running(directory) else manifest.get("status", "pending")
+        if status == "running" and not is_running(directory):
+            status = "pending"
+        progress = read_progress(directory) or {}
+        step = progress.get("step", latest_checkpoint_step(directory / "checkpoints"))
+        shown = f"{step}/{progress.get('total') or '?'}" if step is not None else ""
+        seconds = manifest.get("run_seconds")
+        detail = manifest.get("error", "") if status == "failed" else _metrics_text(manifest.get("metrics", {}))
+        table.add_row(sid, f"[{STATUS_STYLE.get(status, '')}]{status}[/]", shown, str(manifest.get("attempts", 0)),
+                      f"{seconds:.1f}" if seconds else "", detail)
+    return table
+
+
+class RichDisplay:
+    """Progress bars: one for the whole DAG, one per running stage (steps from ctx.progress)."""
+
+    def __init__(self, console: Console, total: int) -> None:
+        self.bars = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), TextColumn("{task.fields[shown]}"), console=console)
+        self.overall = self.bars.add_task("stages", total=total, shown="")
+        self.tasks: dict[str, Any] = {}
+        self.started_at: dict[str, float] = {}
+
+    def __enter__(self) -> RichDisplay:
+        self.bars.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bars.stop()
+
+    def started(self, stage_id: str) -> None:
+        self.tasks[stage_id] = self.bars.add_task(f"  {stage_id}", total=None, shown="starting")
+        self.started_at[stage_id] = time.monotonic()
+
+    def progress(self, stage_id: str, record: dict[str, Any]) -> None:
+        shown = " ".join(f"{k}={v}" for k, v in record.get("shown", {}).items())
+        self.bars.update(self.tasks[stage_id], completed=record.get("step", 0), total=record.get("total"),
+                             shown=shown)
+
+    def finished(self, stage_id: str, status: str) -> None:
+        style = STATUS_STYLE.get(status, "")
+        if stage_id in self.tasks:
+            task = self.tasks[stage_id]
+            total = self.bars.tasks[task].total
+            self.bars.update(task, description=f"  {stage_id} [{style}]{status}[/]",
+                                 completed=total if status == "done" and total else self.bars.tasks[task].completed)
+            self.bars.stop_task(task)
+        self.bars.advance(self.overall)

@@ -1,0 +1,230 @@
+"""Executors: run the stages of a pipeline in dependency order, locally or on a Ray cluster.
+
+Both share one driver loop; they differ only in how a stage is started and watched. Local: each
+stage is a child process (`python -m orchestration.runner`), up to `max_parallel` at a time; a
+child dies with the driver (Linux parent-death signal), so `kill -9` of `posttrain run` stops
+everything and the rerun resumes. Ray: each stage is a Ray task on a fresh worker process with the
+stage file's cpus/gpus as its resource request; the run dir must be on storage every node sees.
+
+Whether a stage runs is decided when its needs have finished, from the manifests as they are
+then: a rerun need that produced the same weights (same hash) leaves its dependants done.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from orchestration.pipeline import Pipeline
+from orchestration.rundir import read_manifest, read_progress, stage_dir, stage_state, write_manifest
+from orchestration.runner import STAGE_LOG, run_stage, write_request
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+POLL_S = 0.2
+
+
+class Display(Protocol):
+    """What the driver reports as it goes (the CLI draws progress bars from it)."""
+
+    def started(self, stage_id: str) -> None: ...
+    def progress(self, stage_id: str, record: dict[str, Any]) -> None: ...
+    def finished(self, stage_id: str, status: str) -> None: ...
+
+
+class QuietDisplay:
+    def started(self, stage_id: str) -> None:
+        pass
+
+    def progress(self, stage_id: str, record: dict[str, Any]) -> None:
+        pass
+
+    def finished(self, stage_id: str, status: str) -> None:
+        pass
+
+
+@dataclass
+class Outcome:
+    """Final status of every stage in scope: done | skipped (already done) | failed | blocked
+    (a need failed)."""
+
+    status: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return all(s in ("done", "skipped") for s in self.status.values())
+
+
+def execute(pipeline: Pipeline, run_dir: Path, scope: list[str], forced: set[str], *, executor: str = "local",
+            max_parallel: int | None = None, ray_address: str | None = None,
+            display: Display | None = None, log: Callable[[str], None] = lambda message: None) -> Outcome:
+    """Run the stages in `scope` (dependency order) that are not done; `forced` ones start over
+    even when done. Needs outside `scope` must already be done."""
+    display = display or QuietDisplay()
+    backend: _Backend = _RayBackend(run_dir, ray_address) if executor == "ray" else _LocalBackend(run_dir)
+    limit = max_parallel or (len(scope) if executor == "ray" else 1)
+    outcome = Outcome()
+    waiting = list(scope)
+    running: dict[str, Any] = {}
+    try:
+        while waiting or running:
+            for sid in list(waiting):
+                if len(running) >= limit:
+                    break
+                needs = pipeline.stages[sid].needs
+                if any(outcome.status.get(n) in ("failed", "blocked") for n in needs):
+                    waiting.remove(sid)
+                    outcome.status[sid] = "blocked"
+                    display.finished(sid, "blocked")
+                    log(f"stage {sid} blocked: a need failed")
+                    continue
+                if any(n in waiting or n in running for n in needs):
+                    continue
+                waiting.remove(sid)
+                state = stage_state(pipeline, run_dir, pipeline.stages[sid], [])
+                if sid not in forced and state.status == "done":
+                    outcome.status[sid] = "skipped"
+                    display.finished(sid, "skipped")
+                    continue
+                write_request(pipeline, run_dir, sid, restart=sid in forced)
+                log(f"stage {sid} starting ({state.status}: {state.reason})")
+                running[sid] = backend.launch(sid, pipeline.stages[sid].resources)
+                display.started(sid)
+            for sid, handle in list(running.items()):
+                progress = read_progress(stage_dir(run_dir, sid))
+                if progress:
+                    display.progress(sid, progress)
+                code = backend.poll(handle)
+                if code is None:
+                    continue
+                del running[sid]
+                status = _settle(run_dir, sid, code)
+                outcome.status[sid] = status
+                display.finished(sid, status)
+                log(f"stage {sid} {status} (exit code {code})")
+            backend.wait(running)
+    except BaseException:
+        backend.stop(running)
+        raise
+    finally:
+        backend.close()
+    return outcome
+
+
+def _settle(run_dir: Path, stage_id: str, code: int) -> str:
+    """The stage's final status; a worker that died without writing one (OOM kill, segfault)
+    is recorded as failed here."""
+    directory = stage_dir(run_dir, stage_id)
+    manifest = read_manifest(directory) or {}
+    if code == 0 and manifest.get("status") == "done":
+        return "done"
+    if manifest.get("status") in ("running", "pending", None):
+        manifest.update(stage=stage_id, status="failed",
+                        error=f"worker exited with code {code} without finishing; see {directory / STAGE_LOG}")
+        write_manifest(directory, manifest)
+    return "failed"
+
+
+class _Backend(Protocol):
+    def launch(self, stage_id: str, resources: dict[str, float]) -> Any: ...
+    def poll(self, handle: Any) -> int | None: ...
+    def wait(self, running: dict[str, Any]) -> None: ...
+    def stop(self, running: dict[str, Any]) -> None: ...
+    def close(self) -> None: ...
+
+
+def _worker_env() -> dict[str, str]:
+    """The worker imports the same code as the driver, installed or not."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+class _LocalBackend:
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+
+    def launch(self, stage_id: str, resources: dict[str, float]) -> subprocess.Popen[bytes]:
+        command = [sys.executable, "-m", "orchestration.runner", str(self.run_dir), stage_id,
+                   "--executor", "local", "--parent-pid", str(os.getpid())]
+        with open(stage_dir(self.run_dir, stage_id) / STAGE_LOG, "ab") as log:
+            return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=_worker_env())
+
+    def poll(self, handle: subprocess.Popen[bytes]) -> int | None:
+        return handle.poll()
+
+    def wait(self, running: dict[str, Any]) -> None:
+        if running:
+            time.sleep(POLL_S)
+
+    def stop(self, running: dict[str, Any]) -> None:
+        for handle in running.values():
+            handle.send_signal(signal.SIGINT)
+        for handle in running.values():
+            try:
+                handle.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                handle.kill()
+
+    def close(self) -> None:
+        pass
+
+
+class _RayBackend:
+    def __init__(self, run_dir: Path, address: str | None) -> None:
+        import ray
+
+        self.ray = ray
+        self.run_dir = run_dir
+        self.started_here = not ray.is_initialized()
+        if self.started_here:
+            address = address or os.environ.get("RAY_ADDRESS")
+            runtime_env = {"env_vars": {"PYTHONPATH": _worker_env()["PYTHONPATH"]}}
+            if address:
+                ray.init(address=address, runtime_env=runtime_env, log_to_driver=False)
+            else:
+                ray.init(include_dashboard=False, runtime_env=runtime_env, log_to_driver=False)
+
+    def launch(self, stage_id: str, resources: dict[str, float]) -> Any:
+        # max_calls=1: every stage gets a fresh worker process, as with the local executor, so no
+        # global state (thread counts, RNGs, registries) leaks from one stage into the next.
+        task = self.ray.remote(num_cpus=resources.get("cpus", 1.0), num_gpus=resources.get("gpus", 0.0),
+                               max_calls=1, max_retries=0)(_ray_stage)
+        return task.remote(str(self.run_dir), stage_id)
+
+    def poll(self, handle: Any) -> int | None:
+        ready, _ = self.ray.wait([handle], timeout=0)
+        if not ready:
+            return None
+        try:
+            return int(self.ray.get(handle))
+        except self.ray.exceptions.RayError:
+            return 1
+
+    def wait(self, running: dict[str, Any]) -> None:
+        if running:
+            self.ray.wait(list(running.values()), num_returns=1, timeout=POLL_S)
+
+    def stop(self, running: dict[str, Any]) -> None:
+        for handle in running.values():
+            self.ray.cancel(handle, force=True)
+
+    def close(self) -> None:
+        if self.started_here:
+            self.ray.shutdown()
+
+
+def _ray_stage(run_dir: str, stage_id: str) -> int:
+    """Body of the Ray task: the same worker as local, with output going to the stage's log."""
+    with open(stage_dir(Path(run_dir), stage_id) / STAGE_LOG, "ab") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+    return run_stage(run_dir, stage_id, executor="ray")
+

@@ -1,0 +1,191 @@
+"""The run directory: per-stage manifests, locks, output hashes, and what is done or stale.
+
+Layout (docs/orchestration.md):
+  DIR/run.log, DIR/pipeline.json, DIR/report.md, DIR/plots/*.png
+  DIR/<stage>/manifest.json      status, config hash, inputs' hashes, timings, final metrics
+  DIR/<stage>/stage.json         the validated stage the worker runs
+  DIR/<stage>/stage.log          the worker's stdout/stderr (tracebacks land here)
+  DIR/<stage>/progress.json      last reported step, for progress bars across processes/hosts
+  DIR/<stage>/checkpoints/       step-N/ dirs and the `latest` pointer
+  DIR/<stage>/metrics.jsonl, DIR/<stage>/tensorboard/
+  DIR/<stage>/model/             final model, renamed into place when the stage finishes
+
+A stage is *done* when its manifest says so, its config hash equals the current one and the
+hashes of its inputs (its needs' model/ dirs) equal the ones it was trained on. Everything is
+decided from manifests, so skipping done stages costs no hashing of weights.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from orchestration.pipeline import Pipeline, Stage
+from posttrain.checkpoint import atomic_write_text, latest_checkpoint_step, sha256_file
+
+MANIFEST = "manifest.json"
+LOCK = ".lock"
+PROGRESS = "progress.json"
+STATUSES = ("pending", "running", "done", "failed")
+
+
+def stage_dir(run_dir: Path, stage_id: str) -> Path:
+    return Path(run_dir) / stage_id
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (FileNotFoundError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def read_manifest(directory: Path) -> dict[str, Any] | None:
+    return read_json(Path(directory) / MANIFEST)
+
+
+def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
+    atomic_write_text(Path(directory) / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+
+
+def hash_tree(directory: Path) -> tuple[dict[str, str], str]:
+    """({relative file: sha256}, digest of that listing) for a model dir."""
+    files = {str(p.relative_to(directory)): sha256_file(p) for p in sorted(Path(directory).rglob("*")) if p.is_file()}
+    return files, _digest(files)
+
+
+def _digest(files: dict[str, str]) -> str:
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class StageLock:
+    """Exclusive lock on a stage dir held by the process running the stage. The kernel drops it
+    when that process dies, however it dies, so a held lock means "running right now"."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = Path(directory) / LOCK
+        self._fd: int | None = None
+
+    def acquire(self, wait_s: float) -> bool:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    os.close(fd)
+                    return False
+                time.sleep(0.1)
+                continue
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+            self._fd = fd
+            return True
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    def holder(self) -> str:
+        try:
+            return self.path.read_text().strip()
+        except FileNotFoundError:
+            return "?"
+
+
+def is_running(directory: Path) -> bool:
+    path = Path(directory) / LOCK
+    if not path.exists():
+        return False
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+@dataclass
+class StageState:
+    """What `plan` shows for one stage: status in done | stale | pending | running | failed,
+    why, and the checkpoint step an unfinished stage would resume from."""
+
+    status: str
+    reason: str
+    resume_step: int | None = None
+
+
+def input_hashes(pipeline: Pipeline, run_dir: Path, stage: Stage) -> dict[str, str | None]:
+    """need id -> the model hash its manifest records (None when it has no finished model)."""
+    out: dict[str, str | None] = {}
+    for need in stage.needs:
+        manifest = read_manifest(stage_dir(run_dir, need)) or {}
+        out[need] = manifest.get("model_hash") if manifest.get("status") == "done" else None
+    return out
+
+
+def plan_states(pipeline: Pipeline, run_dir: Path) -> dict[str, StageState]:
+    """The state of every stage, in dependency order."""
+    states: dict[str, StageState] = {}
+    for sid, stage in pipeline.stages.items():
+        unfinished = [n for n in stage.needs if states[n].status != "done"]
+        states[sid] = stage_state(pipeline, run_dir, stage, unfinished)
+    return states
+
+
+def stage_state(pipeline: Pipeline, run_dir: Path, stage: Stage, unfinished: list[str]) -> StageState:
+    """The state of one stage given which of its needs are not done (yet)."""
+    directory = stage_dir(run_dir, stage.id)
+    manifest = read_manifest(directory)
+    if is_running(directory):
+        return StageState("running", f"pid {StageLock(directory).holder()}")
+    if manifest is None:
+        return StageState("pending", "not started")
+    if manifest.get("status") == "done":
+        return _done_or_stale(pipeline, run_dir, stage, manifest, unfinished)
+    same = manifest.get("config_hash") == stage.config_hash
+    resume = latest_checkpoint_step(directory / "checkpoints") if same else None
+    status = "failed" if manifest.get("status") == "failed" else "pending"
+    reason = manifest.get("error", "") if status == "failed" else "interrupted"
+    if not same:
+        reason = "config changed; starts over"
+    elif resume is not None:
+        reason += f"; resumes from step {resume}"
+    return StageState(status, reason, resume)
+
+
+def _done_or_stale(pipeline: Pipeline, run_dir: Path, stage: Stage, manifest: dict[str, Any],
+                   unfinished: list[str]) -> StageState:
+    if manifest.get("config_hash") != stage.config_hash:
+        return StageState("stale", "config changed")
+    if unfinished:
+        return StageState("stale", f"needs {', '.join(unfinished)} to run first")
+    current = input_hashes(pipeline, run_dir, stage)
+    changed = [n for n, h in current.items() if manifest.get("inputs", {}).get(n) != h]
+    if changed:
+        return StageState("stale", f"input {', '.join(changed)} changed")
+    if not (stage_dir(run_dir, stage.id) / "model").is_dir():
+        return StageState("stale", "model/ is missing")
+    return StageState("done", _finished_at(manifest))
+
+
+def _finished_at(manifest: dict[str, Any]) -> str:
+    finished = manifest.get("finished")
+    return time.strftime("finished %Y-%m-%d %H:%M", time.localtime(finished)) if finished else "finished"
+
+
+def read_progress(directory: Path) -> dict[str, Any] | None:
+    return read_json(Path(directory) / PROGRESS)

@@ -1,0 +1,269 @@
+"""Run one stage in the current process: the worker behind the local and the Ray executors.
+
+The driver writes DIR/<stage>/stage.json (the validated stage, its inputs' hashes, whether to
+start over) and starts `python -m orchestration.runner DIR STAGE` or a Ray task calling
+`run_stage`. The worker takes the stage lock, decides between resuming and starting over (a
+changed config or input discards the old checkpoints), seeds every RNG, calls the kind's `run`,
+and renames the finished model into place before marking the manifest done. Every step is safe to
+kill: the next attempt repeats it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import logging
+import os
+import random
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from orchestration.pipeline import Pipeline, Stage, qat_config_class
+from orchestration.rundir import (
+    LOCK,
+    PROGRESS,
+    StageLock,
+    hash_tree,
+    input_hashes,
+    read_json,
+    read_manifest,
+    stage_dir,
+    write_manifest,
+)
+from posttrain.checkpoint import CheckpointManager, fsync_dir, fsync_file, remove_tree
+from posttrain.metrics import MetricsLogger
+from posttrain.registry import load_plugins
+from posttrain.stages import STAGE_KINDS, StageContext
+
+REQUEST = "stage.json"
+STAGE_LOG = "stage.log"
+RUN_LOG = "run.log"
+MODEL_DIR = "model"
+# Files that outlive a restart: the request being run, the log of every attempt, the lock.
+KEPT_ON_RESTART = {REQUEST, STAGE_LOG, LOCK}
+# After `kill -9` of the driver, its workers die a moment later (parent-death signal); a rerun
+# waits this long for their locks instead of failing.
+LOCK_WAIT_S = 30.0
+EXIT_BUSY = 3
+
+
+def write_request(pipeline: Pipeline, run_dir: Path, stage_id: str, restart: bool) -> None:
+    """Driver side: record what the worker must run (called once the stage's needs are done)."""
+    stage = pipeline.stages[stage_id]
+    directory = stage_dir(run_dir, stage_id)
+    directory.mkdir(parents=True, exist_ok=True)
+    request = {"stage": json.loads(stage.to_json()), "inputs": input_hashes(pipeline, run_dir, stage),
+               "restart": restart}
+    (directory / REQUEST).write_text(json.dumps(request, indent=1, sort_keys=True), encoding="utf-8")
+
+
+def run_stage(run_dir: Path | str, stage_id: str, executor: str = "local") -> int:
+    """Run stage `stage_id` of `run_dir` to completion; 0 done, 1 failed, EXIT_BUSY locked."""
+    run_dir = Path(run_dir).resolve()
+    directory = stage_dir(run_dir, stage_id)
+    request = read_json(directory / REQUEST)
+    if request is None:
+        raise FileNotFoundError(f"{directory / REQUEST} is missing: the driver writes it before starting a worker")
+    stage = Stage(**request["stage"])
+    log, warnings = _stage_logger(run_dir, stage_id)
+    lock = StageLock(directory)
+    if not lock.acquire(wait_s=LOCK_WAIT_S):
+        log.error("stage %s is being run by another process (pid %s)", stage_id, lock.holder())
+        return EXIT_BUSY
+    try:
+        return _run_locked(run_dir, stage, request, executor, log, warnings)
+    finally:
+        lock.release()
+        for handler in list(log.handlers):
+            handler.close()
+            log.removeHandler(handler)
+
+
+def _run_locked(run_dir: Path, stage: Stage, request: dict[str, Any], executor: str, log: logging.Logger,
+                warnings: list[str]) -> int:
+    directory = stage_dir(run_dir, stage.id)
+    old = read_manifest(directory) or {}
+    inputs = request["inputs"]
+    if request["restart"] or old.get("config_hash") != stage.config_hash or old.get("inputs") != inputs:
+        _clear(directory)
+        old = {}
+    started = time.time()
+    manifest = {
+        "stage": stage.id, "kind": stage.kind, "status": "running", "config_hash": stage.config_hash,
+        "inputs": inputs, "needs": stage.needs, "matrix": stage.matrix, "file": stage.file,
+        "attempts": old.get("attempts", 0) + 1, "created": old.get("created", started), "started": started,
+        "run_seconds": old.get("run_seconds", 0.0), "host": socket.gethostname(), "pid": os.getpid(),
+        "executor": executor, "metrics": {}, "warnings": [],
+    }
+    write_manifest(directory, manifest)
+    output = directory / ".model-tmp"
+    remove_tree(output)
+    remove_tree(directory / MODEL_DIR)  # left by a kill between its rename and the manifest update
+    output.mkdir()
+    metrics = MetricsLogger(directory)
+    try:
+        log.info("stage %s (%s) starting, attempt %d", stage.id, stage.kind, manifest["attempts"])
+        ctx = _context(run_dir, stage, output, metrics, log, manifest)
+        result = STAGE_KINDS.get(stage.kind).run(ctx)
+        metrics.close()
+        final = {name: float(value) for name, value in dict(result or {}).items()}
+        if not any(output.iterdir()):
+            raise RuntimeError(f"stage kind {stage.kind!r} wrote nothing to ctx.output_dir; a stage must save its model there")
+        model = _commit(output, directory / MODEL_DIR)
+        files, digest = hash_tree(model)
+        manifest.update(status="done", metrics=final, model_hash=digest, model_files=files)
+        log.info("stage %s done: %s", stage.id, ", ".join(f"{k}={v:.4g}" for k, v in final.items()) or "no metrics")
+        return 0
+    except BaseException as exc:  # KeyboardInterrupt too: the manifest must say the stage stopped
+        metrics.close()
+        manifest.update(status="failed", error=f"{type(exc).__name__}: {exc}")
+        log.exception("stage %s failed", stage.id)
+        if not isinstance(exc, Exception):
+            raise
+        return 1
+    finally:
+        finished = time.time()
+        manifest.update(finished=finished, run_seconds=manifest["run_seconds"] + finished - started,
+                        warnings=warnings)
+        write_manifest(directory, manifest)
+
+
+def _context(run_dir: Path, stage: Stage, output: Path, metrics: MetricsLogger, log: logging.Logger,
+             manifest: dict[str, Any]) -> StageContext:
+    load_plugins(tuple(stage.plugins))
+    kind = STAGE_KINDS.get(stage.kind)
+    config = kind.config.model_validate(stage.body)
+    qat: Any = stage.qat
+    qat_config = qat_config_class()
+    if qat is not None and qat_config is not None:
+        qat = qat_config.model_validate(qat) if hasattr(qat_config, "model_validate") else qat_config(**qat)
+    directory = stage_dir(run_dir, stage.id)
+
+    def restored(step: int) -> None:
+        metrics.rewind(step)
+        manifest["resumed_from_step"] = step
+        if step:
+            log.info("stage %s resumes from checkpoint step %d", stage.id, step)
+
+    inputs = {need: stage_dir(run_dir, need) / MODEL_DIR for need in stage.needs}
+    model = inputs[stage.model] if stage.model_is_input else (Path(stage.model) if stage.model else None)
+    _seed_everything(stage.seed)
+    return StageContext(
+        stage_id=stage.id, kind=stage.kind, config=config, seed=stage.seed, inputs=inputs, model=model, qat=qat,
+        matrix=dict(stage.matrix), resources=dict(stage.resources), run_dir=run_dir, stage_dir=directory,
+        output_dir=output, metrics=metrics,
+        checkpoints=CheckpointManager(directory / "checkpoints", keep=3, log=log, on_restore=restored),
+        log=log, progress_sink=_ProgressFile(directory / PROGRESS),
+    )
+
+
+def _seed_everything(seed: int) -> None:
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _clear(directory: Path) -> None:
+    """Start the stage over: drop checkpoints, metrics and outputs of the previous config."""
+    for path in directory.iterdir():
+        if path.name in KEPT_ON_RESTART:
+            continue
+        if path.is_dir():
+            remove_tree(path)
+        else:
+            path.unlink()
+
+
+def _commit(output: Path, final: Path) -> Path:
+    """Make the finished model durable, then visible under its final name in one rename."""
+    for path in output.rglob("*"):
+        if path.is_file():
+            fsync_file(path)
+    for path in [output, *(p for p in output.rglob("*") if p.is_dir())]:
+        fsync_dir(path)
+    os.rename(output, final)
+    fsync_dir(final.parent)
+    return final
+
+
+class _ProgressFile:
+    """StageContext.progress -> DIR/<stage>/progress.json, which the driver polls (works the same
+    for a local child process and a Ray task on another host sharing the run dir)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.last = 0.0
+
+    def __call__(self, step: int, total: int | None, shown: dict[str, Any]) -> None:
+        now = time.monotonic()
+        if now - self.last < 0.2 and step != total:
+            return
+        self.last = now
+        tmp = self.path.with_suffix(".tmp")
+        record = {"step": step, "total": total, "shown": {k: _short(v) for k, v in shown.items()}, "time": time.time()}
+        tmp.write_text(json.dumps(record), encoding="utf-8")
+        os.replace(tmp, self.path)  # no fsync: a lost progress update costs nothing
+
+
+def _short(value: Any) -> Any:
+    try:
+        return float(f"{float(value):.4g}")
+    except (TypeError, ValueError):
+        return str(value)
+
+
+class _WarningCollector(logging.Handler):
+    def __init__(self, sink: list[str]) -> None:
+        super().__init__(logging.WARNING)
+        self.sink = sink
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.sink.append(record.getMessage())
+
+
+def _stage_logger(run_dir: Path, stage_id: str) -> tuple[logging.Logger, list[str]]:
+    log = logging.getLogger(f"posttrain.stage.{stage_id}")
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    formatter = logging.Formatter(f"%(asctime)s [{stage_id}] %(levelname)s %(message)s")
+    for path in (run_dir / RUN_LOG, stage_dir(run_dir, stage_id) / STAGE_LOG):
+        handler = logging.FileHandler(path, encoding="utf-8")
+        handler.setFormatter(formatter)
+        log.addHandler(handler)
+    warnings: list[str] = []
+    log.addHandler(_WarningCollector(warnings))
+    return log, warnings
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Ask Linux to SIGKILL this process when its parent dies, so a killed driver leaves no worker
+    writing into the run dir; exit at once if the parent is already gone."""
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m orchestration.runner", description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("stage")
+    parser.add_argument("--executor", default="local")
+    parser.add_argument("--parent-pid", type=int, help="die with this process (the driver)")
+    args = parser.parse_args(argv)
+    if args.parent_pid is not None:
+        die_with_parent(args.parent_pid)
+    return run_stage(args.run_dir, args.stage, args.executor)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,23 @@
+"""Pure tensor functions the trainers share: the SFT loss, group-relative advantages, the per-token
+policy loss with its staleness regularisation, and train/rollout mismatch accounting.
+
+No loops, no I/O, no model: each function maps tensors to tensors so it can be tested exactly.
+"""
+
+from posttrain.algos.advantages import group_advantages, token_advantages
+from posttrain.algos.mismatch import mismatch_stats, staleness_stats, truncated_importance_weights
+from posttrain.algos.policy_loss import PolicyLoss, PolicyLossConfig, policy_loss
+from posttrain.algos.sft import SFTLoss, sft_loss
+
+__all__ = [
+    "PolicyLoss",
+    "PolicyLossConfig",
+    "SFTLoss",
+    "group_advantages",
+    "mismatch_stats",
+    "policy_loss",
+    "sft_loss",
+    "staleness_stats",
+    "token_advantages",
+    "truncated_importance_weights",
+]

@@ -1,0 +1,197 @@
+"""`posttrain`: run, plan and inspect a staged post-training pipeline.
+
+    posttrain run FILE [--run-dir DIR] [--only STAGE] [--from STAGE] [--restart STAGE]
+                       [--executor local|ray] [--max-parallel N] [--ray-address ADDR] [KEY=VALUE ...]
+    posttrain plan FILE [--run-dir DIR] [KEY=VALUE ...]
+    posttrain status DIR
+
+Exit codes: 0 success, 1 a stage failed, 2 a user error (stage files, overrides, flags), 130
+interrupted. User errors print file:line: key: problem (hint), never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from orchestration.console import (
+    RichDisplay,
+    plan_table,
+    print_config_error,
+    status_table,
+    summary_table,
+)
+from orchestration.executors import execute
+from orchestration.pipeline import Pipeline, load_pipeline
+from orchestration.report import write_report
+from orchestration.rundir import StageLock, StageState, plan_states, read_manifest
+from orchestration.runner import RUN_LOG
+from posttrain.config.errors import ConfigError, Issue, did_you_mean
+
+OVERRIDES_HELP = ("KEY=VALUE overrides: STAGE.key.path=value for the stages matching STAGE (an id or a glob "
+                  "like 'rl-*'), or key.path=value for every stage that has that key")
+
+
+def _parser(command: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=f"posttrain {command}")
+    if command in ("run", "plan"):
+        parser.add_argument("file", type=Path, help="stage file, e.g. stages/mopd.yaml")
+        parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)
+        parser.add_argument("--run-dir", type=Path, help="default: runs/<stem of FILE>")
+    if command == "run":
+        parser.add_argument("--only", action="append", default=[], metavar="STAGE",
+                            help="run only this stage (repeatable); its needs must be done")
+        parser.add_argument("--from", dest="from_stage", metavar="STAGE",
+                            help="rerun STAGE and every stage after it from scratch")
+        parser.add_argument("--restart", action="append", default=[], metavar="STAGE",
+                            help="discard STAGE's checkpoints and results and run it again (repeatable)")
+        parser.add_argument("--executor", choices=("local", "ray"), default="local")
+        parser.add_argument("--max-parallel", type=int, metavar="N",
+                            help="stages running at once (default: 1 local, unlimited ray)")
+        parser.add_argument("--ray-address", help="Ray cluster address (default: $RAY_ADDRESS, else a local instance)")
+    if command == "status":
+        parser.add_argument("run_dir", type=Path, metavar="DIR")
+    return parser
+
+
+def _run_dir(args: argparse.Namespace) -> Path:
+    return args.run_dir or Path("runs") / args.file.stem
+
+
+def _select(pipeline: Pipeline, states: dict[str, StageState], args: argparse.Namespace) -> tuple[list[str], set[str]]:
+    """(stages in scope in dependency order, stages that must start over)."""
+    issues = []
+    named = [("--only", s) for s in args.only] + [("--restart", s) for s in args.restart]
+    named += [("--from", args.from_stage)] if args.from_stage else []
+    for flag, sid in named:
+        if sid not in pipeline.stages:
+            hint = did_you_mean(sid, pipeline.stages) or f"stages: {', '.join(pipeline.stages)}"
+            issues.append(Issue("command line", f"{flag} {sid}: no such stage in {args.file}", hint=hint))
+    if issues:
+        raise ConfigError(issues)
+    forced = set(args.restart)
+    if args.from_stage:
+        forced |= {args.from_stage} | pipeline.descendants(args.from_stage)
+    if not args.only:
+        return list(pipeline.stages), forced
+    scope = [sid for sid in pipeline.stages if sid in args.only]
+    for sid in scope:
+        for need in pipeline.stages[sid].needs:
+            if need not in args.only and states[need].status != "done":
+                issues.append(Issue("command line", f"--only {sid}: its need {need} is {states[need].status} "
+                                    f"({states[need].reason})", hint=f"run {need} first, or add --only {need}"))
+    if issues:
+        raise ConfigError(issues)
+    return scope, forced
+
+
+def cmd_plan(args: argparse.Namespace, console: Console) -> int:
+    pipeline = load_pipeline(args.file, args.overrides)
+    run_dir = _run_dir(args)
+    states = plan_states(pipeline, run_dir)
+    console.print(plan_table(pipeline, states))
+    counts = {s: sum(1 for st in states.values() if st.status == s) for s in ("done", "stale", "pending", "running",
+                                                                             "failed")}
+    console.print(f"run dir {run_dir}: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n), highlight=False)
+    for note in dict.fromkeys(str(n) for n in pipeline.unregistered.values()):
+        console.print(f"* {note}", markup=False, highlight=False, soft_wrap=True)
+    return 0
+
+
+def cmd_run(args: argparse.Namespace, console: Console) -> int:
+    pipeline = load_pipeline(args.file, args.overrides)
+    if args.max_parallel is not None and args.max_parallel < 1:
+        raise ConfigError([Issue("command line", f"--max-parallel {args.max_parallel}: must be at least 1")])
+    run_dir = _run_dir(args).resolve()
+    states = plan_states(pipeline, run_dir)
+    scope, forced = _select(pipeline, states, args)
+    to_run = [sid for sid in scope if sid in forced or states[sid].status != "done"]
+    unregistered = [pipeline.unregistered[sid] for sid in to_run if sid in pipeline.unregistered]
+    if unregistered:
+        raise ConfigError(unregistered)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = StageLock(run_dir)
+    if not lock.acquire(wait_s=0):
+        raise ConfigError([Issue(str(run_dir), f"another `posttrain run` (pid {lock.holder()}) is using this run dir",
+                                 hint="wait for it, or pass a different --run-dir")])
+    log = _driver_log(run_dir)
+    try:
+        (run_dir / "pipeline.json").write_text(json.dumps({
+            "file": str(pipeline.root), "overrides": list(args.overrides),
+            "stages": {sid: {"kind": s.kind, "needs": s.needs} for sid, s in pipeline.stages.items()}},
+            indent=1), encoding="utf-8")
+        log.info("run %s: %d stages in scope, to run: %s", args.file, len(scope), ", ".join(to_run) or "none")
+        if not to_run:
+            console.print(f"all {len(scope)} stages in scope are done (run dir {run_dir}); "
+                          "use --restart STAGE or --from STAGE to run again", highlight=False)
+        with RichDisplay(console, len(scope)) as display:
+            outcome = execute(pipeline, run_dir, scope, forced, executor=args.executor, max_parallel=args.max_parallel,
+                              ray_address=args.ray_address, display=display, log=log.info)
+        console.print(summary_table(pipeline, run_dir, outcome))
+        report = write_report(pipeline, run_dir)
+        console.print(f"report: {report}   log: {run_dir / RUN_LOG}", highlight=False)
+        for sid, status in outcome.status.items():
+            for warning in (read_manifest(run_dir / sid) or {}).get("warnings", []) if status != "skipped" else []:
+                console.print(f"[yellow]warning[/] {sid}: {warning}", highlight=False)
+        log.info("run finished: %s", ", ".join(f"{k}={v}" for k, v in outcome.status.items()))
+        return 0 if outcome.ok else 1
+    finally:
+        lock.release()
+
+
+def cmd_status(args: argparse.Namespace, console: Console) -> int:
+    if not args.run_dir.is_dir():
+        raise ConfigError([Issue(str(args.run_dir), "run dir does not exist",
+                                 hint="pass the --run-dir of a run (default runs/<stem of the stage file>)")])
+    console.print(status_table(args.run_dir))
+    return 0
+
+
+def _driver_log(run_dir: Path) -> logging.Logger:
+    log = logging.getLogger("posttrain.run")
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    for handler in list(log.handlers):
+        handler.close()
+        log.removeHandler(handler)
+    handler = logging.FileHandler(run_dir / RUN_LOG, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s [driver] %(levelname)s %(message)s"))
+    log.addHandler(handler)
+    return log
+
+
+COMMANDS = {"run": cmd_run, "plan": cmd_plan, "status": cmd_status}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    console = Console()
+    errors = Console(stderr=True)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        stream = sys.stdout if not argv or argv[0] in ("-h", "--help") else sys.stderr
+        if argv and argv[0] not in ("-h", "--help"):
+            hint = did_you_mean(argv[0], COMMANDS)
+            print(f"posttrain: unknown command {argv[0]!r}" + (f"; {hint}" if hint else ""), file=stream)
+        print(__doc__, file=stream)
+        return 0 if stream is sys.stdout else 2
+    try:
+        args = _parser(argv[0]).parse_intermixed_args(argv[1:])
+    except SystemExit as exc:  # argparse already printed the usage error
+        return int(exc.code or 0)
+    try:
+        return COMMANDS[argv[0]](args, console)
+    except ConfigError as exc:
+        print_config_error(errors, exc)
+        return 2
+    except KeyboardInterrupt:
+        errors.print("interrupted; rerun the same command to resume")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""`key=value` overrides from the command line.
+
+Rules (docs/orchestration.md repeats them for users):
+- `STAGE.path=value` sets `path` in the stages whose id matches STAGE (an id or a glob such as
+  `rl-*`): `sft.steps=3`, `rl-coding-*.seed=7`.
+- `path=value` without a stage prefix sets `path` in every stage of the DAG that has it (written
+  in its file or accepted by its schema): `steps=3` shortens every stage with a `steps` key.
+- The value is parsed as YAML: `3` is an int, `true` a bool, `[a, b]` a list, `x` a string.
+- Keys that shape the DAG (stage, kind, needs, plugins, matrix) cannot be overridden.
+Overridden values are validated like file values; errors name the override.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from posttrain.config.errors import Issue, did_you_mean
+from posttrain.config.stage_file import STRUCTURAL_KEYS
+
+SOURCE = "command line"
+
+
+@dataclass(frozen=True)
+class Override:
+    text: str
+    key: tuple[str, ...]
+    value: Any
+
+
+def parse_overrides(texts: Iterable[str]) -> tuple[list[Override], list[Issue]]:
+    overrides, issues = [], []
+    for text in texts:
+        key, sep, raw = text.partition("=")
+        parts = tuple(key.strip().split("."))
+        if not sep or not all(parts):
+            issues.append(Issue(SOURCE, f"cannot read override {text!r}", hint="write KEY=VALUE, e.g. sft.steps=3"))
+            continue
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            value = raw
+        overrides.append(Override(text, parts, value))
+    return overrides, issues
+
+
+def apply_overrides(overrides: Iterable[Override], stages: Mapping[str, dict[str, Any]],
+                    known: Mapping[str, set[tuple[str, ...]]]) -> tuple[dict[str, dict[tuple[str, ...], str]], list[Issue]]:
+    """Set each override in the stage mappings (in place).
+
+    stages: stage id -> its raw mapping (generic keys and body).
+    known: stage id -> key paths its schemas accept (generic + registered kind's body).
+    Returns (stage id -> {overridden path: override text}, issues).
+    """
+    applied: dict[str, dict[tuple[str, ...], str]] = {sid: {} for sid in stages}
+    issues = []
+    for override in overrides:
+        head, rest = override.key[0], override.key[1:]
+        prefixed = [sid for sid in stages if fnmatch.fnmatchcase(sid, head)] if rest else []
+        if prefixed:
+            targets, path = prefixed, rest
+        else:
+            path = override.key
+            targets = [sid for sid in stages if path in known.get(sid, set()) or _has(stages[sid], path)]
+        if path[0] in STRUCTURAL_KEYS:
+            issues.append(Issue(SOURCE, f"{path[0]!r} shapes the stage DAG and cannot be overridden",
+                                key=override.text, hint="edit the stage file instead"))
+            continue
+        if not targets:
+            candidates = {".".join(p) for sid in stages for p in known.get(sid, set()) | _paths(stages[sid])}
+            hint = did_you_mean(".".join(override.key), candidates) or (
+                "prefix a stage id to target one stage, e.g. " + f"{next(iter(stages), 'sft')}.{'.'.join(path)}=...")
+            issues.append(Issue(SOURCE, "no stage has this key", key=override.text, hint=hint))
+            continue
+        for sid in targets:
+            problem = _set(stages[sid], path, override.value)
+            if problem:
+                issues.append(Issue(SOURCE, f"stage {sid}: {problem}", key=override.text))
+            else:
+                applied[sid][path] = override.text
+    return applied, issues
+
+
+def _has(data: Any, path: tuple[str, ...]) -> bool:
+    for part in path:
+        if not isinstance(data, dict) or part not in data:
+            return False
+        data = data[part]
+    return True
+
+
+def _paths(data: Any, prefix: tuple[str, ...] = ()) -> set[tuple[str, ...]]:
+    if not isinstance(data, dict):
+        return set()
+    out = set()
+    for key, value in data.items():
+        out.add((*prefix, str(key)))
+        out |= _paths(value, (*prefix, str(key)))
+    return out
+
+
+def _set(data: dict[str, Any], path: tuple[str, ...], value: Any) -> str:
+    for i, part in enumerate(path[:-1]):
+        child = data.setdefault(part, {})
+        if child is None:
+            child = data[part] = {}
+        if not isinstance(child, dict):
+            return f"{'.'.join(path[: i + 1])} is {type(child).__name__}, not a mapping"
+        data = child
+    data[path[-1]] = value
+    return ""

@@ -1,0 +1,188 @@
+"""The generic part of a stage file, matrix expansion, and pydantic errors as `Issue`s.
+
+A stage file is one YAML mapping. The generic keys below are the same for every kind; all other
+top-level keys are the kind's body, validated by the pydantic class the kind registered
+(posttrain.stages). Keeping both in one flat mapping lets a user write `steps: 3` instead of
+nesting it under the kind's name, and lets an override say `train.steps=3`.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import re
+import typing
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from posttrain.config.errors import Issue, did_you_mean, key_path
+from posttrain.config.yaml_source import KeyPath, line_of
+
+STAGE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
+MATRIX_VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+Scalar = str | int | float | bool
+
+
+class Resources(BaseModel):
+    """What one stage asks a Ray cluster for (the local executor runs one process per stage)."""
+
+    model_config = ConfigDict(extra="forbid")
+    cpus: float = Field(1.0, ge=0)
+    gpus: float = Field(0.0, ge=0)
+
+
+class StageHeader(BaseModel):
+    """Keys every stage file may have, whatever its kind."""
+
+    model_config = ConfigDict(extra="forbid")
+    stage: str | None = Field(None, description="stage id; default: the file's stem (plus matrix values)")
+    kind: str = Field(description="registered stage kind, e.g. sft, rl, mopd")
+    description: str = ""
+    needs: list[str] = Field(default_factory=list,
+                             description="stage files (relative to this file) or stage ids this stage needs")
+    model: str | None = Field(None, description="model preset file (relative to this file) or a need's stage id")
+    seed: int = 0
+    resources: Resources = Field(default_factory=Resources)
+    qat: dict[str, Any] | None = None
+    plugins: list[str] = Field(default_factory=list,
+                               description="modules or .py files (relative to this file) to import")
+    matrix: dict[str, list[Scalar]] | None = Field(
+        None, description="name -> values; one stage per combination, ${name} substituted in the body")
+
+
+GENERIC_KEYS: frozenset[str] = frozenset(StageHeader.model_fields)
+# Keys that shape the DAG itself: a command-line override may not change them.
+STRUCTURAL_KEYS: frozenset[str] = frozenset({"stage", "kind", "needs", "plugins", "matrix"})
+
+
+def split_body(data: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(generic keys, kind-specific body) of one stage mapping."""
+    header = {k: v for k, v in data.items() if k in GENERIC_KEYS}
+    body = {k: v for k, v in data.items() if k not in GENERIC_KEYS}
+    return header, body
+
+
+def expand_matrix(data: dict[str, Any], stem: str, file: str,
+                  lines: dict[KeyPath, int]) -> tuple[list[tuple[dict[str, Any], dict[str, Any]]], list[Issue]]:
+    """[(matrix values, stage mapping with ${name} substituted)]; one entry when there is no matrix.
+
+    The stage id defaults to the file stem, followed by the values in matrix order
+    (rl.yaml with domain x effort -> rl-general-low, ...).
+    """
+    matrix = data.get("matrix")
+    if matrix is None:
+        body = dict(data)
+        body.setdefault("stage", stem)
+        return [({}, body)], []
+    if not isinstance(matrix, dict) or not matrix or not all(isinstance(v, list) and v for v in matrix.values()):
+        return [], [Issue(file, "matrix must map each name to a non-empty list of values", key="matrix",
+                          line=line_of(lines, ("matrix",)),
+                          hint="e.g. matrix: {domain: [general, agent], effort: [low, high]}")]
+    issues = []
+    template = data.get("stage") or stem + "".join(f"-${{{name}}}" for name in matrix)
+    if isinstance(template, str):
+        missing = [name for name in matrix if f"${{{name}}}" not in template]
+        if missing:
+            issues.append(Issue(file, f"a matrix stage id must use every matrix name; {missing} unused",
+                                key="stage", line=line_of(lines, ("stage",)),
+                                hint="e.g. stage: " + stem + "".join(f"-${{{n}}}" for n in matrix)))
+    unknown = sorted({m for m in MATRIX_VARIABLE.findall(str(data)) if m not in matrix})
+    for name in unknown:
+        issues.append(Issue(file, f"${{{name}}} is not a matrix name", key="matrix",
+                        line=line_of(lines, ("matrix",)), hint=did_you_mean(name, matrix) or
+                        f"matrix names: {', '.join(matrix)}"))
+    if issues:
+        return [], issues
+    instances = []
+    names = list(matrix)
+    for values in itertools.product(*(matrix[n] for n in names)):
+        chosen = dict(zip(names, values, strict=True))
+        body = {k: _substitute(v, chosen) for k, v in data.items() if k != "matrix"}
+        body["stage"] = _substitute(template, chosen)
+        body["matrix"] = copy.deepcopy(matrix)
+        instances.append((chosen, body))
+    return instances, []
+
+
+def _substitute(value: Any, chosen: dict[str, Any]) -> Any:
+    if isinstance(value, str):
+        whole = MATRIX_VARIABLE.fullmatch(value)
+        if whole and whole.group(1) in chosen:
+            return chosen[whole.group(1)]  # "${effort}" alone keeps the value's type
+        return MATRIX_VARIABLE.sub(lambda m: str(chosen.get(m.group(1), m.group(0))), value)
+    if isinstance(value, list):
+        return [_substitute(v, chosen) for v in value]
+    if isinstance(value, dict):
+        return {k: _substitute(v, chosen) for k, v in value.items()}
+    return value
+
+
+def models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The BaseModel classes inside an annotation (through Optional, list, dict, unions)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in models_in(arg)]
+
+
+def fields_at(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """Field names valid at `loc` inside `model` (for "did you mean"); [] when unknown."""
+    current: list[type[BaseModel]] = [model]
+    for part in loc:
+        if isinstance(part, int) or not current:
+            continue
+        nxt = []
+        for cls in current:
+            info = cls.model_fields.get(str(part))
+            if info is not None:
+                nxt.extend(models_in(info.annotation))
+        if nxt:
+            current = nxt
+    return sorted({name for cls in current for name in cls.model_fields})
+
+
+def schema_paths(model: type[BaseModel], prefix: tuple[str, ...] = (), depth: int = 6) -> set[tuple[str, ...]]:
+    """Every dotted key path a model accepts (intermediate and leaf), for overrides."""
+    paths = set()
+    for name, info in model.model_fields.items():
+        path = (*prefix, name)
+        paths.add(path)
+        if depth > 1:
+            for nested in models_in(info.annotation):
+                paths |= schema_paths(nested, path, depth - 1)
+    return paths
+
+
+def pydantic_issues(error: ValidationError, model: type[BaseModel], file: str, lines: dict[KeyPath, int],
+                    overridden: dict[tuple[str, ...], str], extra_names: frozenset[str] = frozenset()) -> list[Issue]:
+    """One Issue per pydantic error, located at the file line (or the override that set the key).
+
+    extra_names: more names valid at the top level (the generic keys, when validating a body).
+    """
+    issues = []
+    for err in error.errors():
+        loc = tuple(p for p in err["loc"] if isinstance(p, int | str))
+        source = next((text for path, text in overridden.items() if loc[: len(path)] == path), None)
+        where = file if source is None else f"command line override {source!r}"
+        line = None if source is not None else line_of(lines, loc)
+        kind = err["type"]
+        if kind == "extra_forbidden":
+            valid = fields_at(model, loc[:-1]) + (sorted(extra_names) if len(loc) == 1 else [])
+            hint = did_you_mean(str(loc[-1]), valid) or f"valid keys: {', '.join(valid)}"
+            issues.append(Issue(where, "unknown key", key=key_path(loc), line=line, hint=hint))
+        elif kind == "missing":
+            issues.append(Issue(where, "required key is missing", key=key_path(loc), line=line))
+        else:
+            got = err.get("input")
+            issues.append(Issue(where, f"{err['msg']} (got {got!r})", key=key_path(loc), line=line))
+    return issues
+
+
+def relative_display(path: Path) -> str:
+    """`path` relative to the working directory when it is inside it (shorter messages)."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)

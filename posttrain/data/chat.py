@@ -1,0 +1,266 @@
+"""K3 chat rendering: OpenAI-style messages -> token ids and a loss mask, in one pass.
+
+Every stage renders through this one class so that a trajectory is tokenised the same way when it is
+trained on (SFT), sampled (RL engines stop on `end_of_turn_id` / `tool_calls_end_id` and append
+`render_tool_results`), and prefilled by a teacher (MOPD). The exact-prefix rule holds by
+construction: each message renders independently of what follows it, so
+``render(messages[:k] + [assistant])`` is ``render_prompt(messages[:k])`` followed by the assistant's
+tokens, and a sampled history is never re-tokenised differently.
+
+The Jinja twin of this renderer (``chat_template.jinja``) ships inside the tokenizer, so
+``tokenizer.apply_chat_template`` gives the same ids; its ``{% generation %}`` spans give the same
+loss mask through ``return_assistant_tokens_mask=True``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from posttrain.data.sample import EFFORTS
+
+# Role headers are <|im_role|> ... <|im_middle|>; K2/K3 name the roles the same way.
+SPECIAL_TOKENS: dict[str, str] = {
+    "system": "<|im_system|>",
+    "user": "<|im_user|>",
+    "assistant": "<|im_assistant|>",
+    "tool": "<|im_tool|>",
+    "middle": "<|im_middle|>",
+    "end_of_turn": "<|im_end|>",
+    "think_begin": "<think>",
+    "think_end": "</think>",
+    "tool_calls_begin": "<|tool_calls_section_begin|>",
+    "tool_calls_end": "<|tool_calls_section_end|>",
+    "tool_call_begin": "<|tool_call_begin|>",
+    "tool_call_argument": "<|tool_call_argument_begin|>",
+    "tool_call_end": "<|tool_call_end|>",
+    "effort_low": "<|effort_low|>",
+    "effort_high": "<|effort_high|>",
+    "effort_max": "<|effort_max|>",
+    "pad": "<|pad|>",
+}
+ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
+TOOL_DECLARE_NAME = "tool_declare"
+CHAT_TEMPLATE: str = (Path(__file__).with_name("chat_template.jinja")).read_text()
+# Found by path, not by import: posttrain never imports the data_recipes plug-in package by name.
+DEFAULT_TOKENIZER_DIR = Path(__file__).resolve().parents[2] / "data_recipes" / "tokenizer"
+
+_K2_CALL_ID = re.compile(r"^functions\.(?P<name>.+):(?P<index>\d+)$")
+
+
+def tool_call_id(name: str, index: int) -> str:
+    """The K2/K3 tool-call id the model itself writes: ``functions.<name>:<index in conversation>``."""
+    return f"functions.{name}:{index}"
+
+
+def tool_name_from_call_id(call_id: str) -> str:
+    """Invert `tool_call_id`; an id the model garbled is returned whole so the tool lookup fails loudly."""
+    match = _K2_CALL_ID.match(call_id)
+    return match.group("name") if match else call_id
+
+
+def load_tokenizer(path: str | Path | None = None) -> PreTrainedTokenizerFast:
+    """Load a Hugging Face tokenizer directory (default: the shipped 2048-token BPE) speaking K3 chat.
+
+    Any tokenizer works: K3 special tokens it lacks are added (so a model must resize its embeddings
+    to ``len(tokenizer)``), ``<|pad|>`` becomes the pad token when it has none, and the K3 chat
+    template replaces its own so ``apply_chat_template`` and `ChatRenderer` agree.
+    """
+    if path is None and not DEFAULT_TOKENIZER_DIR.exists():
+        raise FileNotFoundError(
+            f"the shipped tokenizer {DEFAULT_TOKENIZER_DIR} is missing; rebuild it with "
+            "`python data_recipes/build_tokenizer.py`"
+        )
+    tokenizer = AutoTokenizer.from_pretrained(str(path if path is not None else DEFAULT_TOKENIZER_DIR))
+    vocab = tokenizer.get_vocab()
+    missing = [token for token in SPECIAL_TOKENS.values() if token not in vocab]
+    if missing:
+        tokenizer.add_special_tokens({"extra_special_tokens": missing}, replace_extra_special_tokens=False)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = SPECIAL_TOKENS["pad"]
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+class ChatRenderer:
+    """Render and parse K3 chat for one tokenizer.
+
+    ids / loss masks: 1 on every assistant token after its header (thinking, content, tool calls and
+    the end-of-turn token, which is ``<|tool_calls_section_end|>`` for a turn that calls tools), 0 on
+    system, user, tool-result and header tokens.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerFast) -> None:
+        vocab = tokenizer.get_vocab()
+        missing = [token for token in SPECIAL_TOKENS.values() if token not in vocab]
+        if missing:
+            raise ValueError(
+                f"tokenizer {tokenizer.name_or_path!r} lacks the K3 special tokens {missing}; "
+                "load it with posttrain.data.chat.load_tokenizer(path), which adds them"
+            )
+        self.tokenizer = tokenizer
+        self.token_ids: dict[str, int] = {name: vocab[token] for name, token in SPECIAL_TOKENS.items()}
+        self.end_of_turn_id = self.token_ids["end_of_turn"]
+        self.tool_calls_end_id = self.token_ids["tool_calls_end"]
+        self.pad_id = self.token_ids["pad"]
+        self.assistant_header: list[int] = [self.token_ids["assistant"], self.token_ids["middle"]]
+        self._tool_declare_ids = self.encode(TOOL_DECLARE_NAME)
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        """The tokens an engine stops on: a final answer or a block of tool calls."""
+        return [self.end_of_turn_id, self.tool_calls_end_id]
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of plain text. Every text piece sits between special tokens, so encoding pieces one by
+        one gives the same ids as encoding the whole rendered string (what apply_chat_template does)."""
+        if not text:
+            return []
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    # Rendering -----------------------------------------------------------------------------------
+
+    def render(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, effort: str | None = None
+    ) -> tuple[list[int], list[int]]:
+        """Whole conversation -> (ids, loss_mask), both len(ids)."""
+        ids, mask = self._render_preamble(messages, tools, effort)
+        start = 1 if messages and messages[0].get("role") == "system" else 0
+        for index in range(start, len(messages)):
+            turn_ids, turn_mask = self._render_message(messages[index], index)
+            ids += turn_ids
+            mask += turn_mask
+        return ids, mask
+
+    def render_prompt(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, effort: str | None = None
+    ) -> list[int]:
+        """Conversation so far + the assistant header: what a policy continues from."""
+        ids, _ = self.render(messages, tools, effort)
+        return ids + self.assistant_header
+
+    def render_tool_results(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Environment turns (tool results, or a user/system message) appended after a sampled tool
+        call, followed by the next assistant header. All of it is prompt (loss mask 0)."""
+        ids: list[int] = []
+        for index, message in enumerate(messages):
+            if message.get("role") == "assistant":
+                raise ValueError(f"render_tool_results got an assistant message at index {index}")
+            ids += self._render_message(message, index)[0]
+        return ids + self.assistant_header
+
+    def render_assistant(self, message: dict[str, Any]) -> list[int]:
+        """The trained part of one assistant turn (everything after its header)."""
+        ids = [self.token_ids["think_begin"]]
+        ids += self.encode(message.get("reasoning_content") or "")
+        ids.append(self.token_ids["think_end"])
+        ids += self.encode(message.get("content") or "")
+        calls = message.get("tool_calls") or []
+        if not calls:
+            return ids + [self.end_of_turn_id]
+        ids.append(self.token_ids["tool_calls_begin"])
+        for call in calls:
+            arguments = call["function"]["arguments"]
+            if not isinstance(arguments, str):
+                arguments = json.dumps(arguments, ensure_ascii=False)
+            ids.append(self.token_ids["tool_call_begin"])
+            ids += self.encode(call["id"])
+            ids.append(self.token_ids["tool_call_argument"])
+            ids += self.encode(arguments)
+            ids.append(self.token_ids["tool_call_end"])
+        return ids + [self.tool_calls_end_id]
+
+    def _render_preamble(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, effort: str | None
+    ) -> tuple[list[int], list[int]]:
+        if effort is not None and effort not in EFFORTS:
+            raise ValueError(f"unknown effort {effort!r}; expected one of {', '.join(EFFORTS)}")
+        effort_ids = [self.token_ids[f"effort_{effort}"]] if effort is not None else []
+        ids: list[int] = []
+        if messages and messages[0].get("role") == "system":
+            ids += [self.token_ids["system"], *effort_ids, self.token_ids["middle"]]
+            ids += self.encode(messages[0].get("content") or "") + [self.end_of_turn_id]
+        elif effort_ids:
+            ids += [self.token_ids["system"], *effort_ids, self.token_ids["middle"], self.end_of_turn_id]
+        if tools:
+            declared = json.dumps(tools, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
+            ids += [self.token_ids["system"], *self._tool_declare_ids, self.token_ids["middle"]]
+            ids += self.encode(declared) + [self.end_of_turn_id]
+        return ids, [0] * len(ids)
+
+    def _render_message(self, message: dict[str, Any], index: int) -> tuple[list[int], list[int]]:
+        role = message.get("role")
+        if role == "assistant":
+            body = self.render_assistant(message)
+            return self.assistant_header + body, [0] * len(self.assistant_header) + [1] * len(body)
+        if role in ("system", "user"):
+            ids = [self.token_ids[role], self.token_ids["middle"]]
+        elif role == "tool":
+            if not message.get("tool_call_id"):
+                raise ValueError(f"message {index}: a tool message needs the tool_call_id it answers")
+            ids = [self.token_ids["tool"], *self.encode(message["tool_call_id"]), self.token_ids["middle"]]
+        else:
+            raise ValueError(f"message {index}: unknown role {role!r}; expected one of {', '.join(ROLES)}")
+        ids += self.encode(message.get("content") or "") + [self.end_of_turn_id]
+        return ids, [0] * len(ids)
+
+    # Parsing -------------------------------------------------------------------------------------
+
+    def parse_assistant(self, ids: list[int]) -> dict[str, Any]:
+        """Generated ids after an assistant header -> {"role", "reasoning_content", "content", and
+        "tool_calls" when there are any}. Inverts `render_assistant`; tolerates output cut short
+        (finish "length"): an unclosed think block is all reasoning, an unclosed call is dropped.
+        Tokens after the end of turn are ignored."""
+        t = self.token_ids
+        position = 0
+        reasoning: list[int] = []
+        if ids[:1] == [t["think_begin"]]:
+            end = _index(ids, t["think_end"], 1)
+            reasoning = ids[1:end]
+            position = end + 1
+        stop = {t["tool_calls_begin"], self.end_of_turn_id, self.tool_calls_end_id}
+        end = next((i for i in range(position, len(ids)) if ids[i] in stop), len(ids))
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "reasoning_content": self.decode(reasoning),
+            "content": self.decode(ids[position:end]),
+        }
+        if end < len(ids) and ids[end] == t["tool_calls_begin"]:
+            calls = self._parse_tool_calls(ids, end + 1)
+            if calls:
+                message["tool_calls"] = calls
+        return message
+
+    def _parse_tool_calls(self, ids: list[int], position: int) -> list[dict[str, Any]]:
+        t = self.token_ids
+        calls: list[dict[str, Any]] = []
+        while position < len(ids) and ids[position] == t["tool_call_begin"]:
+            argument = _index(ids, t["tool_call_argument"], position + 1)
+            end = _index(ids, t["tool_call_end"], argument + 1)
+            if end >= len(ids):
+                break
+            call_id = self.decode(ids[position + 1 : argument])
+            calls.append(
+                {
+                    "id": call_id,
+                    "type": "function",
+                    "function": {"name": tool_name_from_call_id(call_id), "arguments": self.decode(ids[argument + 1 : end])},
+                }
+            )
+            position = end + 1
+        return calls
+
+
+def _index(ids: list[int], token: int, start: int) -> int:
+    """Position of `token` at or after `start`, or len(ids) when absent."""
+    try:
+        return ids.index(token, start)
+    except ValueError:
+        return len(ids)

@@ -1,0 +1,134 @@
+"""Load trajectory files (local JSONL/JSON/parquet or a hub dataset) into validated records.
+
+Reading goes through the `datasets` library so hub ids, parquet shards and local JSONL behave alike.
+What comes out is a `datasets.Dataset` whose `record` column holds each cleaned trajectory as a JSON
+string, next to `uid`/`domain`/`effort` columns for filtering: a JSON string survives Arrow exactly
+(key order, no null padding), so what the renderer sees is what the file said.
+
+Bad rows are skipped and counted per reason by default; ``strict=True`` raises with the file, the
+row index and the reason; a source where nothing survives is always an error.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import datasets
+
+from posttrain.data.sample import Sample
+from posttrain.data.trajectory import BadTrajectoryError, ValidationReport, clean_record, validate_trajectory
+
+if TYPE_CHECKING:
+    from posttrain.data.chat import ChatRenderer
+
+_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+def read_rows(source: str | Path, split: str = "train") -> datasets.Dataset:
+    """Raw rows of a local file, a directory of files, or a hub dataset id (needs a network)."""
+    path = Path(source)
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.suffix in _BUILDERS)
+        if not files:
+            raise FileNotFoundError(f"{path} holds no {', '.join(_BUILDERS)} files")
+        suffixes = {p.suffix for p in files}
+        if len({_BUILDERS[s] for s in suffixes}) > 1:
+            raise ValueError(f"{path} mixes JSON and parquet files; point at one kind")
+        builder, data_files = _BUILDERS[files[0].suffix], [str(p) for p in files]
+    elif path.suffix in _BUILDERS:
+        if not path.exists():
+            raise FileNotFoundError(f"trajectory file {path} does not exist")
+        builder, data_files = _BUILDERS[path.suffix], [str(path)]
+    else:
+        return datasets.load_dataset(str(source), split=split)
+    try:
+        return datasets.load_dataset(builder, data_files=data_files, split="train")
+    except datasets.exceptions.DatasetGenerationError as error:
+        raise ValueError(
+            f"{source}: could not read the rows as one table ({error.__cause__ or error}); a field must "
+            "have the same type on every row (e.g. 'content' a string or null, 'arguments' a JSON string)"
+        ) from error
+
+
+def load_trajectories(
+    source: str | Path,
+    *,
+    split: str = "train",
+    renderer: ChatRenderer | None = None,
+    max_length: int | None = None,
+    strict: bool = False,
+) -> tuple[datasets.Dataset, ValidationReport]:
+    """Read, clean and validate trajectories.
+
+    Returns a Dataset with columns uid, domain, effort and record (the cleaned trajectory as JSON;
+    `decode_record` turns it back into a dict), and the per-reason report. Rows over `max_length`
+    rendered tokens count as ``too_long`` (needs `renderer`).
+    """
+    rows = read_rows(source, split)
+    report = ValidationReport()
+    kept: list[dict[str, Any]] = []
+    for index, row in enumerate(rows):
+        record = clean_record(row)
+        verdict = validate_trajectory(record, renderer, max_length)
+        if not verdict.ok and strict:
+            raise BadTrajectoryError(f"{source} row {index}: {verdict.reason}: {verdict.detail}")
+        report.add(verdict, f"{source} row {index}")
+        if verdict.ok:
+            uid = str(record.get("uid", f"{Path(str(source)).stem}-{index}"))
+            kept.append(
+                {
+                    "uid": uid,
+                    "domain": str(record.get("domain", "general")),
+                    "effort": record.get("effort") or "",
+                    "record": json.dumps({**record, "uid": uid}, ensure_ascii=False),
+                }
+            )
+    if not kept:
+        examples = "; ".join(report.first_example.values())
+        raise BadTrajectoryError(f"{source}: no trajectory survived validation ({report.summary()}): {examples}")
+    return datasets.Dataset.from_list(kept), report
+
+
+def decode_record(row: dict[str, Any]) -> dict[str, Any]:
+    """A row of a `load_trajectories` Dataset -> the trajectory dict."""
+    return json.loads(row["record"])
+
+
+def trajectory_sample(record: dict[str, Any], renderer: ChatRenderer | None = None) -> Sample:
+    """The whole trajectory as a Sample; with a renderer, tokens and loss mask are filled and
+    prompt_length is the number of tokens before the first trained one."""
+    sample = Sample(
+        uid=record["uid"],
+        domain=record.get("domain", "general"),
+        effort=record.get("effort") or "high",
+        group=record["uid"],
+        messages=record["messages"],
+        tools=record.get("tools", []),
+        task=record.get("task", {}),
+    )
+    if renderer is not None:
+        ids, mask = renderer.render(sample.messages, sample.tools, record.get("effort"))
+        sample.tokens = ids
+        sample.loss_mask = mask
+        sample.prompt_length = mask.index(1) if 1 in mask else len(mask)
+        sample.rollout_logprobs = [0.0] * len(ids)
+        sample.policy_version = [-1] * len(ids)
+    return sample
+
+
+def prompt_sample(record: dict[str, Any]) -> Sample:
+    """The prompt-only form (messages before the first assistant turn) with the hidden task kept:
+    what an environment or an eval of tool-task success starts from."""
+    messages = record["messages"]
+    first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
+    return Sample(
+        uid=record["uid"],
+        domain=record.get("domain", "general"),
+        effort=record.get("effort") or "high",
+        group=record["uid"],
+        messages=messages[:first],
+        tools=record.get("tools", []),
+        task=record.get("task", {}),
+    )

@@ -1,0 +1,224 @@
+"""Trajectory records: what one line of an SFT file is, how it is cleaned, and why a row is rejected.
+
+A record is an OpenAI-style conversation plus what K3 conditions on:
+
+    {"uid": str, "domain": str, "effort": "low"|"high"|"max"|None,
+     "messages": [{"role": "system"|"user"|"assistant"|"tool", "content": str|None,
+                   "reasoning_content": str|None,                    # assistant: preserved thinking
+                   "tool_calls": [{"id", "type": "function",
+                                   "function": {"name", "arguments": JSON-object string}}],
+                   "tool_call_id": str}],                            # tool: the call it answers
+     "tools": [JSON schemas], "task": {...hidden verification data, never rendered...}}
+
+Bad rows are data, not bugs: `validate_trajectory` names a reason from `REASONS` so a loader can
+skip and count them, or fail with the file, the row and the reason.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from posttrain.data.chat import ROLES, tool_call_id
+from posttrain.data.sample import EFFORTS
+
+if TYPE_CHECKING:
+    from posttrain.data.chat import ChatRenderer
+
+REASONS: tuple[str, ...] = (
+    "malformed_record",  # wrong types or missing keys (messages not a list, content not a string, ...)
+    "unknown_role",
+    "malformed_tool_call_json",  # arguments that do not parse to a JSON object
+    "unmatched_tool_result",  # a tool message answering no call of the assistant turn before it
+    "empty_assistant_turn",  # no thinking, content or tool call: only an end-of-turn token to train
+    "no_assistant_turn",  # nothing at all to train
+    "too_long",  # more rendered tokens than max_length
+)
+
+
+class Verdict(NamedTuple):
+    """(ok, reason) plus a human detail; reason is one of `REASONS`, "" when ok."""
+
+    ok: bool
+    reason: str = ""
+    detail: str = ""
+
+
+class BadTrajectoryError(ValueError):
+    """A row failed validation under strict loading, or nothing survived."""
+
+
+@dataclass
+class ValidationReport:
+    """How many rows were kept and, per reason, how many were skipped (with the first example)."""
+
+    kept: int = 0
+    skipped: Counter[str] = field(default_factory=Counter)
+    first_example: dict[str, str] = field(default_factory=dict)
+
+    def add(self, verdict: Verdict, where: str) -> None:
+        if verdict.ok:
+            self.kept += 1
+            return
+        self.skipped[verdict.reason] += 1
+        self.first_example.setdefault(verdict.reason, f"{where}: {verdict.detail}")
+
+    def merge(self, other: ValidationReport) -> None:
+        self.kept += other.kept
+        self.skipped.update(other.skipped)
+        for reason, example in other.first_example.items():
+            self.first_example.setdefault(reason, example)
+
+    def metrics(self) -> dict[str, float]:
+        """Flat numbers for a stage log: data/kept and data/skipped/<reason> for every reason."""
+        out = {"data/kept": float(self.kept)}
+        out.update({f"data/skipped/{reason}": float(self.skipped[reason]) for reason in REASONS})
+        return out
+
+    def summary(self) -> str:
+        skipped = ", ".join(f"{reason} {count}" for reason, count in sorted(self.skipped.items()))
+        return f"kept {self.kept}, skipped {sum(self.skipped.values())}" + (f" ({skipped})" if skipped else "")
+
+
+def clean_record(row: dict[str, Any]) -> dict[str, Any]:
+    """Undo what Arrow storage does to a record and make tool-call ids K3-style.
+
+    Arrow unifies struct fields across rows, so a row read back through `datasets` carries None for
+    every key another row had; those are dropped (records never need an explicit null). `tools` and
+    `task` may be stored as JSON strings (common on the hub). Tool-call ids are rewritten to
+    ``functions.<name>:<k>`` (k counts calls in the conversation), the ids the model writes itself,
+    and tool results follow their call's new id. Types are not checked here: that is
+    `validate_trajectory`'s job, so malformed rows survive cleaning to be counted.
+    """
+    record = _drop_none(row)
+    for key in ("tools", "task"):
+        if isinstance(record.get(key), str):
+            try:
+                record[key] = json.loads(record[key])
+            except json.JSONDecodeError:
+                pass
+    messages = record.get("messages")
+    if isinstance(messages, list):
+        record["messages"] = _canonical_call_ids(messages)
+    return record
+
+
+def _drop_none(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _drop_none(item) for key, item in value.items() if item is not None}
+    if isinstance(value, list):
+        return [_drop_none(item) for item in value]
+    return value
+
+
+def _canonical_call_ids(messages: list[Any]) -> list[Any]:
+    renamed: dict[str, str] = {}
+    count = 0
+    out = []
+    for message in messages:
+        if not isinstance(message, dict):
+            out.append(message)
+            continue
+        message = dict(message)
+        calls = message.get("tool_calls")
+        if message.get("role") == "assistant" and isinstance(calls, list):
+            new_calls = []
+            for call in calls:
+                name = call.get("function", {}).get("name") if isinstance(call, dict) else None
+                if isinstance(name, str):
+                    new_id = tool_call_id(name, count)
+                    if isinstance(call.get("id"), str):
+                        renamed[call["id"]] = new_id
+                    call = {**call, "id": new_id}
+                    count += 1
+                new_calls.append(call)
+            message["tool_calls"] = new_calls
+        elif message.get("role") == "tool" and message.get("tool_call_id") in renamed:
+            message["tool_call_id"] = renamed[message["tool_call_id"]]
+        out.append(message)
+    return out
+
+
+def validate_trajectory(
+    record: dict[str, Any], renderer: ChatRenderer | None = None, max_length: int | None = None
+) -> Verdict:
+    """Check one cleaned record. `too_long` needs a renderer (the length is counted in tokens)."""
+    messages = record.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return Verdict(False, "malformed_record", "'messages' must be a non-empty list")
+    tools = record.get("tools", [])
+    if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
+        return Verdict(False, "malformed_record", "'tools' must be a list of JSON schemas")
+    effort = record.get("effort")
+    if effort is not None and effort not in EFFORTS:
+        return Verdict(False, "malformed_record", f"effort {effort!r} is not one of {', '.join(EFFORTS)}")
+    pending: set[str] = set()
+    trained = False
+    for index, message in enumerate(messages):
+        verdict = _check_message(message, index, pending)
+        if not verdict.ok:
+            return verdict
+        trained = trained or message["role"] == "assistant"
+    if not trained:
+        return Verdict(False, "no_assistant_turn", "the conversation has no assistant message to train on")
+    if renderer is not None and max_length is not None:
+        length = len(renderer.render(messages, tools, effort)[0])
+        if length > max_length:
+            return Verdict(False, "too_long", f"{length} tokens after rendering > max_length {max_length}")
+    return Verdict(True)
+
+
+def _check_message(message: Any, index: int, pending: set[str]) -> Verdict:
+    """Validate message `index`; `pending` holds the ids of calls not yet answered (mutated)."""
+    where = f"message {index}"
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        return Verdict(False, "malformed_record", f"{where} is not an object with a string 'role'")
+    role = message["role"]
+    if role not in ROLES:
+        return Verdict(False, "unknown_role", f"{where} has role {role!r}; expected one of {', '.join(ROLES)}")
+    for key in ("content", "reasoning_content"):
+        if not isinstance(message.get(key, ""), str):
+            return Verdict(False, "malformed_record", f"{where} '{key}' must be a string")
+    if role == "tool":
+        call_id = message.get("tool_call_id")
+        if call_id not in pending:
+            return Verdict(False, "unmatched_tool_result", f"{where} answers {call_id!r}, no open tool call has that id")
+        pending.discard(call_id)
+        return Verdict(True)
+    if role != "assistant":
+        pending.clear()
+        return Verdict(True)
+    calls = message.get("tool_calls", [])
+    if not isinstance(calls, list):
+        return Verdict(False, "malformed_record", f"{where} 'tool_calls' must be a list")
+    pending.clear()
+    for number, call in enumerate(calls):
+        verdict = _check_call(call, f"{where} tool call {number}")
+        if not verdict.ok:
+            return verdict
+        pending.add(call["id"])
+    if not calls and not message.get("content", "").strip() and not message.get("reasoning_content", "").strip():
+        return Verdict(False, "empty_assistant_turn", f"{where} has no thinking, content or tool call")
+    return Verdict(True)
+
+
+def _check_call(call: Any, where: str) -> Verdict:
+    function = call.get("function") if isinstance(call, dict) else None
+    if (
+        not isinstance(function, dict)
+        or not isinstance(call.get("id"), str)
+        or call.get("type", "function") != "function"
+        or not isinstance(function.get("name"), str)
+    ):
+        return Verdict(False, "malformed_record", f"{where} needs id, type 'function' and function.name")
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError as error:
+            return Verdict(False, "malformed_tool_call_json", f"{where} arguments are not JSON ({error})")
+    if not isinstance(arguments, dict):
+        return Verdict(False, "malformed_tool_call_json", f"{where} arguments must be a JSON object")
+    return Verdict(True)

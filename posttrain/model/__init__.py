@@ -1,0 +1,25 @@
+"""The Kimi K3 text model as a transformers model; importing this package registers it with
+AutoConfig / AutoModelForCausalLM under model_type "kimi_k3"."""
+
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from posttrain.model.balancing import QuantileBalancer, update_router_bias
+from posttrain.model.cache import KimiK3Cache
+from posttrain.model.configuration_kimi_k3 import KimiK3Config, load_model_config
+from posttrain.model.modeling_kimi_k3 import KimiK3ForCausalLM, KimiK3Model, register_checkpoint_layout
+from posttrain.model.params import count_parameters
+
+AutoConfig.register("kimi_k3", KimiK3Config, exist_ok=True)
+AutoModelForCausalLM.register(KimiK3Config, KimiK3ForCausalLM, exist_ok=True)
+register_checkpoint_layout()
+
+__all__ = [
+    "KimiK3Cache",
+    "KimiK3Config",
+    "KimiK3ForCausalLM",
+    "KimiK3Model",
+    "QuantileBalancer",
+    "count_parameters",
+    "load_model_config",
+    "update_router_bias",
+]

@@ -1,0 +1,86 @@
+"""Turn MX fake quantisation on or off in a model's routed experts.
+
+The model exposes one hook pair per routed-experts module (class name ending in "Experts", 3-D
+batched weights): `weight_fake_quant` runs on each 3-D weight and `act_fake_quant` on each expert
+matmul's input activation, both at forward time. Setting them is all QAT needs: the parameters
+(master weights) stay in full precision and receive straight-through gradients, and nothing else
+in the model (attention, latent projections, shared experts, router, embeddings, LM head) is
+touched. torchao's QAT swaps `nn.Linear` modules; K3's experts are not Linears, hence hooks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from posttrain.qat.config import QATConfig
+from posttrain.qat.mx import MXFormat, ScaleRule, quantize_dequantize
+
+
+@dataclass(frozen=True)
+class MXFakeQuant:
+    """`quantize_dequantize` with fixed settings: the Callable[[Tensor], Tensor] a hook holds.
+    A dataclass rather than a lambda so a model with hooks set still pickles and prints clearly."""
+
+    fmt: MXFormat
+    scale_rule: ScaleRule
+    block_size: int = 32
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return quantize_dequantize(x, self.fmt, self.block_size, self.scale_rule)
+
+
+def routed_expert_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Qualified name -> module, for every module that carries the routed-experts QAT hooks."""
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if type(module).__name__.endswith("Experts")
+        and hasattr(module, "weight_fake_quant")
+        and hasattr(module, "act_fake_quant")
+    }
+
+
+def weight_fake_quant(cfg: QATConfig) -> MXFakeQuant | None:
+    return MXFakeQuant(cfg.weight_format, cfg.weight_scale_rule, cfg.block_size) if cfg.enabled else None
+
+
+def act_fake_quant(cfg: QATConfig) -> MXFakeQuant | None:
+    return (
+        MXFakeQuant(cfg.activation_format, cfg.activation_scale_rule, cfg.block_size) if cfg.enabled else None
+    )
+
+
+def apply_qat(model: nn.Module, cfg: QATConfig | Mapping[str, Any] | None) -> list[str]:
+    """Set (scheme k3) or clear (scheme none / cfg None) the hooks of every routed-experts module.
+
+    Returns the qualified names of the modules it set, sorted. Raises ValueError when scheme k3
+    finds no such module, or when a routed-expert weight's last (reduction) dimension is not a
+    multiple of the block size.
+    """
+    cfg = QATConfig(scheme="none") if cfg is None else QATConfig.model_validate(cfg)
+    modules = routed_expert_modules(model)
+    if cfg.enabled and not modules:
+        raise ValueError(
+            f"qat scheme {cfg.scheme!r}: {type(model).__name__} has no routed-experts module (a module "
+            "whose class name ends in 'Experts' with attributes weight_fake_quant and act_fake_quant), "
+            "so there is nothing to quantise. Use a K3 model (posttrain.model) or set `qat: {scheme: none}`."
+        )
+    if cfg.enabled:
+        for name, module in modules.items():
+            for pname, param in module.named_parameters(recurse=False):
+                if param.dim() == 3 and param.shape[-1] % cfg.block_size:
+                    raise ValueError(
+                        f"qat: routed-expert weight {name}.{pname} has shape {tuple(param.shape)}; its last "
+                        f"(reduction) dim must be a multiple of block_size={cfg.block_size}. Fix the model "
+                        "config: routed_expert_hidden_size (or hidden_size) and moe_intermediate_size."
+                    )
+    wq, aq = weight_fake_quant(cfg), act_fake_quant(cfg)
+    for module in modules.values():
+        module.weight_fake_quant = wq
+        module.act_fake_quant = aq
+    return sorted(modules)

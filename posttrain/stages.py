@@ -1,0 +1,137 @@
+"""Stage kinds: the contract between the orchestrator and the code that trains.
+
+A stage kind (sft, rl, mopd, or a user's own) is a pydantic class for the kind-specific keys of its
+YAML file plus a function `run(ctx) -> final metrics`. The orchestrator validates the file, decides
+whether the stage must run, prepares its directory and calls `run` in a fresh process with a
+`StageContext`: everything the stage may touch is on it, so a kind never reads CLI flags, env vars
+or paths of its own invention. Register one with::
+
+    class SFTConfig(pydantic.BaseModel):
+        model_config = pydantic.ConfigDict(extra="forbid")
+        steps: int = 100
+
+    @stage_kind("sft", config=SFTConfig)
+    def run_sft(ctx: StageContext) -> dict[str, float]:
+        ...
+
+and list the module (or .py file) under `plugins:` in the stage file, or ship it in a package
+exposed through the `posttrain.plugins` entry-point group.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from posttrain.checkpoint import CheckpointManager
+from posttrain.config.stage_file import models_in
+from posttrain.metrics import MetricsLogger
+from posttrain.registry import Registry
+
+
+class NoConfig(BaseModel):
+    """The body of a kind that takes no keys of its own."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+@dataclass
+class StageContext:
+    """What a running stage gets. All paths are absolute.
+
+    stage_id: e.g. "sft", "rl-coding-max", "mopd".
+    kind: the registered kind name.
+    config: the kind's pydantic config, validated from the stage file's kind-specific keys (with
+      command-line overrides applied).
+    seed: the stage's seed. python/numpy/torch RNGs are already seeded with it when `run` starts.
+    inputs: need stage id -> that stage's finished Hugging Face model dir (DIR/<need>/model).
+    model: the stage file's `model`: a preset file (.yaml/.json, for load_model_config) or, when
+      it names a need, that need's model dir; None when the file has no `model`.
+    qat: posttrain.qat.config.QATConfig validated from `qat:` (a plain dict when that module is
+      not importable), or None.
+    matrix: this instance's matrix values, e.g. {"domain": "coding", "effort": "max"}; {} if none.
+    resources: {"cpus": float, "gpus": float} requested in the stage file.
+    stage_dir: DIR/<stage_id>; scratch files of the kind may go here.
+    output_dir: write the final model here (save_pretrained, tokenizer, ...). It is a temp dir;
+      when `run` returns, the orchestrator fsyncs it, hashes it and renames it to
+      DIR/<stage_id>/model atomically. It must not be empty.
+    metrics: MetricsLogger for metrics.jsonl + TensorBoard: `ctx.metrics.log(step, loss=...)`.
+    checkpoints: CheckpointManager under DIR/<stage_id>/checkpoints; its `load` also rewinds
+      metrics.jsonl to the restored step.
+    log: logger writing to DIR/run.log (prefixed with the stage id) and the stage's stage.log.
+    """
+
+    stage_id: str
+    kind: str
+    config: Any
+    seed: int
+    inputs: dict[str, Path]
+    model: Path | None
+    qat: Any
+    matrix: dict[str, Any]
+    resources: dict[str, float]
+    run_dir: Path
+    stage_dir: Path
+    output_dir: Path
+    metrics: MetricsLogger
+    checkpoints: CheckpointManager
+    log: logging.Logger
+    progress_sink: Callable[[int, int | None, dict[str, Any]], None] = field(repr=False, default=lambda *a: None)
+
+    def progress(self, step: int, total: int | None = None, **shown: Any) -> None:
+        """Report that `step` of `total` steps is done; `shown` values (e.g. loss=0.31) appear
+        next to the stage's progress bar. Cheap enough to call every step."""
+        self.progress_sink(step, total, shown)
+
+
+StageRun = Callable[[StageContext], Mapping[str, float]]
+
+
+@dataclass(frozen=True)
+class StageKind:
+    """A registered kind: its name, the pydantic class of its YAML body, and its run function."""
+
+    name: str
+    config: type[BaseModel]
+    run: StageRun
+    description: str = ""
+
+
+STAGE_KINDS: Registry[StageKind] = Registry("stage kind")
+
+
+def stage_kind(name: str, config: type[BaseModel] | None = None) -> Callable[[StageRun], StageRun]:
+    """Decorator registering `run(ctx) -> {metric: float}` as stage kind `name`.
+
+    `config` validates the stage file's keys other than the generic ones (stage, kind, needs,
+    model, seed, resources, qat, plugins, matrix, description). It and every nested model must
+    forbid unknown keys, so a misspelled key is an error rather than a silently ignored default.
+    """
+    config = config or NoConfig
+    _require_forbid(config, config.__name__)
+
+    def decorator(run: StageRun) -> StageRun:
+        doc = (run.__doc__ or "").strip().splitlines()
+        STAGE_KINDS.register(name)(StageKind(name, config, run, doc[0] if doc else ""))
+        return run
+
+    return decorator
+
+
+def _require_forbid(model: type[BaseModel], where: str, seen: set[type] | None = None) -> None:
+    seen = seen if seen is not None else set()
+    if model in seen:
+        return
+    seen.add(model)
+    if model.model_config.get("extra") != "forbid":
+        raise TypeError(f"stage kind config {where} ({model.__name__}) must set "
+                        "model_config = ConfigDict(extra='forbid') so misspelled keys are errors")
+    for name, info in model.model_fields.items():
+        for nested in models_in(info.annotation):
+            _require_forbid(nested, f"{where}.{name}", seen)
+

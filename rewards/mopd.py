@@ -1,0 +1,87 @@
+"""The MOPD reward: the teacher's log-probability of the token the student sampled, minus the
+student's own, clipped (K3 spec section 2.3).
+
+It is dense, on-policy reverse KL: summed over a student trajectory its expectation is
+-KL(pi_student || pi_teacher). Only the sampled token is scored (top-k logit distillation gave no
+clear gain in K3), and the reward is a constant to the optimiser: no gradient reaches the student
+through it (stop-gradient), nor the teacher, which is not trained.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from posttrain.data.sample import Sample
+from rewards.registry import REWARDS
+
+
+@REWARDS.register("mopd")
+def mopd_token_rewards(
+    teacher_logprobs: torch.Tensor, student_logprobs: torch.Tensor, mask: torch.Tensor, r_max: float
+) -> torch.Tensor:
+    """r_t = clip(stopgrad(log pi_teacher(y_t) - log pi_student(y_t)), -r_max, r_max) where mask
+    is 1, and 0 elsewhere.
+
+    Args:
+        teacher_logprobs: [B, T] the teacher's log-prob of each token given its prefix (prefill of
+            prompt + student tokens; the teacher for the prompt's (domain, effort)).
+        student_logprobs: [B, T] the student's log-prob of the same tokens at temperature 1.
+        mask: [B, T] 1 on student-sampled tokens; prompt, tool-result and padding tokens are 0 and
+            get reward 0 whatever the log-probs hold there (a teacher's first position may be -inf
+            or NaN: it is never read).
+        r_max: clip bound R_max > 0.
+    Returns:
+        [B, T] rewards, detached (no grad_fn).
+    Raises:
+        ValueError if a sampled token has a NaN log-prob: a trajectory is never trained on
+        without a valid teacher score.
+    """
+    if teacher_logprobs.shape != student_logprobs.shape or mask.shape != teacher_logprobs.shape:
+        raise ValueError(
+            f"teacher_logprobs, student_logprobs and mask must share a shape; got "
+            f"{tuple(teacher_logprobs.shape)}, {tuple(student_logprobs.shape)}, {tuple(mask.shape)}"
+        )
+    if not r_max > 0:
+        raise ValueError(f"r_max must be > 0, got {r_max}")
+    mask = mask.bool()
+    delta = teacher_logprobs.detach() - student_logprobs.detach()
+    if torch.isnan(delta[mask]).any():
+        where = torch.nonzero(torch.isnan(delta) & mask).tolist()
+        raise ValueError(f"NaN teacher or student log-prob on sampled tokens at [row, position] {where[:8]}")
+    rewards = delta.clamp(-r_max, r_max)
+    return torch.where(mask, rewards, torch.zeros_like(rewards))
+
+
+def mopd_sample_rewards(
+    sample: Sample, r_max: float, student_logprobs: list[float] | None = None
+) -> list[float]:
+    """Per-token MOPD rewards of one trajectory, aligned with sample.tokens (for
+    Sample.token_rewards). Student log-probs default to sample.rollout_logprobs, which the engine
+    records at temperature 1; pass recomputed ones when the student sampled at another
+    temperature. Only generated tokens after the prompt are rewarded."""
+    if sample.teacher_logprobs is None:
+        raise ValueError(f"sample {sample.uid} has no teacher_logprobs: score it with its teacher first")
+    student = sample.rollout_logprobs if student_logprobs is None else student_logprobs
+    n = len(sample.tokens)
+    if len(sample.teacher_logprobs) != n or len(student) != n or len(sample.loss_mask) != n:
+        raise ValueError(
+            f"sample {sample.uid}: {n} tokens, {len(sample.teacher_logprobs)} teacher log-probs, "
+            f"{len(student)} student log-probs, {len(sample.loss_mask)} mask entries"
+        )
+    mask = torch.tensor(sample.loss_mask, dtype=torch.bool)
+    mask[: sample.prompt_length] = False
+    teacher = torch.tensor(
+        [float("nan") if x is None else x for x in sample.teacher_logprobs], dtype=torch.float64
+    )
+    rewards = mopd_token_rewards(teacher, torch.tensor(student, dtype=torch.float64), mask, r_max)
+    return rewards.tolist()
+
+
+def reverse_kl(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, mask: torch.Tensor) -> float:
+    """The MOPD evaluation metric: mean over student-sampled tokens of
+    log pi_student - log pi_teacher, an unbiased estimate of the per-token KL(pi_student ||
+    pi_teacher) on the student's own samples. 0.0 for an empty mask."""
+    mask = mask.bool()
+    if not mask.any():
+        return 0.0
+    return float((student_logprobs.detach() - teacher_logprobs.detach())[mask].double().mean())

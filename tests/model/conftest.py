@@ -1,0 +1,49 @@
+"""Shared fixtures for the K3 model tests: the shipped tiny config and a seeded tiny model whose
+attention-residual queries and router biases are non-zero (zero-initialised ones would hide bugs
+in the mixing schedule and in selection-only bias handling)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from posttrain.model import KimiK3Config, KimiK3ForCausalLM, load_model_config
+
+REPO = Path(__file__).resolve().parents[2]
+TINY_YAML = REPO / "stages" / "models" / "tiny.yaml"
+FULL_YAML = REPO / "stages" / "models" / "k3-full.yaml"
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny matmuls on a shared 2-core machine: extra threads only add contention.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def tiny_config() -> KimiK3Config:
+    return load_model_config(TINY_YAML)
+
+
+def perturbed_model(config: KimiK3Config, seed: int = 0) -> KimiK3ForCausalLM:
+    """A seeded model in eval mode with random attention-residual queries and router biases."""
+    torch.manual_seed(seed)
+    model = KimiK3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("res_proj.weight"):
+                p.normal_(0.0, 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.05)
+    return model
+
+
+@pytest.fixture
+def tiny_model(tiny_config: KimiK3Config) -> KimiK3ForCausalLM:
+    return perturbed_model(tiny_config)

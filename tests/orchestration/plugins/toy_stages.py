@@ -1,0 +1,39 @@
+"""Small stage kinds for the orchestration tests, loaded through a stage file's `plugins:` list
+exactly as a user's own stage kinds are.
+
+`toy-sum` writes value.txt = its `value` plus the values of its inputs, so a test can tell from
+the output which inputs a stage saw; it logs a few curves so reports have something to plot.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+from posttrain.stages import StageContext, stage_kind
+
+
+class Train(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    steps: int = 3
+    lr: float = 0.1
+
+
+class ToySum(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    value: int = 1
+    fail: bool = False
+    train: Train = Train()
+
+
+@stage_kind("toy-sum", config=ToySum)
+def run_toy_sum(ctx: StageContext) -> dict[str, float]:
+    """Add `value` to the sum of the inputs' values."""
+    total = ctx.config.value + sum(int((path / "value.txt").read_text()) for path in ctx.inputs.values())
+    effort = {"low": 1, "high": 2, "max": 3}.get(ctx.matrix.get("effort"), 1)
+    for step in range(1, ctx.config.train.steps + 1):
+        ctx.metrics.log(step, loss=1.0 / step, reward=step * ctx.config.train.lr, response_length=10 * effort + step)
+        ctx.progress(step, ctx.config.train.steps, loss=1.0 / step)
+    if ctx.config.fail:
+        raise RuntimeError("toy stage asked to fail")
+    (ctx.output_dir / "value.txt").write_text(str(total))
+    return {"total": float(total), "loss": 1.0 / ctx.config.train.steps}

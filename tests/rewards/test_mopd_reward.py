@@ -1,0 +1,85 @@
+"""MOPD reward: the spec's sign examples, clip bounds, stop-gradient, masking of non-student
+tokens, and the per-sample helper."""
+
+import math
+
+import pytest
+import torch
+
+from posttrain.algos.policy_loss import policy_loss
+from posttrain.data.sample import Sample
+from rewards.mopd import mopd_sample_rewards, mopd_token_rewards, reverse_kl
+
+
+def test_spec_sign_examples():
+    teacher = torch.log(torch.tensor([[0.6, 0.05]], dtype=torch.float64))
+    student = torch.log(torch.tensor([[0.2, 0.2]], dtype=torch.float64))
+    r = mopd_token_rewards(teacher, student, torch.ones(1, 2), r_max=5.0)
+    assert r[0, 0].item() == pytest.approx(math.log(3.0), rel=1e-12)  # +1.0986...
+    assert r[0, 1].item() == pytest.approx(math.log(0.25), rel=1e-12)  # -1.3863...
+    assert round(r[0, 0].item(), 2) == 1.10 and round(r[0, 1].item(), 2) == -1.39
+
+
+def test_clip_bounds():
+    teacher = torch.tensor([[-0.01, -12.0, -1.0, -3.0, float("-inf")]])
+    student = torch.tensor([[-9.0, -0.5, -1.0, -1.0, -0.3]])
+    r = mopd_token_rewards(teacher, student, torch.ones(1, 5), r_max=2.0)
+    torch.testing.assert_close(r, torch.tensor([[2.0, -2.0, 0.0, -2.0, -2.0]]))
+    with pytest.raises(ValueError, match="r_max must be > 0"):
+        mopd_token_rewards(teacher, student, torch.ones(1, 5), r_max=0.0)
+
+
+def test_no_gradient_reaches_teacher_or_student_through_the_reward():
+    teacher = torch.tensor([[-0.5, -2.0, -1.0]], requires_grad=True)
+    student = torch.tensor([[-1.0, -1.0, -1.5]], requires_grad=True)
+    mask = torch.tensor([[1, 1, 0]])
+    r = mopd_token_rewards(teacher, student, mask, r_max=3.0)
+    assert r.grad_fn is None and not r.requires_grad
+    # used as the policy loss's per-token advantage, the only gradient is the policy gradient
+    # through the student's log-probs: -r_t / n on sampled tokens; the teacher gets none
+    out = policy_loss(student, student.detach(), r, mask)
+    out.loss.backward()
+    assert teacher.grad is None
+    torch.testing.assert_close(student.grad, torch.tensor([[-0.5 / 2, 1.0 / 2, 0.0]]))
+
+
+def test_prompt_and_tool_result_tokens_get_zero_whatever_their_logprobs():
+    teacher = torch.tensor([[float("nan"), -1.0, -0.2, float("-inf"), -0.7]])
+    student = torch.tensor([[0.0, -2.0, -0.4, 0.0, -0.7]])
+    mask = torch.tensor([[0, 1, 1, 0, 1]])  # prompt, gen, gen, tool result, gen
+    r = mopd_token_rewards(teacher, student, mask, r_max=5.0)
+    torch.testing.assert_close(r, torch.tensor([[0.0, 1.0, 0.2, 0.0, 0.0]]))
+
+
+def test_nan_on_a_sampled_token_is_an_error():
+    teacher = torch.tensor([[-1.0, float("nan")]])
+    with pytest.raises(ValueError, match=r"\[\[0, 1\]\]"):
+        mopd_token_rewards(teacher, torch.zeros(1, 2), torch.ones(1, 2), r_max=1.0)
+
+
+def test_sample_rewards_cover_only_student_tokens():
+    s = Sample(uid="m", domain="agent", effort="low")
+    s.append([5, 6, 7], generated=False)
+    s.prompt_length = 3
+    s.append([8, 9], generated=True, logprobs=[math.log(0.2), math.log(0.5)])
+    s.append([10], generated=False)  # tool result
+    s.append([11], generated=True, logprobs=[math.log(0.9)])
+    s.teacher_logprobs = [None, -1.0, -1.0, math.log(0.6), math.log(0.5), -0.1, math.log(0.45)]
+    rewards = mopd_sample_rewards(s, r_max=1.0)
+    # log 0.6 - log 0.2 = log 3 is clipped at r_max = 1; log 0.45 - log 0.9 = log 0.5
+    expected = [0.0, 0.0, 0.0, 1.0, 0.0, 0.0, math.log(0.5)]
+    assert rewards == pytest.approx(expected, abs=1e-12)
+    recomputed = mopd_sample_rewards(
+        s, r_max=1.0, student_logprobs=[0.0] * 3 + [math.log(0.6), -1.0, 0.0, -1.0]
+    )
+    assert recomputed[3] == pytest.approx(0.0) and recomputed[4] == pytest.approx(math.log(0.5) + 1.0)
+    s.teacher_logprobs = None
+    with pytest.raises(ValueError, match="sample m has no teacher_logprobs"):
+        mopd_sample_rewards(s, r_max=1.0)
+
+
+def test_reverse_kl_is_the_mean_student_minus_teacher_on_student_tokens():
+    student = torch.tensor([[-1.0, -0.5, -2.0]])
+    teacher = torch.tensor([[-3.0, -1.0, -2.5]])
+    assert reverse_kl(student, teacher, torch.tensor([[0, 1, 1]])) == pytest.approx((0.5 + 0.5) / 2)
+    assert reverse_kl(student, teacher, torch.zeros(1, 3)) == 0.0
