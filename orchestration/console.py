@@ -11,7 +11,14 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from rich.table import Table
 
 from orchestration.executors import Outcome
@@ -20,11 +27,20 @@ from orchestration.rundir import StageState, is_running, read_json, read_manifes
 from posttrain.checkpoint import latest_checkpoint_step
 from posttrain.config.errors import ConfigError
 
-STATUS_STYLE = {"done": "green", "skipped": "green", "stale": "yellow", "pending": "cyan", "running": "magenta",
-                "failed": "red", "blocked": "red"}
+STATUS_STYLE = {
+    "done": "green",
+    "skipped": "green",
+    "stale": "yellow",
+    "pending": "cyan",
+    "running": "magenta",
+    "failed": "red",
+    "blocked": "red",
+}
 
 
-def print_config_error(console: Console, error: ConfigError, title: str = "invalid stage configuration") -> None:
+def print_config_error(
+    console: Console, error: ConfigError, title: str = "invalid stage configuration"
+) -> None:
     count = len(error.issues)
     console.print(f"[bold red]posttrain: {title}[/] ({count} problem{'s' * (count > 1)}):", highlight=False)
     for issue in error.issues:
@@ -66,8 +82,13 @@ def summary_table(pipeline: Pipeline, run_dir: Path, outcome: Outcome) -> Table:
         detail = _metrics_text(manifest.get("metrics", {}))
         if status == "failed":
             detail = manifest.get("error", "") + f"  (log: {stage_dir(run_dir, sid) / 'stage.log'})"
-        table.add_row(sid, f"[{STATUS_STYLE[status]}]{status}[/]", f"{seconds:.1f}" if seconds else "",
-                      str(manifest.get("attempts", "")), detail)
+        table.add_row(
+            sid,
+            f"[{STATUS_STYLE[status]}]{status}[/]",
+            f"{seconds:.1f}" if seconds else "",
+            str(manifest.get("attempts", "")),
+            detail,
+        )
     return table
 
 
@@ -88,9 +109,17 @@ def status_table(run_dir: Path) -> Table:
         step = progress.get("step", latest_checkpoint_step(directory / "checkpoints"))
         shown = f"{step}/{progress.get('total') or '?'}" if step is not None else ""
         seconds = manifest.get("run_seconds")
-        detail = manifest.get("error", "") if status == "failed" else _metrics_text(manifest.get("metrics", {}))
-        table.add_row(sid, f"[{STATUS_STYLE.get(status, '')}]{status}[/]", shown, str(manifest.get("attempts", 0)),
-                      f"{seconds:.1f}" if seconds else "", detail)
+        detail = (
+            manifest.get("error", "") if status == "failed" else _metrics_text(manifest.get("metrics", {}))
+        )
+        table.add_row(
+            sid,
+            f"[{STATUS_STYLE.get(status, '')}]{status}[/]",
+            shown,
+            str(manifest.get("attempts", 0)),
+            f"{seconds:.1f}" if seconds else "",
+            detail,
+        )
     return table
 
 
@@ -98,8 +127,15 @@ class RichDisplay:
     """Progress bars: one for the whole DAG, one per running stage (steps from ctx.progress)."""
 
     def __init__(self, console: Console, total: int) -> None:
-        self.bars = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TimeElapsedColumn(), TextColumn("{task.fields[shown]}"), console=console)
+        self.bars = Progress(
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[shown]}"),
+            console=console,
+        )
         self.overall = self.bars.add_task("stages", total=total, shown="")
         self.tasks: dict[str, Any] = {}
         self.started_at: dict[str, float] = {}
@@ -117,15 +153,19 @@ class RichDisplay:
 
     def progress(self, stage_id: str, record: dict[str, Any]) -> None:
         shown = " ".join(f"{k}={v}" for k, v in record.get("shown", {}).items())
-        self.bars.update(self.tasks[stage_id], completed=record.get("step", 0), total=record.get("total"),
-                             shown=shown)
+        self.bars.update(
+            self.tasks[stage_id], completed=record.get("step", 0), total=record.get("total"), shown=shown
+        )
 
     def finished(self, stage_id: str, status: str) -> None:
         style = STATUS_STYLE.get(status, "")
         if stage_id in self.tasks:
             task = self.tasks[stage_id]
             total = self.bars.tasks[task].total
-            self.bars.update(task, description=f"  {stage_id} [{style}]{status}[/]",
-                                 completed=total if status == "done" and total else self.bars.tasks[task].completed)
+            self.bars.update(
+                task,
+                description=f"  {stage_id} [{style}]{status}[/]",
+                completed=total if status == "done" and total else self.bars.tasks[task].completed,
+            )
             self.bars.stop_task(task)
         self.bars.advance(self.overall)

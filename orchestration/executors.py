@@ -61,9 +61,18 @@ class Outcome:
         return all(s in ("done", "skipped") for s in self.status.values())
 
 
-def execute(pipeline: Pipeline, run_dir: Path, scope: list[str], forced: set[str], *, executor: str = "local",
-            max_parallel: int | None = None, ray_address: str | None = None,
-            display: Display | None = None, log: Callable[[str], None] = lambda message: None) -> Outcome:
+def execute(
+    pipeline: Pipeline,
+    run_dir: Path,
+    scope: list[str],
+    forced: set[str],
+    *,
+    executor: str = "local",
+    max_parallel: int | None = None,
+    ray_address: str | None = None,
+    display: Display | None = None,
+    log: Callable[[str], None] = lambda message: None,
+) -> Outcome:
     """Run the stages in `scope` (dependency order) that are not done; `forced` ones start over
     even when done. Needs outside `scope` must already be done."""
     display = display or QuietDisplay()
@@ -125,8 +134,11 @@ def _settle(run_dir: Path, stage_id: str, code: int) -> str:
     if code == 0 and manifest.get("status") == "done":
         return "done"
     if manifest.get("status") in ("running", "pending", None):
-        manifest.update(stage=stage_id, status="failed",
-                        error=f"worker exited with code {code} without finishing; see {directory / STAGE_LOG}")
+        manifest.update(
+            stage=stage_id,
+            status="failed",
+            error=f"worker exited with code {code} without finishing; see {directory / STAGE_LOG}",
+        )
         write_manifest(directory, manifest)
     return "failed"
 
@@ -151,11 +163,21 @@ class _LocalBackend:
         self.run_dir = run_dir
 
     def launch(self, stage_id: str, resources: dict[str, float]) -> subprocess.Popen[bytes]:
-        command = [sys.executable, "-m", "orchestration.runner", str(self.run_dir), stage_id,
-                   "--executor", "local", "--parent-pid", str(os.getpid())]
+        command = [
+            sys.executable,
+            "-m",
+            "orchestration.runner",
+            str(self.run_dir),
+            stage_id,
+            "--executor",
+            "local",
+            "--parent-pid",
+            str(os.getpid()),
+        ]
         with open(stage_dir(self.run_dir, stage_id) / STAGE_LOG, "ab") as log:
-            return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=_worker_env())
+            return subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_worker_env()
+            )
 
     def poll(self, handle: subprocess.Popen[bytes]) -> int | None:
         return handle.poll()
@@ -195,8 +217,12 @@ class _RayBackend:
     def launch(self, stage_id: str, resources: dict[str, float]) -> Any:
         # max_calls=1: every stage gets a fresh worker process, as with the local executor, so no
         # global state (thread counts, RNGs, registries) leaks from one stage into the next.
-        task = self.ray.remote(num_cpus=resources.get("cpus", 1.0), num_gpus=resources.get("gpus", 0.0),
-                               max_calls=1, max_retries=0)(_ray_stage)
+        task = self.ray.remote(
+            num_cpus=resources.get("cpus", 1.0),
+            num_gpus=resources.get("gpus", 0.0),
+            max_calls=1,
+            max_retries=0,
+        )(_ray_stage)
         return task.remote(str(self.run_dir), stage_id)
 
     def poll(self, handle: Any) -> int | None:
@@ -227,4 +253,3 @@ def _ray_stage(run_dir: str, stage_id: str) -> int:
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
     return run_stage(run_dir, stage_id, executor="ray")
-

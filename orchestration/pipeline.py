@@ -31,7 +31,7 @@ from posttrain.config.stage_file import (
     split_body,
 )
 from posttrain.config.yaml_source import KeyPath, line_of, load_yaml
-from posttrain.registry import RegistryError, import_plugin
+from posttrain.registry import ENTRY_POINT_GROUP, RegistryError, import_plugin, load_plugins
 from posttrain.stages import STAGE_KINDS
 
 STAGE_FILE_SUFFIXES = (".yaml", ".yml")
@@ -105,6 +105,8 @@ class _Loader:
         self.files: dict[Path, list[str]] = {}
         self.instances: dict[str, _Instance] = {}
         self.issues: list[Issue] = []
+        # Mistakes that do not stop validation (duplicate keys): reported with everything else.
+        self.later: list[Issue] = []
 
     def load_file(self, path: Path) -> list[str]:
         resolved = path.resolve()
@@ -114,12 +116,15 @@ class _Loader:
         self.files[resolved] = ids
         display = relative_display(path)
         try:
-            data, lines = load_yaml(path, display)
+            data, lines, duplicates = load_yaml(path, display)
         except ConfigError as exc:
             self.issues.extend(exc.issues)
             return ids
+        self.later.extend(duplicates)
         if not isinstance(data, dict):
-            self.issues.append(Issue(display, "a stage file must be a mapping of keys (kind: ..., needs: ...)", line=1))
+            self.issues.append(
+                Issue(display, "a stage file must be a mapping of keys (kind: ..., needs: ...)", line=1)
+            )
             return ids
         instances, issues = expand_matrix(data, path.stem, display, lines)
         self.issues.extend(issues)
@@ -133,13 +138,26 @@ class _Loader:
                 continue
             sid = header.stage or path.stem
             if not STAGE_ID.match(sid):
-                self.issues.append(Issue(display, f"stage id {sid!r} may use letters, digits, '-' and '_' only",
-                                         key="stage", line=line_of(lines, ("stage",))))
+                self.issues.append(
+                    Issue(
+                        display,
+                        f"stage id {sid!r} may use letters, digits, '-' and '_' only",
+                        key="stage",
+                        line=line_of(lines, ("stage",)),
+                    )
+                )
                 continue
             if sid in self.instances:
                 other = self.instances[sid]
-                self.issues.append(Issue(display, f"stage id {sid!r} is also defined by {other.display}",
-                                         key="stage", line=line_of(lines, ("stage",)), hint="give one a different `stage:`"))
+                self.issues.append(
+                    Issue(
+                        display,
+                        f"stage id {sid!r} is also defined by {other.display}",
+                        key="stage",
+                        line=line_of(lines, ("stage",)),
+                        hint="give one a different `stage:`",
+                    )
+                )
                 continue
             instance = _Instance(sid, resolved, display, inst, lines, values)
             self.instances[sid] = instance
@@ -150,7 +168,9 @@ class _Loader:
                 if ref.endswith(STAGE_FILE_SUFFIXES):
                     target = resolved.parent / ref
                     if not target.is_file():
-                        self.issues.append(_missing_file(display, lines, ("needs", index), target, "stage file"))
+                        self.issues.append(
+                            _missing_file(display, lines, ("needs", index), target, "stage file")
+                        )
                         continue
                     instance.refs.append((index, ref, self.load_file(target)))
                 else:
@@ -162,9 +182,19 @@ class _Loader:
             for index, ref, ids in inst.refs:
                 if ids is None:
                     if ref not in self.instances:
-                        hint = did_you_mean(ref, self.instances) or "name a stage file (e.g. sft.yaml) or a stage id it defines"
-                        self.issues.append(Issue(inst.display, f"needs unknown stage {ref!r}", key=f"needs[{index}]",
-                                                 line=line_of(inst.lines, ("needs", index)), hint=hint))
+                        hint = (
+                            did_you_mean(ref, self.instances)
+                            or "name a stage file (e.g. sft.yaml) or a stage id it defines"
+                        )
+                        self.issues.append(
+                            Issue(
+                                inst.display,
+                                f"needs unknown stage {ref!r}",
+                                key=f"needs[{index}]",
+                                line=line_of(inst.lines, ("needs", index)),
+                                hint=hint,
+                            )
+                        )
                         continue
                     ids = [ref]
                 inst.needs.extend(i for i in ids if i not in inst.needs)
@@ -178,10 +208,17 @@ class _Loader:
             if state.get(sid) == 2:
                 return
             if state.get(sid) == 1:
-                cycle = trail[trail.index(sid):] + [sid]
+                cycle = trail[trail.index(sid) :] + [sid]
                 inst = self.instances[trail[-1]]
-                self.issues.append(Issue(inst.display, "needs form a cycle: " + " -> ".join(cycle), key="needs",
-                                         line=line_of(inst.lines, ("needs",)), hint="remove one of these needs"))
+                self.issues.append(
+                    Issue(
+                        inst.display,
+                        "needs form a cycle: " + " -> ".join(cycle),
+                        key="needs",
+                        line=line_of(inst.lines, ("needs",)),
+                        hint="remove one of these needs",
+                    )
+                )
                 return
             state[sid] = 1
             for need in self.instances[sid].needs:
@@ -199,32 +236,49 @@ def load_pipeline(path: Path | str, overrides: list[str] | tuple[str, ...] = ())
     path = Path(path)
     loader = _Loader()
     if not path.is_file():
-        raise ConfigError([Issue(str(path), "stage file does not exist",
-                                 hint=did_you_mean(path.name, _names(path.parent, STAGE_FILE_SUFFIXES)))])
+        raise ConfigError(
+            [
+                Issue(
+                    str(path),
+                    "stage file does not exist",
+                    hint=did_you_mean(path.name, _names(path.parent, STAGE_FILE_SUFFIXES)),
+                )
+            ]
+        )
     loader.load_file(path)
     loader.resolve_needs()
     order = loader.order()
     if loader.issues:
-        raise ConfigError(loader.issues)
+        raise ConfigError(loader.issues + loader.later)
     _import_plugins(loader)
     parsed, issues = parse_overrides(overrides)
-    known = {sid: schema_paths(StageHeader) | _kind_paths(inst.data.get("kind")) for sid, inst in loader.instances.items()}
+    known = {
+        sid: schema_paths(StageHeader) | _kind_paths(inst.data.get("kind"))
+        for sid, inst in loader.instances.items()
+    }
     applied, more = apply_overrides(parsed, {sid: inst.data for sid, inst in loader.instances.items()}, known)
     issues += more
     if issues:
-        raise ConfigError(issues)
+        raise ConfigError(issues + loader.later)
     unregistered: dict[str, Issue] = {}
     stages = {}
     for sid in order:
         stage = _validate(loader.instances[sid], applied[sid], loader.issues, unregistered)
         if stage is not None:
             stages[sid] = stage
-    if loader.issues:
-        raise ConfigError(loader.issues)
+    if loader.issues or loader.later:
+        raise ConfigError(loader.issues + loader.later)
     return Pipeline(root=path.resolve(), stages=stages, unregistered=unregistered)
 
 
 def _import_plugins(loader: _Loader) -> None:
+    try:
+        load_plugins()
+    except Exception as exc:  # an installed plug-in package that does not import
+        raise ConfigError(
+            [Issue(ENTRY_POINT_GROUP, f"importing the plug-in packages failed: {type(exc).__name__}: {exc}",
+                   hint="fix or uninstall the package named in the error")]
+        ) from exc
     seen: set[str] = set()
     for inst in loader.instances.values():
         for index, spec in enumerate(inst.data.get("plugins") or []):
@@ -232,35 +286,50 @@ def _import_plugins(loader: _Loader) -> None:
             if resolved in seen:
                 continue
             seen.add(resolved)
-            where = dict(file=inst.display, key=f"plugins[{index}]", line=line_of(inst.lines, ("plugins", index)))
+            where = dict(
+                file=inst.display, key=f"plugins[{index}]", line=line_of(inst.lines, ("plugins", index))
+            )
             if spec.endswith(".py") and not Path(resolved).is_file():
-                loader.issues.append(_missing_file(inst.display, inst.lines, ("plugins", index), Path(resolved), "plug-in file"))
+                loader.issues.append(
+                    _missing_file(
+                        inst.display, inst.lines, ("plugins", index), Path(resolved), "plug-in file"
+                    )
+                )
                 continue
             try:
                 import_plugin(resolved)
             except (RegistryError, TypeError) as exc:
                 loader.issues.append(Issue(message=f"plug-in {spec!r} could not register: {exc}", **where))
             except Exception as exc:  # a user's plug-in may raise anything on import
-                loader.issues.append(Issue(message=f"importing plug-in {spec!r} failed: {type(exc).__name__}: {exc}", **where))
+                loader.issues.append(
+                    Issue(message=f"importing plug-in {spec!r} failed: {type(exc).__name__}: {exc}", **where)
+                )
     if loader.issues:
-        raise ConfigError(loader.issues)
+        raise ConfigError(loader.issues + loader.later)
 
 
 def _kind_paths(kind: Any) -> set[tuple[str, ...]]:
-    return schema_paths(STAGE_KINDS.get(kind).config) if isinstance(kind, str) and kind in STAGE_KINDS else set()
+    return (
+        schema_paths(STAGE_KINDS.get(kind).config) if isinstance(kind, str) and kind in STAGE_KINDS else set()
+    )
 
 
-def _validate(inst: _Instance, overridden: dict[tuple[str, ...], str], issues: list[Issue],
-              unregistered: dict[str, Issue]) -> Stage | None:
+def _validate(
+    inst: _Instance,
+    overridden: dict[tuple[str, ...], str],
+    issues: list[Issue],
+    unregistered: dict[str, Issue],
+) -> Stage | None:
     header_data, body = split_body(inst.data)
     try:
         header = StageHeader.model_validate(header_data)
     except ValidationError as exc:
         issues.extend(pydantic_issues(exc, StageHeader, inst.display, inst.lines, overridden, GENERIC_KEYS))
-        return None
-    registered = header.kind in STAGE_KINDS
+        header = None
+    kind = inst.data["kind"]  # checked while loading: the DAG cannot be built without it
+    registered = kind in STAGE_KINDS
     if registered:
-        config = STAGE_KINDS.get(header.kind).config
+        config = STAGE_KINDS.get(kind).config
         try:
             config.model_validate(body)
         except ValidationError as exc:
@@ -269,50 +338,84 @@ def _validate(inst: _Instance, overridden: dict[tuple[str, ...], str], issues: l
         for key in body:  # a misspelled generic key would otherwise pass as an unchecked body key
             hint = did_you_mean(key, GENERIC_KEYS)
             if hint:
-                issues.append(Issue(inst.display, "unknown key", key=key, line=line_of(inst.lines, (key,)), hint=hint))
+                issues.append(
+                    Issue(inst.display, "unknown key", key=key, line=line_of(inst.lines, (key,)), hint=hint)
+                )
         known = ", ".join(STAGE_KINDS) or "none"
         unregistered[inst.id] = Issue(
-            inst.display, f"kind {header.kind!r} is not registered: its keys ({', '.join(body) or 'none'}) cannot "
-            "be checked and the stage cannot run", key="kind", line=line_of(inst.lines, ("kind",)),
-            hint=f"registered kinds: {known}; list the module that registers it under plugins:")
+            inst.display,
+            f"kind {kind!r} is not registered: its keys ({', '.join(body) or 'none'}) cannot "
+            "be checked and the stage cannot run",
+            key="kind",
+            line=line_of(inst.lines, ("kind",)),
+            hint=f"registered kinds: {known}; list the module that registers it under plugins:",
+        )
+    if header is None:
+        return None
     model, model_is_input = _resolve_model(inst, header, overridden, issues)
     _check_qat(inst, header.qat, overridden, issues)
-    stage = Stage(id=inst.id, kind=header.kind, file=str(inst.path), needs=list(inst.needs), seed=header.seed,
-                  model=model, model_is_input=model_is_input, resources=header.resources.model_dump(),
-                  qat=header.qat, plugins=[str(inst.path.parent / p) if p.endswith(".py") else p for p in header.plugins],
-                  matrix=inst.matrix, body=body, description=header.description, registered=registered)
+    stage = Stage(
+        id=inst.id,
+        kind=kind,
+        file=str(inst.path),
+        needs=list(inst.needs),
+        seed=header.seed,
+        model=model,
+        model_is_input=model_is_input,
+        resources=header.resources.model_dump(),
+        qat=header.qat,
+        plugins=[str(inst.path.parent / p) if p.endswith(".py") else p for p in header.plugins],
+        matrix=inst.matrix,
+        body=body,
+        description=header.description,
+        registered=registered,
+    )
     stage.config_hash = config_hash(stage)
     return stage
 
 
-def _resolve_model(inst: _Instance, header: StageHeader, overridden: dict[tuple[str, ...], str],
-                   issues: list[Issue]) -> tuple[str | None, bool]:
+def _resolve_model(
+    inst: _Instance, header: StageHeader, overridden: dict[tuple[str, ...], str], issues: list[Issue]
+) -> tuple[str | None, bool]:
     value = header.model
     if value is None:
         return None, False
     from_cli = ("model",) in overridden
-    where = dict(file=f"command line override {overridden[('model',)]!r}" if from_cli else inst.display,
-                 key="model", line=None if from_cli else line_of(inst.lines, ("model",)))
+    where = dict(
+        file=f"command line override {overridden[('model',)]!r}" if from_cli else inst.display,
+        key="model",
+        line=None if from_cli else line_of(inst.lines, ("model",)),
+    )
     if value.endswith(PRESET_SUFFIXES):
         base = Path.cwd() if from_cli else inst.path.parent
         target = (base / value).resolve()
         if not target.is_file():
-            issues.append(Issue(message=f"model preset {value} does not exist ({target})",
-                                hint=did_you_mean(target.name, _names(target.parent, PRESET_SUFFIXES))
-                                or f"presets there: {', '.join(_names(target.parent, PRESET_SUFFIXES)) or 'none'}",
-                                **where))
+            issues.append(
+                Issue(
+                    message=f"model preset {value} does not exist ({target})",
+                    hint=did_you_mean(target.name, _names(target.parent, PRESET_SUFFIXES))
+                    or f"presets there: {', '.join(_names(target.parent, PRESET_SUFFIXES)) or 'none'}",
+                    **where,
+                )
+            )
             return None, False
         return str(target), False
     if value not in inst.needs:
-        issues.append(Issue(message=f"model {value!r} is neither a preset file (.yaml/.json) nor one of this "
-                            f"stage's needs ({', '.join(inst.needs) or 'none'})",
-                            hint=did_you_mean(value, inst.needs), **where))
+        issues.append(
+            Issue(
+                message=f"model {value!r} is neither a preset file (.yaml/.json) nor one of this "
+                f"stage's needs ({', '.join(inst.needs) or 'none'})",
+                hint=did_you_mean(value, inst.needs),
+                **where,
+            )
+        )
         return None, False
     return value, True
 
 
-def _check_qat(inst: _Instance, qat: dict[str, Any] | None, overridden: dict[tuple[str, ...], str],
-               issues: list[Issue]) -> None:
+def _check_qat(
+    inst: _Instance, qat: dict[str, Any] | None, overridden: dict[tuple[str, ...], str], issues: list[Issue]
+) -> None:
     """Validate `qat:` with the QAT engineer's QATConfig when that module exists."""
     if qat is None:
         return
@@ -326,10 +429,19 @@ def _check_qat(inst: _Instance, qat: dict[str, Any] | None, overridden: dict[tup
             config(**qat)
     except ValidationError as exc:
         for issue in pydantic_issues(exc, config, inst.display, _shift(inst.lines), overridden):
-            issues.append(Issue(issue.file, issue.message, key=key_path(("qat", issue.key)), line=issue.line or
-                                line_of(inst.lines, ("qat",)), hint=issue.hint))
+            issues.append(
+                Issue(
+                    issue.file,
+                    issue.message,
+                    key=key_path(("qat", issue.key)),
+                    line=issue.line or line_of(inst.lines, ("qat",)),
+                    hint=issue.hint,
+                )
+            )
     except (TypeError, ValueError) as exc:
-        issues.append(Issue(inst.display, f"invalid qat settings: {exc}", key="qat", line=line_of(inst.lines, ("qat",))))
+        issues.append(
+            Issue(inst.display, f"invalid qat settings: {exc}", key="qat", line=line_of(inst.lines, ("qat",)))
+        )
 
 
 def qat_config_class() -> Any:
@@ -355,8 +467,15 @@ def config_hash(stage: Stage) -> str:
     model: Any = stage.model
     if stage.model and not stage.model_is_input:
         model = {"preset": Path(stage.model).name, "sha256": sha256_file(Path(stage.model))}
-    content = {"kind": stage.kind, "body": stage.body, "seed": stage.seed, "model": model, "qat": stage.qat,
-               "matrix": stage.matrix, "needs": stage.needs}
+    content = {
+        "kind": stage.kind,
+        "body": stage.body,
+        "seed": stage.seed,
+        "model": model,
+        "qat": stage.qat,
+        "matrix": stage.matrix,
+        "needs": stage.needs,
+    }
     return hashlib.sha256(json.dumps(content, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -367,5 +486,10 @@ def _names(directory: Path, suffixes: tuple[str, ...]) -> list[str]:
 def _missing_file(display: str, lines: dict[KeyPath, int], path: KeyPath, target: Path, what: str) -> Issue:
     names = _names(target.parent, (target.suffix,))
     hint = did_you_mean(target.name, names) or (f"files there: {', '.join(names)}" if names else "")
-    return Issue(display, f"{what} {target.name} does not exist ({relative_display(target)})", key=key_path(path),
-                 line=line_of(lines, path), hint=hint)
+    return Issue(
+        display,
+        f"{what} {target.name} does not exist ({relative_display(target)})",
+        key=key_path(path),
+        line=line_of(lines, path),
+        hint=hint,
+    )

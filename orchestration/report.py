@@ -36,7 +36,11 @@ def collect_series(pipeline: Pipeline, run_dir: Path, base: str) -> list[Series]
         by_name: dict[str, tuple[list[int], list[float]]] = defaultdict(lambda: ([], []))
         for record in read_metrics(stage_dir(run_dir, sid) / METRICS_FILE):
             for name, value in record.items():
-                if name not in ("step", "time") and isinstance(value, int | float) and base in name.split("/"):
+                if (
+                    name not in ("step", "time")
+                    and isinstance(value, int | float)
+                    and base in name.split("/")
+                ):
                     by_name[name][0].append(record["step"])
                     by_name[name][1].append(float(value))
         series += [(sid, name, steps, values) for name, (steps, values) in sorted(by_name.items())]
@@ -84,16 +88,22 @@ def plot(pipeline: Pipeline, run_dir: Path, stem: str) -> Path | None:
 
 def write_report(pipeline: Pipeline, run_dir: Path) -> Path:
     """Write DIR/report.md (and its plots) from the manifests and metrics.jsonl files."""
-    lines = [f"# Run report: {run_dir.name}", "",
-             f"Pipeline `{pipeline.root.name}`, written {time.strftime('%Y-%m-%d %H:%M:%S')}.", "",
-             "| stage | kind | status | attempts | time (s) | final metrics |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"# Run report: {run_dir.name}",
+        "",
+        f"Pipeline `{pipeline.root.name}`, written {time.strftime('%Y-%m-%d %H:%M:%S')}.",
+        "",
+        "| stage | kind | status | attempts | time (s) | final metrics |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for sid, stage in pipeline.stages.items():
         manifest = read_manifest(stage_dir(run_dir, sid)) or {}
         metrics = ", ".join(f"{k}={v:.4g}" for k, v in sorted(manifest.get("metrics", {}).items()))
         seconds = manifest.get("run_seconds")
-        lines.append(f"| {sid} | {stage.kind} | {manifest.get('status', 'pending')} | {manifest.get('attempts', 0)} "
-                     f"| {f'{seconds:.1f}' if seconds is not None else ''} | {metrics} |")
+        lines.append(
+            f"| {sid} | {stage.kind} | {manifest.get('status', 'pending')} | {manifest.get('attempts', 0)} "
+            f"| {f'{seconds:.1f}' if seconds is not None else ''} | {metrics} |"
+        )
     for old in (run_dir / PLOTS_DIR).glob("*.png"):
         old.unlink()  # a curve no longer logged must not linger from an earlier run
     figures = [(stem, path) for stem in PLOTS if (path := plot(pipeline, run_dir, stem)) is not None]

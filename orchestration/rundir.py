@@ -57,7 +57,11 @@ def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
 
 def hash_tree(directory: Path) -> tuple[dict[str, str], str]:
     """({relative file: sha256}, digest of that listing) for a model dir."""
-    files = {str(p.relative_to(directory)): sha256_file(p) for p in sorted(Path(directory).rglob("*")) if p.is_file()}
+    files = {
+        str(p.relative_to(directory)): sha256_file(p)
+        for p in sorted(Path(directory).rglob("*"))
+        if p.is_file()
+    }
     return files, _digest(files)
 
 
@@ -167,8 +171,9 @@ def stage_state(pipeline: Pipeline, run_dir: Path, stage: Stage, unfinished: lis
     return StageState(status, reason, resume)
 
 
-def _done_or_stale(pipeline: Pipeline, run_dir: Path, stage: Stage, manifest: dict[str, Any],
-                   unfinished: list[str]) -> StageState:
+def _done_or_stale(
+    pipeline: Pipeline, run_dir: Path, stage: Stage, manifest: dict[str, Any], unfinished: list[str]
+) -> StageState:
     if manifest.get("config_hash") != stage.config_hash:
         return StageState("stale", "config changed")
     if unfinished:

@@ -57,8 +57,11 @@ def write_request(pipeline: Pipeline, run_dir: Path, stage_id: str, restart: boo
     stage = pipeline.stages[stage_id]
     directory = stage_dir(run_dir, stage_id)
     directory.mkdir(parents=True, exist_ok=True)
-    request = {"stage": json.loads(stage.to_json()), "inputs": input_hashes(pipeline, run_dir, stage),
-               "restart": restart}
+    request = {
+        "stage": json.loads(stage.to_json()),
+        "inputs": input_hashes(pipeline, run_dir, stage),
+        "restart": restart,
+    }
     (directory / REQUEST).write_text(json.dumps(request, indent=1, sort_keys=True), encoding="utf-8")
 
 
@@ -68,7 +71,9 @@ def run_stage(run_dir: Path | str, stage_id: str, executor: str = "local") -> in
     directory = stage_dir(run_dir, stage_id)
     request = read_json(directory / REQUEST)
     if request is None:
-        raise FileNotFoundError(f"{directory / REQUEST} is missing: the driver writes it before starting a worker")
+        raise FileNotFoundError(
+            f"{directory / REQUEST} is missing: the driver writes it before starting a worker"
+        )
     stage = Stage(**request["stage"])
     log, warnings = _stage_logger(run_dir, stage_id)
     lock = StageLock(directory)
@@ -84,8 +89,14 @@ def run_stage(run_dir: Path | str, stage_id: str, executor: str = "local") -> in
             log.removeHandler(handler)
 
 
-def _run_locked(run_dir: Path, stage: Stage, request: dict[str, Any], executor: str, log: logging.Logger,
-                warnings: list[str]) -> int:
+def _run_locked(
+    run_dir: Path,
+    stage: Stage,
+    request: dict[str, Any],
+    executor: str,
+    log: logging.Logger,
+    warnings: list[str],
+) -> int:
     directory = stage_dir(run_dir, stage.id)
     old = read_manifest(directory) or {}
     inputs = request["inputs"]
@@ -94,11 +105,23 @@ def _run_locked(run_dir: Path, stage: Stage, request: dict[str, Any], executor: 
         old = {}
     started = time.time()
     manifest = {
-        "stage": stage.id, "kind": stage.kind, "status": "running", "config_hash": stage.config_hash,
-        "inputs": inputs, "needs": stage.needs, "matrix": stage.matrix, "file": stage.file,
-        "attempts": old.get("attempts", 0) + 1, "created": old.get("created", started), "started": started,
-        "run_seconds": old.get("run_seconds", 0.0), "host": socket.gethostname(), "pid": os.getpid(),
-        "executor": executor, "metrics": {}, "warnings": [],
+        "stage": stage.id,
+        "kind": stage.kind,
+        "status": "running",
+        "config_hash": stage.config_hash,
+        "inputs": inputs,
+        "needs": stage.needs,
+        "matrix": stage.matrix,
+        "file": stage.file,
+        "attempts": old.get("attempts", 0) + 1,
+        "created": old.get("created", started),
+        "started": started,
+        "run_seconds": old.get("run_seconds", 0.0),
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "executor": executor,
+        "metrics": {},
+        "warnings": [],
     }
     write_manifest(directory, manifest)
     output = directory / ".model-tmp"
@@ -113,11 +136,15 @@ def _run_locked(run_dir: Path, stage: Stage, request: dict[str, Any], executor: 
         metrics.close()
         final = {name: float(value) for name, value in dict(result or {}).items()}
         if not any(output.iterdir()):
-            raise RuntimeError(f"stage kind {stage.kind!r} wrote nothing to ctx.output_dir; a stage must save its model there")
+            raise RuntimeError(
+                f"stage kind {stage.kind!r} wrote nothing to ctx.output_dir; a stage must save its model there"
+            )
         model = _commit(output, directory / MODEL_DIR)
         files, digest = hash_tree(model)
         manifest.update(status="done", metrics=final, model_hash=digest, model_files=files)
-        log.info("stage %s done: %s", stage.id, ", ".join(f"{k}={v:.4g}" for k, v in final.items()) or "no metrics")
+        log.info(
+            "stage %s done: %s", stage.id, ", ".join(f"{k}={v:.4g}" for k, v in final.items()) or "no metrics"
+        )
         return 0
     except BaseException as exc:  # KeyboardInterrupt too: the manifest must say the stage stopped
         metrics.close()
@@ -128,13 +155,20 @@ def _run_locked(run_dir: Path, stage: Stage, request: dict[str, Any], executor: 
         return 1
     finally:
         finished = time.time()
-        manifest.update(finished=finished, run_seconds=manifest["run_seconds"] + finished - started,
-                        warnings=warnings)
+        manifest.update(
+            finished=finished, run_seconds=manifest["run_seconds"] + finished - started, warnings=warnings
+        )
         write_manifest(directory, manifest)
 
 
-def _context(run_dir: Path, stage: Stage, output: Path, metrics: MetricsLogger, log: logging.Logger,
-             manifest: dict[str, Any]) -> StageContext:
+def _context(
+    run_dir: Path,
+    stage: Stage,
+    output: Path,
+    metrics: MetricsLogger,
+    log: logging.Logger,
+    manifest: dict[str, Any],
+) -> StageContext:
     load_plugins(tuple(stage.plugins))
     kind = STAGE_KINDS.get(stage.kind)
     config = kind.config.model_validate(stage.body)
@@ -154,11 +188,22 @@ def _context(run_dir: Path, stage: Stage, output: Path, metrics: MetricsLogger, 
     model = inputs[stage.model] if stage.model_is_input else (Path(stage.model) if stage.model else None)
     _seed_everything(stage.seed)
     return StageContext(
-        stage_id=stage.id, kind=stage.kind, config=config, seed=stage.seed, inputs=inputs, model=model, qat=qat,
-        matrix=dict(stage.matrix), resources=dict(stage.resources), run_dir=run_dir, stage_dir=directory,
-        output_dir=output, metrics=metrics,
+        stage_id=stage.id,
+        kind=stage.kind,
+        config=config,
+        seed=stage.seed,
+        inputs=inputs,
+        model=model,
+        qat=qat,
+        matrix=dict(stage.matrix),
+        resources=dict(stage.resources),
+        run_dir=run_dir,
+        stage_dir=directory,
+        output_dir=output,
+        metrics=metrics,
         checkpoints=CheckpointManager(directory / "checkpoints", keep=3, log=log, on_restore=restored),
-        log=log, progress_sink=_ProgressFile(directory / PROGRESS),
+        log=log,
+        progress_sink=_ProgressFile(directory / PROGRESS),
     )
 
 
@@ -208,7 +253,12 @@ class _ProgressFile:
             return
         self.last = now
         tmp = self.path.with_suffix(".tmp")
-        record = {"step": step, "total": total, "shown": {k: _short(v) for k, v in shown.items()}, "time": time.time()}
+        record = {
+            "step": step,
+            "total": total,
+            "shown": {k: _short(v) for k, v in shown.items()},
+            "time": time.time(),
+        }
         tmp.write_text(json.dumps(record), encoding="utf-8")
         os.replace(tmp, self.path)  # no fsync: a lost progress update costs nothing
 
@@ -254,7 +304,9 @@ def die_with_parent(parent_pid: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m orchestration.runner", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m orchestration.runner", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("stage")
     parser.add_argument("--executor", default="local")

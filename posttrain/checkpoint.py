@@ -173,8 +173,13 @@ class CheckpointManager:
     stage's metrics can be rewound to the restored step.
     """
 
-    def __init__(self, directory: Path, keep: int = 3, log: logging.Logger | None = None,
-                 on_restore: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        keep: int = 3,
+        log: logging.Logger | None = None,
+        on_restore: Callable[[int], None] | None = None,
+    ) -> None:
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.directory = Path(directory)
@@ -200,9 +205,18 @@ class CheckpointManager:
         """The step the `latest` pointer names (not verified), or None."""
         return latest_checkpoint_step(self.directory)
 
-    def save(self, step: int, *, model: Any = None, optimizer: Any = None, scheduler: Any = None,
-             extra: Mapping[str, Any] | None = None, samples: Mapping[str, Iterable[Sample]] | None = None,
-             rng: bool = True, write_files: Callable[[Path], None] | None = None) -> Path:
+    def save(
+        self,
+        step: int,
+        *,
+        model: Any = None,
+        optimizer: Any = None,
+        scheduler: Any = None,
+        extra: Mapping[str, Any] | None = None,
+        samples: Mapping[str, Iterable[Sample]] | None = None,
+        rng: bool = True,
+        write_files: Callable[[Path], None] | None = None,
+    ) -> Path:
         """Write checkpoint `step` atomically and point `latest` at it.
 
         model / optimizer / scheduler: one object or a mapping name -> object (several models).
@@ -256,8 +270,15 @@ class CheckpointManager:
         self._prune(step)
         return final
 
-    def load(self, *, model: Any = None, optimizer: Any = None, scheduler: Any = None,
-             restore_rng: bool = True, map_location: str = "cpu") -> Checkpoint | None:
+    def load(
+        self,
+        *,
+        model: Any = None,
+        optimizer: Any = None,
+        scheduler: Any = None,
+        restore_rng: bool = True,
+        map_location: str = "cpu",
+    ) -> Checkpoint | None:
         """Restore the newest intact checkpoint into the given objects; None when there is none.
 
         The objects must have the same structure as at save time (same names when mappings).
@@ -321,13 +342,21 @@ class CheckpointManager:
             problem = self.verify(path) if path.is_dir() else "directory is missing"
             if problem is None:
                 if rejected:
-                    self.log.warning("checkpoint %s is damaged (%s); resuming from %s instead",
-                                     rejected[0][0], rejected[0][1], path)
+                    self.log.warning(
+                        "checkpoint %s is damaged (%s); resuming from %s instead",
+                        rejected[0][0],
+                        rejected[0][1],
+                        path,
+                    )
                 return path
             rejected.append((self.directory / name, problem))
         if rejected:
-            self.log.warning("no intact checkpoint in %s (%s: %s); starting from scratch",
-                             self.directory, rejected[0][0].name, rejected[0][1])
+            self.log.warning(
+                "no intact checkpoint in %s (%s: %s); starting from scratch",
+                self.directory,
+                rejected[0][0].name,
+                rejected[0][1],
+            )
         return None
 
     def _prune(self, saved: int) -> None:

@@ -33,8 +33,10 @@ from orchestration.rundir import StageLock, StageState, plan_states, read_manife
 from orchestration.runner import RUN_LOG
 from posttrain.config.errors import ConfigError, Issue, did_you_mean
 
-OVERRIDES_HELP = ("KEY=VALUE overrides: STAGE.key.path=value for the stages matching STAGE (an id or a glob "
-                  "like 'rl-*'), or key.path=value for every stage that has that key")
+OVERRIDES_HELP = (
+    "KEY=VALUE overrides: STAGE.key.path=value for the stages matching STAGE (an id or a glob "
+    "like 'rl-*'), or key.path=value for every stage that has that key"
+)
 
 
 def _parser(command: str) -> argparse.ArgumentParser:
@@ -44,16 +46,36 @@ def _parser(command: str) -> argparse.ArgumentParser:
         parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)
         parser.add_argument("--run-dir", type=Path, help="default: runs/<stem of FILE>")
     if command == "run":
-        parser.add_argument("--only", action="append", default=[], metavar="STAGE",
-                            help="run only this stage (repeatable); its needs must be done")
-        parser.add_argument("--from", dest="from_stage", metavar="STAGE",
-                            help="rerun STAGE and every stage after it from scratch")
-        parser.add_argument("--restart", action="append", default=[], metavar="STAGE",
-                            help="discard STAGE's checkpoints and results and run it again (repeatable)")
+        parser.add_argument(
+            "--only",
+            action="append",
+            default=[],
+            metavar="STAGE",
+            help="run only this stage (repeatable); its needs must be done",
+        )
+        parser.add_argument(
+            "--from",
+            dest="from_stage",
+            metavar="STAGE",
+            help="rerun STAGE and every stage after it from scratch",
+        )
+        parser.add_argument(
+            "--restart",
+            action="append",
+            default=[],
+            metavar="STAGE",
+            help="discard STAGE's checkpoints and results and run it again (repeatable)",
+        )
         parser.add_argument("--executor", choices=("local", "ray"), default="local")
-        parser.add_argument("--max-parallel", type=int, metavar="N",
-                            help="stages running at once (default: 1 local, unlimited ray)")
-        parser.add_argument("--ray-address", help="Ray cluster address (default: $RAY_ADDRESS, else a local instance)")
+        parser.add_argument(
+            "--max-parallel",
+            type=int,
+            metavar="N",
+            help="stages running at once (default: 1 local, unlimited ray)",
+        )
+        parser.add_argument(
+            "--ray-address", help="Ray cluster address (default: $RAY_ADDRESS, else a local instance)"
+        )
     if command == "status":
         parser.add_argument("run_dir", type=Path, metavar="DIR")
     return parser
@@ -63,7 +85,9 @@ def _run_dir(args: argparse.Namespace) -> Path:
     return args.run_dir or Path("runs") / args.file.stem
 
 
-def _select(pipeline: Pipeline, states: dict[str, StageState], args: argparse.Namespace) -> tuple[list[str], set[str]]:
+def _select(
+    pipeline: Pipeline, states: dict[str, StageState], args: argparse.Namespace
+) -> tuple[list[str], set[str]]:
     """(stages in scope in dependency order, stages that must start over)."""
     issues = []
     named = [("--only", s) for s in args.only] + [("--restart", s) for s in args.restart]
@@ -83,8 +107,13 @@ def _select(pipeline: Pipeline, states: dict[str, StageState], args: argparse.Na
     for sid in scope:
         for need in pipeline.stages[sid].needs:
             if need not in args.only and states[need].status != "done":
-                issues.append(Issue("command line", f"--only {sid}: its need {need} is {states[need].status} "
-                                    f"({states[need].reason})", hint=f"run {need} first, or add --only {need}"))
+                issues.append(
+                    Issue(
+                        "command line",
+                        f"--only {sid}: its need {need} is {states[need].status} ({states[need].reason})",
+                        hint=f"run {need} first, or add --only {need}",
+                    )
+                )
     if issues:
         raise ConfigError(issues)
     return scope, forced
@@ -95,9 +124,13 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     run_dir = _run_dir(args)
     states = plan_states(pipeline, run_dir)
     console.print(plan_table(pipeline, states))
-    counts = {s: sum(1 for st in states.values() if st.status == s) for s in ("done", "stale", "pending", "running",
-                                                                             "failed")}
-    console.print(f"run dir {run_dir}: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n), highlight=False)
+    counts = {
+        s: sum(1 for st in states.values() if st.status == s)
+        for s in ("done", "stale", "pending", "running", "failed")
+    }
+    console.print(
+        f"run dir {run_dir}: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n), highlight=False
+    )
     for note in dict.fromkeys(str(n) for n in pipeline.unregistered.values()):
         console.print(f"* {note}", markup=False, highlight=False, soft_wrap=True)
     return 0
@@ -117,26 +150,54 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     lock = StageLock(run_dir)
     if not lock.acquire(wait_s=0):
-        raise ConfigError([Issue(str(run_dir), f"another `posttrain run` (pid {lock.holder()}) is using this run dir",
-                                 hint="wait for it, or pass a different --run-dir")])
+        raise ConfigError(
+            [
+                Issue(
+                    str(run_dir),
+                    f"another `posttrain run` (pid {lock.holder()}) is using this run dir",
+                    hint="wait for it, or pass a different --run-dir",
+                )
+            ]
+        )
     log = _driver_log(run_dir)
     try:
-        (run_dir / "pipeline.json").write_text(json.dumps({
-            "file": str(pipeline.root), "overrides": list(args.overrides),
-            "stages": {sid: {"kind": s.kind, "needs": s.needs} for sid, s in pipeline.stages.items()}},
-            indent=1), encoding="utf-8")
+        (run_dir / "pipeline.json").write_text(
+            json.dumps(
+                {
+                    "file": str(pipeline.root),
+                    "overrides": list(args.overrides),
+                    "stages": {sid: {"kind": s.kind, "needs": s.needs} for sid, s in pipeline.stages.items()},
+                },
+                indent=1,
+            ),
+            encoding="utf-8",
+        )
         log.info("run %s: %d stages in scope, to run: %s", args.file, len(scope), ", ".join(to_run) or "none")
         if not to_run:
-            console.print(f"all {len(scope)} stages in scope are done (run dir {run_dir}); "
-                          "use --restart STAGE or --from STAGE to run again", highlight=False)
+            console.print(
+                f"all {len(scope)} stages in scope are done (run dir {run_dir}); "
+                "use --restart STAGE or --from STAGE to run again",
+                highlight=False,
+            )
         with RichDisplay(console, len(scope)) as display:
-            outcome = execute(pipeline, run_dir, scope, forced, executor=args.executor, max_parallel=args.max_parallel,
-                              ray_address=args.ray_address, display=display, log=log.info)
+            outcome = execute(
+                pipeline,
+                run_dir,
+                scope,
+                forced,
+                executor=args.executor,
+                max_parallel=args.max_parallel,
+                ray_address=args.ray_address,
+                display=display,
+                log=log.info,
+            )
         console.print(summary_table(pipeline, run_dir, outcome))
         report = write_report(pipeline, run_dir)
         console.print(f"report: {report}   log: {run_dir / RUN_LOG}", highlight=False)
         for sid, status in outcome.status.items():
-            for warning in (read_manifest(run_dir / sid) or {}).get("warnings", []) if status != "skipped" else []:
+            for warning in (
+                (read_manifest(run_dir / sid) or {}).get("warnings", []) if status != "skipped" else []
+            ):
                 console.print(f"[yellow]warning[/] {sid}: {warning}", highlight=False)
         log.info("run finished: %s", ", ".join(f"{k}={v}" for k, v in outcome.status.items()))
         return 0 if outcome.ok else 1
@@ -146,8 +207,15 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
 
 def cmd_status(args: argparse.Namespace, console: Console) -> int:
     if not args.run_dir.is_dir():
-        raise ConfigError([Issue(str(args.run_dir), "run dir does not exist",
-                                 hint="pass the --run-dir of a run (default runs/<stem of the stage file>)")])
+        raise ConfigError(
+            [
+                Issue(
+                    str(args.run_dir),
+                    "run dir does not exist",
+                    hint="pass the --run-dir of a run (default runs/<stem of the stage file>)",
+                )
+            ]
+        )
     console.print(status_table(args.run_dir))
     return 0
 

@@ -81,7 +81,9 @@ class StageContext:
     metrics: MetricsLogger
     checkpoints: CheckpointManager
     log: logging.Logger
-    progress_sink: Callable[[int, int | None, dict[str, Any]], None] = field(repr=False, default=lambda *a: None)
+    progress_sink: Callable[[int, int | None, dict[str, Any]], None] = field(
+        repr=False, default=lambda *a: None
+    )
 
     def progress(self, step: int, total: int | None = None, **shown: Any) -> None:
         """Report that `step` of `total` steps is done; `shown` values (e.g. loss=0.31) appear
@@ -129,9 +131,10 @@ def _require_forbid(model: type[BaseModel], where: str, seen: set[type] | None =
         return
     seen.add(model)
     if model.model_config.get("extra") != "forbid":
-        raise TypeError(f"stage kind config {where} ({model.__name__}) must set "
-                        "model_config = ConfigDict(extra='forbid') so misspelled keys are errors")
+        raise TypeError(
+            f"stage kind config {where} ({model.__name__}) must set "
+            "model_config = ConfigDict(extra='forbid') so misspelled keys are errors"
+        )
     for name, info in model.model_fields.items():
         for nested in models_in(info.annotation):
             _require_forbid(nested, f"{where}.{name}", seen)
-

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from data_recipes.agent_tasks.common import ToolFamily, system_message, thinking
-from data_recipes.agent_tasks.tools import documents
+from data_recipes.agent_tasks.tools import DOCS_DIR
 from posttrain.data.sample import Sample
 from posttrain.data.tasks import TASK_FAMILIES, Episode, FinalState
 
@@ -21,7 +21,8 @@ FILE_NAMES = ("answer.txt", "result.txt", "report.txt", "out.txt")
 
 def _facts(document: str, pattern: str) -> list[re.Match[str]]:
     """Regex matches over one shipped document's lines (what the tasks are built from)."""
-    return [m for name, line in documents() if name == document and (m := re.fullmatch(pattern, line))]
+    lines = (DOCS_DIR / document).read_text().splitlines()
+    return [match for line in lines if (match := re.fullmatch(pattern, line.strip()))]
 
 
 def _read(results: list[str], pattern: str) -> re.Match[str]:

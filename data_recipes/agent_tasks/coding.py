@@ -1,7 +1,7 @@
 """Coding-domain task families: write a small Python function, or fix a buggy one.
 
 Scored by hidden unit tests (task["tests"], asserts the policy never sees) executed in a fresh
-interpreter process against the code in the final answer's python block. Demonstrations test their
+sandbox against the code in the final answer's python block. Demonstrations test their
 code with the run_python tool (more at higher effort) and read the real output.
 """
 
@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import random
 import re
-import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from data_recipes.agent_tasks.common import ToolFamily, system_message, thinking
-from data_recipes.agent_tasks.tools import run_python
 from posttrain.data.sample import Sample
+from posttrain.envs.sandbox import Sandbox
 from posttrain.data.tasks import TASK_FAMILIES, Episode, FinalState
 
 PASS_MARK = "ALL TESTS PASSED"
+VERIFY_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -120,9 +119,9 @@ class HiddenTestFamily(ToolFamily):
 
     def verify(self, sample: Sample, state: FinalState) -> float:
         program = "\n".join([final_code(state.answer), *sample.task["tests"], f"print({PASS_MARK!r})"])
-        with tempfile.TemporaryDirectory(prefix="verify-") as scratch:
-            output = run_python(program, Path(scratch))
-        return float(output.splitlines()[-1:] == [PASS_MARK])
+        with Sandbox(memory_mb=512, cpu_seconds=10, max_processes=16, network=False) as sandbox:
+            result = sandbox.run(["python3", "-"], timeout=VERIFY_TIMEOUT_S, stdin=program)
+        return float(result.ok and result.stdout.splitlines()[-1:] == [PASS_MARK])
 
     def function_prompt(self, rng: random.Random) -> tuple[FunctionSpec, dict[str, Any], dict[str, Any]]:
         """A spec, its constants and the hidden task data shared by write and fix prompts."""

@@ -10,11 +10,10 @@ from __future__ import annotations
 import random
 import re
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
 
-from data_recipes.agent_tasks import tools
+from data_recipes.agent_tasks.tools import DOCS_DIR
 from posttrain.data.tasks import TaskFamily
+from posttrain.envs.tools import Tool, make_tools
 
 SYSTEM_PROMPTS: dict[str, tuple[str, ...]] = {
     "general": (
@@ -56,21 +55,11 @@ def normalise_answer(text: str) -> str:
 
 
 class ToolFamily(TaskFamily):
-    """A family whose tools are the shipped ones in `tools`, named by `tool_names`."""
+    """A family offering registered tools by name (search reads the shipped documents)."""
 
     tool_names: tuple[str, ...] = ()
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        cls.tools = [tools.SCHEMAS[name] for name in cls.tool_names]
-
-    def call_tool(self, name: str, arguments: dict[str, Any], workspace: Path) -> str:
-        if name not in self.tool_names:
-            raise ValueError(f"unknown tool {name!r}")
-        if name == "calculator":
-            return tools.calculator(str(arguments["expression"]))
-        if name == "search":
-            return tools.search(str(arguments["query"]))
-        if name == "write_file":
-            return tools.write_file(str(arguments["path"]), str(arguments["content"]), workspace)
-        return tools.run_python(str(arguments["code"]), workspace)
+    def make_toolset(self) -> dict[str, Tool]:
+        if not hasattr(self, "_toolset"):
+            self._toolset = make_tools(self.tool_names, docs_dir=DOCS_DIR)
+        return self._toolset

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from data_recipes.agent_tasks.common import ToolFamily, normalise_answer, system_message, thinking
-from data_recipes.agent_tasks.tools import calculator
+from data_recipes.agent_tasks.tools import calculate
 from posttrain.data.sample import Sample
 from posttrain.data.tasks import TASK_FAMILIES, Episode, FinalState
 
@@ -79,7 +79,7 @@ class Arithmetic(ExactAnswerFamily):
         messages = [system_message(self.domain, rng), {"role": "user", "content": question.format(**values)}]
         expression = expression.format(**values)
         task = {
-            "answer": calculator(expression),
+            "answer": calculate(expression),
             "expression": expression,
             "template": str(template),
             "values": {key: str(value) for key, value in values.items()},

@@ -1,7 +1,7 @@
 """Generate the shipped SFT trajectories: `python -m data_recipes.agent_tasks.generate`.
 
 Each trajectory depends only on (seed, family, index): its own `random.Random` is seeded from that
-string and its tools run in a fresh workspace, so any row can be regenerated alone and the whole
+string and its tools run in a fresh sandbox, so any row can be regenerated alone and the whole
 file is byte-identical on every run. Efforts cycle low/high/max over the index.
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +26,7 @@ def generate_trajectory(family_name: str, index: int, seed: int = 0) -> dict[str
     family = TASK_FAMILIES.get(family_name)()
     rng = random.Random(f"sft:{seed}:{family_name}:{index}")
     sample = family.make_prompt(rng, EFFORTS[index % len(EFFORTS)])
-    with tempfile.TemporaryDirectory(prefix="demo-") as workspace:
-        messages = family.demonstrate(sample, Path(workspace))
+    messages = family.demonstrate(sample)
     return {
         "uid": sample.uid,
         "domain": sample.domain,

@@ -38,7 +38,9 @@ def parse_overrides(texts: Iterable[str]) -> tuple[list[Override], list[Issue]]:
         key, sep, raw = text.partition("=")
         parts = tuple(key.strip().split("."))
         if not sep or not all(parts):
-            issues.append(Issue(SOURCE, f"cannot read override {text!r}", hint="write KEY=VALUE, e.g. sft.steps=3"))
+            issues.append(
+                Issue(SOURCE, f"cannot read override {text!r}", hint="write KEY=VALUE, e.g. sft.steps=3")
+            )
             continue
         try:
             value = yaml.safe_load(raw)
@@ -48,8 +50,11 @@ def parse_overrides(texts: Iterable[str]) -> tuple[list[Override], list[Issue]]:
     return overrides, issues
 
 
-def apply_overrides(overrides: Iterable[Override], stages: Mapping[str, dict[str, Any]],
-                    known: Mapping[str, set[tuple[str, ...]]]) -> tuple[dict[str, dict[tuple[str, ...], str]], list[Issue]]:
+def apply_overrides(
+    overrides: Iterable[Override],
+    stages: Mapping[str, dict[str, Any]],
+    known: Mapping[str, set[tuple[str, ...]]],
+) -> tuple[dict[str, dict[tuple[str, ...], str]], list[Issue]]:
     """Set each override in the stage mappings (in place).
 
     stages: stage id -> its raw mapping (generic keys and body).
@@ -67,13 +72,21 @@ def apply_overrides(overrides: Iterable[Override], stages: Mapping[str, dict[str
             path = override.key
             targets = [sid for sid in stages if path in known.get(sid, set()) or _has(stages[sid], path)]
         if path[0] in STRUCTURAL_KEYS:
-            issues.append(Issue(SOURCE, f"{path[0]!r} shapes the stage DAG and cannot be overridden",
-                                key=override.text, hint="edit the stage file instead"))
+            issues.append(
+                Issue(
+                    SOURCE,
+                    f"{path[0]!r} shapes the stage DAG and cannot be overridden",
+                    key=override.text,
+                    hint="edit the stage file instead",
+                )
+            )
             continue
         if not targets:
             candidates = {".".join(p) for sid in stages for p in known.get(sid, set()) | _paths(stages[sid])}
             hint = did_you_mean(".".join(override.key), candidates) or (
-                "prefix a stage id to target one stage, e.g. " + f"{next(iter(stages), 'sft')}.{'.'.join(path)}=...")
+                "prefix a stage id to target one stage, e.g. "
+                + f"{next(iter(stages), 'sft')}.{'.'.join(path)}=..."
+            )
             issues.append(Issue(SOURCE, "no stage has this key", key=override.text, hint=hint))
             continue
         for sid in targets:

@@ -41,16 +41,21 @@ class StageHeader(BaseModel):
     stage: str | None = Field(None, description="stage id; default: the file's stem (plus matrix values)")
     kind: str = Field(description="registered stage kind, e.g. sft, rl, mopd")
     description: str = ""
-    needs: list[str] = Field(default_factory=list,
-                             description="stage files (relative to this file) or stage ids this stage needs")
-    model: str | None = Field(None, description="model preset file (relative to this file) or a need's stage id")
+    needs: list[str] = Field(
+        default_factory=list, description="stage files (relative to this file) or stage ids this stage needs"
+    )
+    model: str | None = Field(
+        None, description="model preset file (relative to this file) or a need's stage id"
+    )
     seed: int = 0
     resources: Resources = Field(default_factory=Resources)
     qat: dict[str, Any] | None = None
-    plugins: list[str] = Field(default_factory=list,
-                               description="modules or .py files (relative to this file) to import")
+    plugins: list[str] = Field(
+        default_factory=list, description="modules or .py files (relative to this file) to import"
+    )
     matrix: dict[str, list[Scalar]] | None = Field(
-        None, description="name -> values; one stage per combination, ${name} substituted in the body")
+        None, description="name -> values; one stage per combination, ${name} substituted in the body"
+    )
 
 
 GENERIC_KEYS: frozenset[str] = frozenset(StageHeader.model_fields)
@@ -65,8 +70,9 @@ def split_body(data: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     return header, body
 
 
-def expand_matrix(data: dict[str, Any], stem: str, file: str,
-                  lines: dict[KeyPath, int]) -> tuple[list[tuple[dict[str, Any], dict[str, Any]]], list[Issue]]:
+def expand_matrix(
+    data: dict[str, Any], stem: str, file: str, lines: dict[KeyPath, int]
+) -> tuple[list[tuple[dict[str, Any], dict[str, Any]]], list[Issue]]:
     """[(matrix values, stage mapping with ${name} substituted)]; one entry when there is no matrix.
 
     The stage id defaults to the file stem, followed by the values in matrix order
@@ -77,23 +83,45 @@ def expand_matrix(data: dict[str, Any], stem: str, file: str,
         body = dict(data)
         body.setdefault("stage", stem)
         return [({}, body)], []
-    if not isinstance(matrix, dict) or not matrix or not all(isinstance(v, list) and v for v in matrix.values()):
-        return [], [Issue(file, "matrix must map each name to a non-empty list of values", key="matrix",
-                          line=line_of(lines, ("matrix",)),
-                          hint="e.g. matrix: {domain: [general, agent], effort: [low, high]}")]
+    if (
+        not isinstance(matrix, dict)
+        or not matrix
+        or not all(isinstance(v, list) and v for v in matrix.values())
+    ):
+        return [], [
+            Issue(
+                file,
+                "matrix must map each name to a non-empty list of values",
+                key="matrix",
+                line=line_of(lines, ("matrix",)),
+                hint="e.g. matrix: {domain: [general, agent], effort: [low, high]}",
+            )
+        ]
     issues = []
     template = data.get("stage") or stem + "".join(f"-${{{name}}}" for name in matrix)
     if isinstance(template, str):
-        missing = [name for name in matrix if f"${{{name}}}" not in template]
+        missing = [n for n, values in matrix.items() if len(values) > 1 and f"${{{n}}}" not in template]
         if missing:
-            issues.append(Issue(file, f"a matrix stage id must use every matrix name; {missing} unused",
-                                key="stage", line=line_of(lines, ("stage",)),
-                                hint="e.g. stage: " + stem + "".join(f"-${{{n}}}" for n in matrix)))
+            issues.append(
+                Issue(
+                    file,
+                    f"a matrix stage id must use every matrix name with several values; {missing} unused",
+                    key="stage",
+                    line=line_of(lines, ("stage",)),
+                    hint="e.g. stage: " + stem + "".join(f"-${{{n}}}" for n in matrix),
+                )
+            )
     unknown = sorted({m for m in MATRIX_VARIABLE.findall(str(data)) if m not in matrix})
     for name in unknown:
-        issues.append(Issue(file, f"${{{name}}} is not a matrix name", key="matrix",
-                        line=line_of(lines, ("matrix",)), hint=did_you_mean(name, matrix) or
-                        f"matrix names: {', '.join(matrix)}"))
+        issues.append(
+            Issue(
+                file,
+                f"${{{name}}} is not a matrix name",
+                key="matrix",
+                line=line_of(lines, ("matrix",)),
+                hint=did_you_mean(name, matrix) or f"matrix names: {', '.join(matrix)}",
+            )
+        )
     if issues:
         return [], issues
     instances = []
@@ -143,7 +171,9 @@ def fields_at(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
     return sorted({name for cls in current for name in cls.model_fields})
 
 
-def schema_paths(model: type[BaseModel], prefix: tuple[str, ...] = (), depth: int = 6) -> set[tuple[str, ...]]:
+def schema_paths(
+    model: type[BaseModel], prefix: tuple[str, ...] = (), depth: int = 6
+) -> set[tuple[str, ...]]:
     """Every dotted key path a model accepts (intermediate and leaf), for overrides."""
     paths = set()
     for name, info in model.model_fields.items():
@@ -155,8 +185,14 @@ def schema_paths(model: type[BaseModel], prefix: tuple[str, ...] = (), depth: in
     return paths
 
 
-def pydantic_issues(error: ValidationError, model: type[BaseModel], file: str, lines: dict[KeyPath, int],
-                    overridden: dict[tuple[str, ...], str], extra_names: frozenset[str] = frozenset()) -> list[Issue]:
+def pydantic_issues(
+    error: ValidationError,
+    model: type[BaseModel],
+    file: str,
+    lines: dict[KeyPath, int],
+    overridden: dict[tuple[str, ...], str],
+    extra_names: frozenset[str] = frozenset(),
+) -> list[Issue]:
     """One Issue per pydantic error, located at the file line (or the override that set the key).
 
     extra_names: more names valid at the top level (the generic keys, when validating a body).

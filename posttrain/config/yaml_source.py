@@ -18,11 +18,12 @@ from posttrain.config.errors import ConfigError, Issue, key_path
 KeyPath = tuple[str | int, ...]
 
 
-def load_yaml(path: Path, display: str | None = None) -> tuple[Any, dict[KeyPath, int]]:
-    """Parse `path`; return (data, {key path: 1-based line}). The empty path () maps to line 1.
+def load_yaml(path: Path, display: str | None = None) -> tuple[Any, dict[KeyPath, int], list[Issue]]:
+    """Parse `path`; return (data, {key path: 1-based line}, issues). The empty path () maps to
+    line 1. `issues` lists duplicate keys (the data is still usable, so the caller can go on and
+    report every other mistake too).
 
-    Raises ConfigError naming the file and line for syntax errors, duplicate keys and a missing
-    file.
+    Raises ConfigError naming the file and line for syntax errors and a missing file.
     """
     name = display or str(path)
     try:
@@ -48,21 +49,27 @@ def load_yaml(path: Path, display: str | None = None) -> tuple[Any, dict[KeyPath
     issues: list[Issue] = []
     if node is not None:
         _record_lines(node, (), lines, issues, name)
-    if issues:
-        raise ConfigError(issues)
-    return data, lines
+    return data, lines, issues
 
 
-def _record_lines(node: yaml.Node, path: KeyPath, lines: dict[KeyPath, int], issues: list[Issue],
-                  name: str) -> None:
+def _record_lines(
+    node: yaml.Node, path: KeyPath, lines: dict[KeyPath, int], issues: list[Issue], name: str
+) -> None:
     if isinstance(node, yaml.MappingNode):
         seen: dict[str, int] = {}
         for key_node, value_node in node.value:
             key = key_node.value if isinstance(key_node, yaml.ScalarNode) else str(key_node.value)
             line = key_node.start_mark.line + 1
             if key in seen:
-                issues.append(Issue(name, f"duplicate key (first written on line {seen[key]})",
-                                    key=key_path((*path, key)), line=line, hint="keep one of them"))
+                issues.append(
+                    Issue(
+                        name,
+                        f"duplicate key (first written on line {seen[key]})",
+                        key=key_path((*path, key)),
+                        line=line,
+                        hint="keep one of them",
+                    )
+                )
             seen[key] = line
             lines[(*path, key)] = line
             _record_lines(value_node, (*path, key), lines, issues, name)

@@ -17,14 +17,18 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any
-
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from typing import TYPE_CHECKING, Any
 
 from posttrain.data.sample import EFFORTS
 
-# Role headers are <|im_role|> ... <|im_middle|>; K2/K3 name the roles the same way.
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+# Role headers are <|im_role|> ... <|im_middle|>, the K2 chat format's names.
+# Ids follow this order (the shipped tokenizer gives them ids 0..16): pad first, so a model config's
+# pad_token_id 0 is the tokenizer's pad.
 SPECIAL_TOKENS: dict[str, str] = {
+    "pad": "<|pad|>",
     "system": "<|im_system|>",
     "user": "<|im_user|>",
     "assistant": "<|im_assistant|>",
@@ -41,7 +45,6 @@ SPECIAL_TOKENS: dict[str, str] = {
     "effort_low": "<|effort_low|>",
     "effort_high": "<|effort_high|>",
     "effort_max": "<|effort_max|>",
-    "pad": "<|pad|>",
 }
 ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
 TOOL_DECLARE_NAME = "tool_declare"
@@ -70,6 +73,8 @@ def load_tokenizer(path: str | Path | None = None) -> PreTrainedTokenizerFast:
     to ``len(tokenizer)``), ``<|pad|>`` becomes the pad token when it has none, and the K3 chat
     template replaces its own so ``apply_chat_template`` and `ChatRenderer` agree.
     """
+    from transformers import AutoTokenizer  # here, not at import: transformers takes seconds to load
+
     if path is None and not DEFAULT_TOKENIZER_DIR.exists():
         raise FileNotFoundError(
             f"the shipped tokenizer {DEFAULT_TOKENIZER_DIR} is missing; rebuild it with "

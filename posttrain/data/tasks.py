@@ -1,10 +1,11 @@
 """Task families: one object per kind of task, shared by SFT data generation, SFT evaluation and RL.
 
 A family makes prompts (`make_prompt`, with the hidden verification data in ``Sample.task``),
-executes the tools it offers for real (`call_tool`), scores an episode's final state (`verify`), and
-demonstrates a solution (`demonstration`, a scripted policy whose tool calls run through the same
-`Episode` an RL environment uses). Demonstrations are therefore real trajectories: every tool
-result in the SFT data is what the tool returned, and every demonstration is verified.
+offers tools (posttrain.envs.tools, executed for real, sandboxed where they run code or touch
+files), scores an episode's final state (`verify`), and demonstrates a solution (`demonstration`, a
+scripted policy whose tool calls run through the same `Episode` an RL environment uses).
+Demonstrations are therefore real trajectories: every tool result in the SFT data is what the tool
+returned, and every demonstration is verified.
 
 Families register by decorator in `TASK_FAMILIES` (the shipped ones live in
 ``data_recipes/agent_tasks``):
@@ -13,25 +14,30 @@ Families register by decorator in `TASK_FAMILIES` (the shipped ones live in
     class Arithmetic(TaskFamily): ...
 
     family = TASK_FAMILIES.get(sample.task["family"])()
-    episode = Episode(family, sample, workspace)
-    tool_messages = episode.step(parsed_assistant_message)   # [] once the turn has no tool calls
-    reward = episode.reward()
+    with family.open_sandbox() as sandbox:                 # None for families without sandboxed tools
+        episode = Episode(family, sample, sandbox)
+        tool_messages = episode.step(parsed_assistant_message)   # [] once the turn has no tool calls
+        reward = episode.reward()
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, ClassVar
 
 from posttrain.data.chat import tool_call_id
 from posttrain.data.sample import Sample
+from posttrain.envs.sandbox import Sandbox
+from posttrain.envs.tools import Tool, call_tool
 from posttrain.registry import Registry
 
+# Tools that act inside a sandbox; an episode of a family offering none of them needs no sandbox.
+SANDBOXED_TOOLS = frozenset({"run_python", "shell", "read_file", "write_file"})
 MAX_TOOL_RESULT_CHARS = 400
 
 
@@ -40,7 +46,7 @@ class FinalState:
     """What a verifier sees at the end of an episode.
 
     answer: content of the last assistant turn ("" if it never answered).
-    files: the workspace's files (relative path -> text) after the episode.
+    files: the sandbox workspace's files (relative path -> text) after the episode ({} without one).
     tool_calls: number of tool calls made.
     """
 
@@ -50,11 +56,25 @@ class FinalState:
 
 
 class TaskFamily(ABC):
-    """One kind of task. Subclasses set `name`, `domain` and `tools` (JSON schemas)."""
+    """One kind of task. Subclasses set `name`, `domain` and implement `make_toolset`."""
 
     name: ClassVar[str]
     domain: ClassVar[str]
-    tools: ClassVar[list[dict[str, Any]]] = []
+
+    @abstractmethod
+    def make_toolset(self) -> dict[str, Tool]:
+        """The tools an episode offers, by name (instances of posttrain.envs.tools.Tool)."""
+
+    @property
+    def tools(self) -> list[dict[str, Any]]:
+        """JSON schemas of the offered tools, as rendered into the prompt."""
+        return [tool.schema for tool in self.make_toolset().values()]
+
+    def open_sandbox(self) -> contextlib.AbstractContextManager[Sandbox | None]:
+        """A fresh sandbox for one episode, or a null context when no offered tool needs one."""
+        if SANDBOXED_TOOLS.isdisjoint(self.make_toolset()):
+            return contextlib.nullcontext()
+        return Sandbox(memory_mb=512, cpu_seconds=30, max_processes=64, network=False)
 
     @abstractmethod
     def make_prompt(self, rng: random.Random, effort: str) -> Sample:
@@ -70,16 +90,13 @@ class TaskFamily(ABC):
         """Yield the assistant turns of a correct solution; after each yield the episode has run the
         turn's tool calls, so the next turn can read their results from ``episode.messages``."""
 
-    def call_tool(self, name: str, arguments: dict[str, Any], workspace: Path) -> str:
-        """Execute one tool call for real in `workspace` and return its text result."""
-        raise ValueError(f"unknown tool {name!r}")
-
-    def demonstrate(self, sample: Sample, workspace: Path) -> list[dict[str, Any]]:
+    def demonstrate(self, sample: Sample) -> list[dict[str, Any]]:
         """A verified demonstration: the full message list of a solved episode."""
-        episode = Episode(self, sample, workspace)
-        for message in self.demonstration(sample, episode):
-            episode.step(message)
-        reward = episode.reward()
+        with self.open_sandbox() as sandbox:
+            episode = Episode(self, sample, sandbox)
+            for message in self.demonstration(sample, episode):
+                episode.step(message)
+            reward = episode.reward()
         if reward != 1.0:
             raise RuntimeError(f"{self.name}: the demonstration of {sample.uid} scored {reward}, not 1.0")
         return episode.messages
@@ -101,18 +118,20 @@ TASK_FAMILIES: Registry[type[TaskFamily]] = Registry("task family")
 
 
 class Episode:
-    """A conversation being played out against a family's real tools in one workspace directory."""
+    """A conversation played out against a family's real tools (in `sandbox` where they need one)."""
 
-    def __init__(self, family: TaskFamily, sample: Sample, workspace: Path) -> None:
+    def __init__(self, family: TaskFamily, sample: Sample, sandbox: Sandbox | None) -> None:
         self.family = family
         self.sample = sample
-        self.workspace = Path(workspace)
-        self.workspace.mkdir(parents=True, exist_ok=True)
+        self.sandbox = sandbox
+        self.toolset = family.make_toolset()
         self.messages: list[dict[str, Any]] = [dict(message) for message in sample.messages]
         self.tool_calls = 0
         self.done = False
 
-    def assistant(self, reasoning: str, content: str = "", calls: list[tuple[str, dict[str, Any]]] = ()) -> dict:
+    def assistant(
+        self, reasoning: str, content: str = "", calls: Sequence[tuple[str, dict[str, Any]]] = ()
+    ) -> dict[str, Any]:
         """An assistant message whose tool calls get the K3 ids the model writes (a conversation-wide
         count), so demonstrations teach exactly what generation must reproduce."""
         message: dict[str, Any] = {"role": "assistant", "reasoning_content": reasoning, "content": content}
@@ -140,7 +159,8 @@ class Episode:
         results = []
         for call in calls:
             self.tool_calls += 1
-            results.append({"role": "tool", "tool_call_id": call["id"], "content": self._run(call)})
+            result = call_tool(self.toolset, self.sandbox, call)
+            results.append({**result, "content": result["content"][:MAX_TOOL_RESULT_CHARS]})
         self.messages += results
         return results
 
@@ -153,29 +173,16 @@ class Episode:
             out.insert(0, message["content"])
         return out
 
-    def _run(self, call: dict[str, Any]) -> str:
-        name = call.get("function", {}).get("name", "")
-        if name not in {tool["function"]["name"] for tool in self.family.tools}:
-            return f"error: unknown tool {name!r}"
-        try:
-            arguments = json.loads(call["function"].get("arguments") or "{}")
-        except json.JSONDecodeError as error:
-            return f"error: arguments are not JSON ({error.msg})"
-        if not isinstance(arguments, dict):
-            return "error: arguments must be a JSON object"
-        try:
-            result = self.family.call_tool(name, arguments, self.workspace)
-        except (ValueError, KeyError, TypeError, OSError) as error:
-            result = f"error: {error}"
-        return result[:MAX_TOOL_RESULT_CHARS]
-
     def final_state(self) -> FinalState:
         answer = next((m.get("content") or "" for m in reversed(self.messages) if m["role"] == "assistant"), "")
-        files = {
-            str(path.relative_to(self.workspace)): path.read_text(errors="replace")
-            for path in sorted(self.workspace.rglob("*"))
-            if path.is_file()
-        }
+        files = {}
+        if self.sandbox is not None:
+            workspace = self.sandbox.workspace
+            files = {
+                str(path.relative_to(workspace)): path.read_text(errors="replace")
+                for path in sorted(workspace.rglob("*"))
+                if path.is_file()
+            }
         return FinalState(answer=answer, files=files, tool_calls=self.tool_calls)
 
     def reward(self) -> float:

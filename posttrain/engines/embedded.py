@@ -19,7 +19,6 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
 
 from posttrain.data.sample import Sample
@@ -270,12 +269,15 @@ class EmbeddedEngine(Engine):
 
     # -- weights ----------------------------------------------------------------------------
     def update_weights(self, weights: WeightsSource) -> None:
-        """Load a state dict, a *.safetensors file or a checkpoint dir of them; bumps policy_version.
+        """Load a state dict (this model's parameter names) or a checkpoint directory written by
+        save_pretrained; bumps policy_version.
 
+        A directory goes through the model class's own from_pretrained, so checkpoint-format
+        conversions (K3 writes routed experts one by one, the module holds them batched) apply.
         Missing keys are allowed only for tied parameters (e.g. lm_head sharing the embedding);
         anything else missing or unexpected is an error naming the keys.
         """
-        state = dict(weights) if isinstance(weights, Mapping) else _read_safetensors(Path(weights))
+        state = dict(weights) if isinstance(weights, Mapping) else self._read_checkpoint(Path(weights))
         result = self.model.load_state_dict(state, strict=False)
         own = self.model.state_dict()
         loaded_storage = {own[name].data_ptr() for name in state if name in own}
@@ -287,12 +289,11 @@ class EmbeddedEngine(Engine):
             )
         self.policy_version += 1
 
-
-def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
-    if not files or not all(f.exists() and f.suffix == ".safetensors" for f in files):
-        raise FileNotFoundError(f"{path}: expected a .safetensors file or a directory containing them")
-    state: dict[str, torch.Tensor] = {}
-    for file in files:
-        state.update(load_file(str(file)))
-    return state
+    def _read_checkpoint(self, path: Path) -> dict[str, torch.Tensor]:
+        if not path.is_dir() or not (path / "config.json").exists():
+            raise FileNotFoundError(
+                f"{path} is not a checkpoint directory (config.json + safetensors); pass a directory "
+                "written by save_pretrained, or a state dict"
+            )
+        dtype = next(self.model.parameters()).dtype
+        return type(self.model).from_pretrained(str(path), dtype=dtype).state_dict()

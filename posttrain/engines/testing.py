@@ -80,3 +80,12 @@ def perturbed_llama_state_dict(
         noise = torch.randn(tensor.shape, generator=generator) * scale if tensor.dim() > 1 else 0.0
         state[name] = (tensor + noise).contiguous()
     return state
+
+
+def reference_logprobs(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
+    """log p(token_t | tokens_<t) from one plain fp32 forward, position 0 -> 0: what every
+    engine's `score` must reproduce."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([tokens])).logits[0].float()
+    picked = torch.log_softmax(logits[:-1], dim=-1).gather(-1, torch.tensor(tokens[1:])[:, None]).squeeze(-1)
+    return torch.cat([torch.zeros(1), picked])

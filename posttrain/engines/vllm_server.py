@@ -137,7 +137,10 @@ class VLLMServer:
         self.logprobs_mode = logprobs_mode
         self.startup_timeout = startup_timeout
         self.log_path = Path(log_path or tempfile.mkstemp(prefix="vllm-server-", suffix=".log")[1])
-        self.env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", **(env or {})}
+        # The server picks its own process layout: an in-process VLLMEngine in this program sets
+        # VLLM_ENABLE_V1_MULTIPROCESSING=0, which must not leak into the server's environment.
+        inherited = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+        self.env = {**inherited, "VLLM_SERVER_DEV_MODE": "1", **(env or {})}
         self.process: subprocess.Popen | None = None
         self.starts = 0
         self._finalizer: weakref.finalize | None = None
@@ -257,6 +260,7 @@ class VLLMServerEngine(Engine):
         self.weights_dir = Path(weights_dir or tempfile.mkdtemp(prefix="vllm-weights-"))
         self.weights_path: Path | None = None
         self.restarts = 0
+        self._restarts_this_call = 0
         self.policy_version = 0
         self.model_name = self._get("/v1/models")["data"][0]["id"]
 
@@ -289,11 +293,13 @@ class VLLMServerEngine(Engine):
         """Restart an owned server (and reload the newest weights) or raise naming the samples."""
         if self.server is None:
             raise EngineError(f"vLLM server {self.url} failed ({error})", failed_uids) from error
-        if self.restarts >= self.max_restarts:
+        if self._restarts_this_call >= self.max_restarts:
             raise EngineError(
-                f"vLLM server {self.url} failed again after {self.restarts} restarts ({error})", failed_uids
+                f"vLLM server {self.url} failed again after {self.max_restarts} restarts ({error})",
+                failed_uids,
             ) from error
         self.restarts += 1
+        self._restarts_this_call += 1
         try:
             self.server.restart()
         except (RuntimeError, TimeoutError) as restart_error:
@@ -361,6 +367,7 @@ class VLLMServerEngine(Engine):
         self, samples: list[Sample], sampling: SamplingConfig, pause_when: PauseWhen | None = None
     ) -> list[Sample]:
         check_logprobs_mode(sampling, self.logprobs_mode)
+        self._restarts_this_call = 0
         todo: list[_Stream] = []
         for sample in samples:
             check_prompt(sample)
@@ -426,6 +433,7 @@ class VLLMServerEngine(Engine):
     def score(self, samples: list[Sample]) -> list[list[float]]:
         for sample in samples:
             check_prompt(sample)
+        self._restarts_this_call = 0
         while True:
             try:
                 return self._score_once(samples)
@@ -455,6 +463,7 @@ class VLLMServerEngine(Engine):
     # -- weights ----------------------------------------------------------------------------
     def update_weights(self, weights: WeightsSource) -> None:
         """Reload from an HF checkpoint dir, or write a state dict there first (safetensors)."""
+        self._restarts_this_call = 0
         if isinstance(weights, Mapping):
             path = save_state_dict(weights, self.weights_dir / f"version-{self.policy_version + 1}")
         else:

@@ -26,7 +26,12 @@ from posttrain.registry import Registry
 DEFAULT_TIMEOUT_S = 10.0
 DEFAULT_MAX_CHARS = 8000
 JSON_TYPES: dict[str, type | tuple[type, ...]] = {
-    "string": str, "integer": int, "number": (int, float), "boolean": bool, "object": dict, "array": list,
+    "string": str,
+    "integer": int,
+    "number": (int, float),
+    "boolean": bool,
+    "object": dict,
+    "array": list,
 }
 
 
@@ -37,6 +42,8 @@ class Tool:
     name: ClassVar[str]
     description: ClassVar[str]
     parameters: ClassVar[dict[str, Any]]
+    # Tools that run commands or touch files need a sandbox; host-side ones (search) accept None.
+    needs_sandbox: ClassVar[bool] = False
 
     def __init__(self, timeout: float = DEFAULT_TIMEOUT_S, max_chars: int = DEFAULT_MAX_CHARS) -> None:
         self.timeout = timeout
@@ -45,20 +52,24 @@ class Tool:
     @property
     def schema(self) -> dict[str, Any]:
         """The OpenAI function-calling declaration offered to the model (`Sample.tools`)."""
-        return {"type": "function",
-                "function": {"name": self.name, "description": self.description, "parameters": self.parameters}}
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
 
-    def call(self, sandbox: Sandbox, arguments: Mapping[str, Any]) -> str:
+    def call(self, sandbox: Sandbox | None, arguments: Mapping[str, Any]) -> str:
         problem = _argument_problem(arguments, self.parameters)
         if problem:
             return f"error: {problem}"
+        if sandbox is None and self.needs_sandbox:
+            return f"error: {self.name} runs in a sandbox and this episode has none"
         try:
             result = self.execute(sandbox, **arguments)
         except (SandboxError, ValueError, OSError) as exc:
             return f"error: {exc}"
         return _clip(result, self.max_chars)
 
-    def execute(self, sandbox: Sandbox, **arguments: Any) -> str:
+    def execute(self, sandbox: Sandbox | None, **arguments: Any) -> str:
         raise NotImplementedError
 
 
@@ -80,6 +91,7 @@ class RunPython(Tool):
     name = "run_python"
     description = "Run a Python program and return its output."
     parameters = _string_parameters(code="program")
+    needs_sandbox = True
 
     def execute(self, sandbox: Sandbox, code: str) -> str:
         result = sandbox.run(["python3", "-"], timeout=self.timeout, stdin=code)
@@ -88,7 +100,9 @@ class RunPython(Tool):
         output = result.stdout.strip()
         if result.exit_code != 0:
             errors = [line for line in result.stderr.strip().splitlines() if line.strip()]
-            output = "\n".join(filter(None, [output, errors[-1] if errors else f"exit code {result.exit_code}"]))
+            output = "\n".join(
+                filter(None, [output, errors[-1] if errors else f"exit code {result.exit_code}"])
+            )
         return output or "(no output)"
 
 
@@ -99,6 +113,7 @@ class Shell(Tool):
     name = "shell"
     description = "Run a shell command in the workspace and return its output and exit code."
     parameters = _string_parameters(command="a /bin/sh command line")
+    needs_sandbox = True
 
     def execute(self, sandbox: Sandbox, command: str) -> str:
         result = sandbox.run(command, timeout=self.timeout)
@@ -117,6 +132,7 @@ class ReadFile(Tool):
     name = "read_file"
     description = "Read a text file."
     parameters = _string_parameters(path="file name")
+    needs_sandbox = True
 
     def execute(self, sandbox: Sandbox, path: str) -> str:
         result = sandbox.run(["cat", "--", path], timeout=self.timeout)
@@ -132,10 +148,13 @@ class WriteFile(Tool):
     name = "write_file"
     description = "Write a text file."
     parameters = _string_parameters(path="file name", content="text")
+    needs_sandbox = True
 
     def execute(self, sandbox: Sandbox, path: str, content: str) -> str:
         script = 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1"'
-        result = sandbox.run(["/bin/sh", "-c", script, "write_file", path], timeout=self.timeout, stdin=content)
+        result = sandbox.run(
+            ["/bin/sh", "-c", script, "write_file", path], timeout=self.timeout, stdin=content
+        )
         if result.exit_code != 0:
             return f"error: {_last_line(result.stderr) or f'cannot write {path}'}"
         return f"wrote {len(content)} characters to {path}"
@@ -158,13 +177,17 @@ class Search(Tool):
         super().__init__(**options)
         directory = Path(docs_dir)
         if not directory.is_dir():
-            raise ValueError(f"search tool: docs_dir {str(directory)!r} is not a directory; "
-                             f"pass the folder of shipped documents, e.g. data_recipes/docs")
+            raise ValueError(
+                f"search tool: docs_dir {str(directory)!r} is not a directory; "
+                f"pass the folder of shipped documents, e.g. data_recipes/docs"
+            )
         paths = sorted(p for pattern in ("*.txt", "*.md") for p in directory.glob(pattern))
-        self.lines = [(p.name, line.strip()) for p in paths for line in p.read_text().splitlines() if line.strip()]
+        self.lines = [
+            (p.name, line.strip()) for p in paths for line in p.read_text().splitlines() if line.strip()
+        ]
         self.max_results = max_results
 
-    def execute(self, sandbox: Sandbox, query: str) -> str:
+    def execute(self, sandbox: Sandbox | None, query: str) -> str:
         wanted = _words(query)
         if not wanted:
             raise ValueError("the query has no words")
@@ -172,7 +195,9 @@ class Search(Tool):
         best = max((score for score, _, _ in scored), default=0)
         if best == 0:
             return "no results"
-        return "\n".join([f"{name}: {line}" for score, name, line in scored if score == best][: self.max_results])
+        return "\n".join(
+            [f"{name}: {line}" for score, name, line in scored if score == best][: self.max_results]
+        )
 
 
 def make_tools(names: Sequence[str], **options: Any) -> dict[str, Tool]:
@@ -186,7 +211,9 @@ def make_tools(names: Sequence[str], **options: Any) -> dict[str, Tool]:
     return tools
 
 
-def call_tool(tools: Mapping[str, Tool], sandbox: Sandbox, tool_call: Mapping[str, Any]) -> dict[str, Any]:
+def call_tool(
+    tools: Mapping[str, Tool], sandbox: Sandbox | None, tool_call: Mapping[str, Any]
+) -> dict[str, Any]:
     """Execute one assistant tool call {"id", "type": "function", "function": {"name", "arguments"}}
     and return the tool message answering it: {"role": "tool", "tool_call_id", "content"}."""
     function = tool_call.get("function") or {}
@@ -198,7 +225,10 @@ def call_tool(tools: Mapping[str, Tool], sandbox: Sandbox, tool_call: Mapping[st
         try:
             arguments = json.loads(raw) if isinstance(raw, str) else raw
         except json.JSONDecodeError as exc:
-            arguments, content = None, f"error: arguments are not valid JSON ({exc.msg} at character {exc.pos})"
+            arguments, content = (
+                None,
+                f"error: arguments are not valid JSON ({exc.msg} at character {exc.pos})",
+            )
         if arguments is not None:
             if isinstance(arguments, dict):
                 content = tools[name].call(sandbox, arguments)

@@ -6,6 +6,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from posttrain.model.balancing import QuantileBalancer, update_router_bias
 from posttrain.model.cache import KimiK3Cache
 from posttrain.model.configuration_kimi_k3 import KimiK3Config, load_model_config
+from posttrain.model.export import save_for_vllm, vllm_config_dict
 from posttrain.model.modeling_kimi_k3 import KimiK3ForCausalLM, KimiK3Model, register_checkpoint_layout
 from posttrain.model.params import count_parameters
 
@@ -21,5 +22,7 @@ __all__ = [
     "QuantileBalancer",
     "count_parameters",
     "load_model_config",
+    "save_for_vllm",
     "update_router_bias",
+    "vllm_config_dict",
 ]

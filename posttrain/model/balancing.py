@@ -45,7 +45,9 @@ class QuantileBalancer:
             one process, else exact.
     """
 
-    def __init__(self, num_experts: int, top_k: int, num_bins: int = 1000, mode: BalancerMode = "auto") -> None:
+    def __init__(
+        self, num_experts: int, top_k: int, num_bins: int = 1000, mode: BalancerMode = "auto"
+    ) -> None:
         self.num_experts = num_experts
         self.top_k = top_k
         self.num_bins = num_bins
@@ -92,7 +94,9 @@ class QuantileBalancer:
         if self.histogram is None:
             self.bin_lower = float(bias.min()) - 1.0
             self.bin_width = (float(bias.max()) - float(bias.min()) + 2.0) / self.num_bins
-            self.histogram = torch.zeros(self.num_experts, self.num_bins, dtype=torch.int64, device=bias.device)
+            self.histogram = torch.zeros(
+                self.num_experts, self.num_bins, dtype=torch.int64, device=bias.device
+            )
 
     def histogram_quantile(self, q: float) -> torch.Tensor:
         """Per-expert q-quantile [E] read from the (pooled) histogram."""

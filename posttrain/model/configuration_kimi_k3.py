@@ -8,6 +8,8 @@ a model raises `ValueError` naming the key and the fix, at construction, not dee
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import json
 from pathlib import Path
 from typing import Any
@@ -178,12 +180,19 @@ class KimiK3Config(PretrainedConfig):
             )
         lac.setdefault("use_full_rank_gate", True)
         if self.hidden_act not in SUPPORTED_ACTIVATIONS:
-            raise ValueError(f"hidden_act={self.hidden_act!r}: use one of {SUPPORTED_ACTIVATIONS} (K3: 'situ')")
-        if self.hidden_act == "situ" and self.activation_situ_beta is not None and self.activation_situ_beta <= 0:
+            raise ValueError(
+                f"hidden_act={self.hidden_act!r}: use one of {SUPPORTED_ACTIVATIONS} (K3: 'situ')"
+            )
+        if (
+            self.hidden_act == "situ"
+            and self.activation_situ_beta is not None
+            and self.activation_situ_beta <= 0
+        ):
             raise ValueError(f"activation_situ_beta={self.activation_situ_beta}: must be > 0 (K3: 4)")
         if self.activation_situ_linear_beta is not None and self.activation_situ_linear_beta <= 0:
             raise ValueError(
-                f"activation_situ_linear_beta={self.activation_situ_linear_beta}: must be > 0 or null (K3: 25)"
+                f"activation_situ_linear_beta={self.activation_situ_linear_beta}: "
+                "must be > 0 or null (K3: 25)"
             )
         self._validate_mla()
         self._validate_moe(L)
@@ -193,8 +202,8 @@ class KimiK3Config(PretrainedConfig):
             )
         if self.num_nextn_predict_layers != 0:
             raise ValueError(
-                f"num_nextn_predict_layers={self.num_nextn_predict_layers}: multi-token-prediction layers are "
-                "not part of this model; set it to 0"
+                f"num_nextn_predict_layers={self.num_nextn_predict_layers}: multi-token-prediction "
+                "layers are not part of this model; set it to 0"
             )
 
     def _validate_layer_lists(self, L: int) -> None:
@@ -263,11 +272,13 @@ class KimiK3Config(PretrainedConfig):
             )
         if self.moe_router_activation_func not in ("sigmoid", "softmax"):
             raise ValueError(
-                f"moe_router_activation_func={self.moe_router_activation_func!r}: use 'sigmoid' (K3) or 'softmax'"
+                f"moe_router_activation_func={self.moe_router_activation_func!r}: "
+                "use 'sigmoid' (K3) or 'softmax'"
             )
         if self.topk_method != "noaux_tc":
             raise ValueError(
-                f"topk_method={self.topk_method!r}: only 'noaux_tc' (bias used for selection only) is implemented"
+                f"topk_method={self.topk_method!r}: only 'noaux_tc' (bias used for selection only) "
+                "is implemented"
             )
         if self.moe_layer_freq < 1:
             raise ValueError(f"moe_layer_freq={self.moe_layer_freq}: must be >= 1")
@@ -311,7 +322,21 @@ def load_model_config(path: str | Path) -> KimiK3Config:
     if isinstance(data.get("text_config"), dict):
         data = data["text_config"]
     data = {k: v for k, v in data.items() if k not in ("model_type", "architectures")}
+    if path.suffix != ".json":
+        # YAML is written by hand: a misspelt key must not silently fall back to a default.
+        # (.json files come from save_pretrained or a release and carry transformers' own keys.)
+        _reject_unknown_keys(path, data)
     try:
         return KimiK3Config(**data)
     except ValueError as err:
         raise ValueError(f"model config {path}: {err}") from err
+
+
+def _reject_unknown_keys(path: Path, data: dict[str, Any]) -> None:
+    known = set(inspect.signature(KimiK3Config.__init__).parameters) - {"self", "kwargs"}
+    known |= set(PretrainedConfig().to_dict())
+    for key in data:
+        if key not in known:
+            near = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise ValueError(f"model config {path}: unknown key {key!r}{hint}")

@@ -148,7 +148,14 @@ class KimiK3DeltaAttention(nn.Module):
             o, final = fused_recurrent_kda(q, k, v, g, beta, initial_state=state, output_final_state=True)
         else:
             o, final = chunk_kda(
-                q, k, v, g, beta, initial_state=state, output_final_state=cache is not None, cu_seqlens=cu_seqlens
+                q,
+                k,
+                v,
+                g,
+                beta,
+                initial_state=state,
+                output_final_state=cache is not None,
+                cu_seqlens=cu_seqlens,
             )
         if cache is not None:
             cache.conv_states[self.layer_idx] = new_conv_state

@@ -43,7 +43,9 @@ class KimiK3MLAAttention(nn.Module):
             self.q_proj = nn.Linear(D, H * self.qk_head_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(D, self.kv_lora_rank + self.qk_rope_head_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, config.rms_norm_eps)
-        self.kv_b_proj = nn.Linear(self.kv_lora_rank, H * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
+        self.kv_b_proj = nn.Linear(
+            self.kv_lora_rank, H * (self.qk_nope_head_dim + self.v_head_dim), bias=False
+        )
         self.use_output_gate = bool(config.mla_use_output_gate)
         if self.use_output_gate:
             self.g_proj = nn.Linear(D, H * self.v_head_dim, bias=False)
@@ -64,7 +66,9 @@ class KimiK3MLAAttention(nn.Module):
         else:
             q = self.q_proj(x)
         q = q.view(B, T, H, self.qk_head_dim)
-        latent, key_shared = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        latent, key_shared = self.kv_a_proj_with_mqa(x).split(
+            [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1
+        )
         latent = self.kv_a_layernorm(latent)
         if cache is not None:
             latent, key_shared = cache.update_latent(self.layer_idx, latent, key_shared)

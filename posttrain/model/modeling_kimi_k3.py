@@ -111,7 +111,9 @@ class KimiK3DecoderLayer(nn.Module):
             sources = blocks
         else:
             sources = (*blocks, partial)
-        mixed = attn_res_mix(sources, self.self_attention_res_norm.weight, self.self_attention_res_proj.weight[0], eps)
+        mixed = attn_res_mix(
+            sources, self.self_attention_res_norm.weight, self.self_attention_res_proj.weight[0], eps
+        )
         out = self.token_mixer(mixed, ctx)
         partial = out if self.layer_idx % self.block_size == 0 else partial + out
         mixed = attn_res_mix((*blocks, partial), self.mlp_res_norm.weight, self.mlp_res_proj.weight[0], eps)

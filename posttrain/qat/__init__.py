@@ -5,7 +5,7 @@
 compressed-tensors MXFP4 checkpoint layout.
 """
 
-from posttrain.qat.apply import MXFakeQuant, apply_qat, routed_expert_modules
+from posttrain.qat.apply import MXFakeQuant, apply_qat, qat_config_of, restore_qat, routed_expert_modules
 from posttrain.qat.config import QATConfig
 from posttrain.qat.mx import mx_scale_exponents, pack_mxfp4, quantize_dequantize, unpack_mxfp4
 
@@ -15,7 +15,9 @@ __all__ = [
     "apply_qat",
     "mx_scale_exponents",
     "pack_mxfp4",
+    "qat_config_of",
     "quantize_dequantize",
+    "restore_qat",
     "routed_expert_modules",
     "unpack_mxfp4",
 ]

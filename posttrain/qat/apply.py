@@ -20,6 +20,8 @@ from torch import nn
 from posttrain.qat.config import QATConfig
 from posttrain.qat.mx import MXFormat, ScaleRule, quantize_dequantize
 
+QAT_CONFIG_KEY = "posttrain_qat"
+
 
 @dataclass(frozen=True)
 class MXFakeQuant:
@@ -58,9 +60,10 @@ def act_fake_quant(cfg: QATConfig) -> MXFakeQuant | None:
 def apply_qat(model: nn.Module, cfg: QATConfig | Mapping[str, Any] | None) -> list[str]:
     """Set (scheme k3) or clear (scheme none / cfg None) the hooks of every routed-experts module.
 
-    Returns the qualified names of the modules it set, sorted. Raises ValueError when scheme k3
-    finds no such module, or when a routed-expert weight's last (reduction) dimension is not a
-    multiple of the block size.
+    Returns the qualified names of the modules it set, sorted. The config is also recorded as
+    model.config.posttrain_qat (see restore_qat). Raises ValueError when scheme k3 finds no such
+    module, or when a routed-expert weight's last (reduction) dimension is not a multiple of the
+    block size.
     """
     cfg = QATConfig(scheme="none") if cfg is None else QATConfig.model_validate(cfg)
     modules = routed_expert_modules(model)
@@ -83,4 +86,19 @@ def apply_qat(model: nn.Module, cfg: QATConfig | Mapping[str, Any] | None) -> li
     for module in modules.values():
         module.weight_fake_quant = wq
         module.act_fake_quant = aq
+    if modules and hasattr(model, "config"):
+        # Recorded in config.json by save_pretrained, so whoever loads the weights (a later stage,
+        # a rollout engine) can restore_qat the same quantisation.
+        setattr(model.config, QAT_CONFIG_KEY, cfg.model_dump())
     return sorted(modules)
+
+
+def qat_config_of(config: Any) -> QATConfig | None:
+    """The QAT config recorded in a model config (`posttrain_qat`), or None when there is none."""
+    recorded = getattr(config, QAT_CONFIG_KEY, None)
+    return None if recorded is None else QATConfig.model_validate(recorded)
+
+
+def restore_qat(model: nn.Module) -> list[str]:
+    """Re-apply the QAT recorded in model.config (after from_pretrained); no record means off."""
+    return apply_qat(model, qat_config_of(getattr(model, "config", None)))

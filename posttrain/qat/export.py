@@ -25,12 +25,11 @@ from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from posttrain.qat.apply import apply_qat, routed_expert_modules
+from posttrain.qat.apply import QAT_CONFIG_KEY, qat_config_of, restore_qat, routed_expert_modules
 from posttrain.qat.config import QATConfig
 from posttrain.qat.mx import pack_mxfp4, quantize_dequantize, unpack_mxfp4
 
 MXFP4_FORMAT = "mxfp4-pack-quantized"
-QAT_CONFIG_KEY = "posttrain_qat"
 EXPERT_WEIGHTS = ("w1", "w2", "w3")  # gate, down, up: the released per-expert names
 # Everything in a K3 text model that is a Linear but not a routed expert (the release's list plus
 # the LatentMoE projections, the router, the dense first layer's MLP, embeddings and norms).
@@ -44,7 +43,9 @@ IGNORED_LINEARS = [
     "re:.*lm_head.*",
     "re:.*embed_tokens.*",
 ]
-_PACKED_NAME = re.compile(r"^(?P<module>.+)\.(?P<expert>\d+)\.(?P<weight>w[123])\.weight_(?P<part>packed|scale)$")
+_PACKED_NAME = re.compile(
+    r"^(?P<module>.+)\.(?P<expert>\d+)\.(?P<weight>w[123])\.weight_(?P<part>packed|scale)$"
+)
 
 
 def mxfp4_quantization_config() -> dict[str, Any]:
@@ -82,7 +83,7 @@ def mxfp4_quantization_config() -> dict[str, Any]:
 
 
 def _expert_weight_names(model: nn.Module) -> list[str]:
-    """State-dict names of the routed experts' 3-D weights, e.g. model.layers.1.block_sparse_moe.experts.w1."""
+    """State-dict names of the routed experts' 3-D weights, e.g. `...block_sparse_moe.experts.w1`."""
     names = [f"{module}.{w}" for module in routed_expert_modules(model) for w in EXPERT_WEIGHTS]
     if not names:
         raise ValueError(f"{type(model).__name__} has no routed-experts module; nothing to export as MXFP4")
@@ -106,7 +107,9 @@ def _config_dict(model: nn.Module, qat: QATConfig, quantization_config: dict | N
     return config
 
 
-def _write(out_dir: Path, state: dict[str, torch.Tensor], config: dict[str, Any], max_shard_size: str) -> Path:
+def _write(
+    out_dir: Path, state: dict[str, torch.Tensor], config: dict[str, Any], max_shard_size: str
+) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_size)
@@ -124,13 +127,14 @@ def export_mxfp4(
 ) -> Path:
     """Write `model` to out_dir with routed experts packed as MXFP4 (compressed-tensors layout).
 
-    The weights are packed with qat.weight_scale_rule (default QATConfig(): floor), so the bytes
-    dequantise to exactly what the model's fake-quantised forward used. Other tensors keep their
-    dtype. Returns out_dir.
+    The weights are packed with qat.weight_scale_rule (qat defaults to the one apply_qat recorded
+    on the model, else QATConfig()), so the bytes dequantise to exactly what the model's
+    fake-quantised forward used. Other tensors keep their dtype. Returns out_dir.
     """
-    qat = qat or QATConfig()
+    expert_names = _expert_weight_names(model)
+    qat = qat or qat_config_of(model.config) or QATConfig()
     state = _plain_state_dict(model)
-    for name in _expert_weight_names(model):
+    for name in expert_names:
         weight = state.pop(name)
         blocks, scales = pack_mxfp4(weight, scale_rule=qat.weight_scale_rule)
         prefix, w = name.rsplit(".", 1)
@@ -150,12 +154,16 @@ def export_dequantized(
     """Write `model` in `dtype` with routed-expert weights replaced by their MXFP4 values.
 
     A plain transformers directory (no quantization_config): `from_pretrained` and vLLM read it
-    as an ordinary model. Returns out_dir.
+    as an ordinary model; `restore_qat` then re-applies the recorded QAT. qat defaults as in
+    export_mxfp4. Returns out_dir.
     """
-    qat = qat or QATConfig()
+    expert_names = _expert_weight_names(model)
+    qat = qat or qat_config_of(model.config) or QATConfig()
     state = _plain_state_dict(model)
-    for name in _expert_weight_names(model):
-        state[name] = quantize_dequantize(state[name], qat.weight_format, qat.block_size, qat.weight_scale_rule)
+    for name in expert_names:
+        state[name] = quantize_dequantize(
+            state[name], qat.weight_format, qat.block_size, qat.weight_scale_rule
+        )
     state = {name: t.to(dtype) if t.is_floating_point() else t for name, t in state.items()}
     return _write(Path(out_dir), state, _config_dict(model, qat, None), max_shard_size)
 
@@ -189,12 +197,6 @@ def read_state_dict(model_dir: str | Path, dtype: torch.dtype = torch.float32) -
     return state
 
 
-def qat_config_of(config: Any) -> QATConfig | None:
-    """The QAT config recorded in a model config (`posttrain_qat`), or None when there is none."""
-    recorded = getattr(config, QAT_CONFIG_KEY, None)
-    return None if recorded is None else QATConfig.model_validate(recorded)
-
-
 def load_exported(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
     """Load a directory written by export_mxfp4 or export_dequantized (or any K3 model directory)
     into KimiK3ForCausalLM in `dtype`, with the recorded QAT re-applied (none if not recorded)."""
@@ -207,6 +209,12 @@ def load_exported(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> 
             raise ValueError(f"{model_dir}/config.json: quantization format {fmt!r} is not {MXFP4_FORMAT!r}")
         del config.quantization_config  # the loaded model holds dequantised weights
     model = KimiK3ForCausalLM(config).to(dtype)
-    model.load_state_dict(read_state_dict(model_dir, dtype), strict=True)
-    apply_qat(model, qat_config_of(config))
+    missing, unexpected = model.load_state_dict(read_state_dict(model_dir, dtype), strict=False)
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    if unexpected or set(missing) - tied:
+        raise ValueError(
+            f"{model_dir}: tensors do not match {type(model).__name__} built from its config.json: "
+            f"missing {sorted(set(missing) - tied)}, unexpected {sorted(unexpected)}"
+        )
+    restore_qat(model)
     return model

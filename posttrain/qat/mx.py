@@ -101,11 +101,12 @@ def _check_input(x: torch.Tensor, block_size: int, scale_rule: str) -> None:
 
 
 def _pow2(exponent: torch.Tensor) -> torch.Tensor:
-    """2^exponent as float32, built from bits so it is exact (subnormal 2^-149..2^-127 included)."""
+    """2^exponent as float32 for integer exponents in [-149, 127], exact: built from exponent bits,
+    below 2^-126 as the product of two normal powers (exact, the result being a power of two)."""
     e = exponent.to(torch.int32)
-    normal_bits = torch.bitwise_left_shift((e + 127).clamp(min=1), 23)
-    subnormal_bits = torch.bitwise_left_shift(torch.ones_like(e), (e + 149).clamp(0, 22))
-    return torch.where(e >= -126, normal_bits, subnormal_bits).view(torch.float32)
+    high = e.clamp(-126, 127)
+    low = (e - high).clamp(min=-126)
+    return ((high + 127) << 23).view(torch.float32) * ((low + 127) << 23).view(torch.float32)
 
 
 def _scale_exponents(amax: torch.Tensor, elem: ElementFormat, scale_rule: str) -> torch.Tensor:
@@ -125,12 +126,16 @@ def _scale_exponents(amax: torch.Tensor, elem: ElementFormat, scale_rule: str) -
 def _round_to_element(v: torch.Tensor, elem: ElementFormat) -> torch.Tensor:
     """Round float32 values (already divided by the block scale) to the element grid, RNE, saturating."""
     magnitude = v.abs()
-    _, exponent = torch.frexp(magnitude)
-    binade = (exponent - 1).clamp(min=elem.min_exponent)  # subnormals share the lowest binade's step
-    step_exponent = binade - elem.mantissa_bits
-    steps = torch.round(magnitude * _pow2(-step_exponent))  # torch.round is half-to-even
-    rounded = (steps * _pow2(step_exponent)).clamp(max=elem.max_normal)
-    return torch.copysign(rounded, v)
+    # Normal elements: round float32's 23-bit mantissa to the element's bits, ties to even, on the
+    # integer bits (a carry moves into the exponent, as it should).
+    shift = 23 - elem.mantissa_bits
+    bits = magnitude.view(torch.int32)
+    bits = (bits + ((1 << (shift - 1)) - 1) + ((bits >> shift) & 1)) & ~((1 << shift) - 1)
+    # Subnormal elements: a fixed step of 2^(min_exponent - mantissa_bits); torch.round is half-to-even.
+    inv_step = 2.0 ** (elem.mantissa_bits - elem.min_exponent)
+    subnormal = torch.round(magnitude * inv_step) / inv_step
+    rounded = torch.where(magnitude < 2.0**elem.min_exponent, subnormal, bits.view(torch.float32))
+    return torch.copysign(rounded.clamp(max=elem.max_normal), v)
 
 
 def _quantize_blocks(
@@ -154,8 +159,8 @@ def _quantize_blocks(
 def _dequantize_blocks(
     elements: torch.Tensor, s: torch.Tensor, finite: torch.Tensor, shape: torch.Size, dtype: torch.dtype
 ) -> torch.Tensor:
-    values = torch.where(finite, elements * _pow2(s), float("nan"))
-    return values.reshape(shape).to(dtype)
+    scale = torch.where(finite, _pow2(s), float("nan"))  # per block; NaN spreads over its block
+    return (elements * scale).reshape(shape).to(dtype)
 
 
 def _quantize_dequantize(x: torch.Tensor, fmt: str, block_size: int, scale_rule: str) -> torch.Tensor:

@@ -3,6 +3,7 @@ bad inputs, each of which must give a clear result without hanging (issue 7 acce
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from pathlib import Path
@@ -17,8 +18,13 @@ def test_writes_outside_the_workspace_fail_and_the_host_is_untouched(sandbox: Sa
     host_dir = tmp_path / "host"
     host_dir.mkdir()
     host_dir.chmod(0o777)  # the host would let anyone write here: only the sandbox's view stops it
-    targets = [host_dir / "escape.txt", Path("/usr/escape.txt"), Path("/etc/escape.txt"), Path("/escape.txt"),
-               sandbox.workspace.parent / "escape.txt"]
+    targets = [
+        host_dir / "escape.txt",
+        Path("/usr/escape.txt"),
+        Path("/etc/escape.txt"),
+        Path("/escape.txt"),
+        sandbox.workspace.parent / "escape.txt",
+    ]
     for target in targets:
         result = sandbox.run(f"echo pwned > {target}")
         assert result.exit_code != 0, target
@@ -41,6 +47,16 @@ def test_a_host_secret_file_cannot_be_read(sandbox: Sandbox, tmp_path: Path):
         assert "hunter2" not in result.stdout + result.stderr
     found = sandbox.run("grep -rs hunter2 /etc /workspace /tmp /proc/1/root 2>/dev/null")
     assert "hunter2" not in found.stdout
+
+
+def test_host_side_reading_of_workspace_files_never_follows_planted_symlinks(
+    sandbox: Sandbox, tmp_path: Path
+):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("hunter2-7f3a")
+    sandbox.run(f"ln -s {secret} leak && ln -s /etc/hostname leak2 && mkdir d && printf 'a\\377' > d/f")
+    assert sandbox.workspace_files() == {"d/f": b"a\xff"}
+    assert sandbox.workspace_files(max_bytes=1) == {"d/f": b"a"}
 
 
 CONNECT = """
@@ -100,6 +116,18 @@ def test_cpu_time_past_the_limit_is_killed_and_reported(tmp_path: Path):
     assert result.exit_code == -24  # SIGXCPU
 
 
+def test_a_file_past_the_size_limit_is_cut_and_reported(tmp_path: Path):
+    with Sandbox(max_file_mb=1, snapshot_root=tmp_path) as sb:
+        result = sb.run("head -c 3145728 /dev/zero > big")
+        assert result.killed_reason == "file_size" and result.exit_code == 128 + 25  # SIGXFSZ via sh
+        assert (sb.workspace / "big").stat().st_size == 1 << 20
+        sparse = sb.run(["truncate", "-s", "1T", "sparse"])
+        assert sparse.killed_reason == "file_size" and sparse.exit_code == -25
+        assert (sb.workspace / "sparse").stat().st_size == 0
+        python = sb.run(["python3", "-c", "open('py', 'wb').write(bytes(3 << 20))"])  # Python ignores SIGXFSZ
+        assert python.exit_code == 1 and "File too large" in python.stderr
+
+
 FORK_MANY = """
 import os, time
 children = 0
@@ -139,6 +167,16 @@ def test_close_ends_background_processes_and_removes_the_workspace(tmp_path: Pat
     with pytest.raises(SandboxError, match="closed"):
         sb.run("true")
     sb.close()  # idempotent
+
+
+def test_closing_in_a_forked_host_process_leaves_the_owners_sandbox_running(sandbox: Sandbox):
+    sandbox.run("echo mine > owned.txt")
+    pid = os.fork()
+    if pid == 0:  # a multiprocessing-style worker that inherited the Sandbox object
+        sandbox.close()
+        os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert sandbox.run("cat owned.txt").stdout == "mine\n"
 
 
 def test_a_missing_command_exits_127_with_a_message(sandbox: Sandbox):

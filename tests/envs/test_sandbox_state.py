@@ -53,7 +53,7 @@ def test_background_process_persists_pauses_and_resumes_with_its_state(sandbox: 
 
 
 def test_fork_copies_files_not_processes_and_is_isolated_both_ways(sandbox: Sandbox):
-    sandbox.run("mkdir -p notes && echo parent > notes/a.txt && sleep 300 &")
+    sandbox.run("mkdir -p notes && echo parent > notes/a.txt; sleep 300 &")
     child = sandbox.fork()
     try:
         assert child.uid != sandbox.uid
@@ -73,8 +73,12 @@ def test_fork_copies_files_not_processes_and_is_isolated_both_ways(sandbox: Sand
     assert sandbox.run("cat notes/a.txt").stdout == "parent\n"  # closing the fork left the parent alone
 
 
-SETUP = "mkdir -p src/pkg && echo v1 > src/pkg/mod.py && echo keep > keep.txt && echo gone > gone.txt " \
-        "&& chmod 755 keep.txt && ln -s src/pkg/mod.py link && printf '\\377bin' > blob"
+SETUP = (
+    "mkdir -p src/pkg && echo v1 > src/pkg/mod.py && echo keep > keep.txt && echo gone > gone.txt "
+    "&& chmod 755 keep.txt && ln -s src/pkg/mod.py link && printf '\\377bin' > blob "
+    # Old times, so a restore that did not put them back could not pass by landing in the same second.
+    "&& touch -d @1000000000 gone.txt src/pkg && touch -h -d @1000000000 link"
+)
 
 
 def test_snapshot_change_restore_gives_the_snapshots_files(sandbox: Sandbox):
@@ -82,8 +86,10 @@ def test_snapshot_change_restore_gives_the_snapshots_files(sandbox: Sandbox):
     expected = sandbox.run("ls -lR --time-style=+%s . && md5sum blob keep.txt src/pkg/mod.py").stdout
     snapshot = sandbox.snapshot()
 
-    sandbox.run("echo v2 > src/pkg/mod.py && rm gone.txt && echo new > new.txt && chmod 600 keep.txt "
-                "&& rm link && ln -s keep.txt link && rm -r src/pkg && echo file > src/pkg && sleep 300 &")
+    sandbox.run(
+        "echo v2 > src/pkg/mod.py && rm gone.txt && echo new > new.txt && chmod 600 keep.txt "
+        "&& rm link && ln -s keep.txt link && rm -r src/pkg && echo file > src/pkg; sleep 300 &"
+    )
     assert len(host_pids_of(sandbox.uid)) == 1
     sandbox.restore(snapshot)
 
@@ -107,8 +113,10 @@ def test_restoring_the_latest_snapshot_rewrites_only_the_changed_files(sandbox: 
 
 
 def test_snapshots_are_incremental_on_disk(sandbox: Sandbox):
-    sandbox.run("echo a > unchanged.txt && echo b > modified.txt && echo c > deleted.txt && mkdir d "
-                "&& echo e > d/nested.txt")
+    sandbox.run(
+        "echo a > unchanged.txt && echo b > modified.txt && echo c > deleted.txt && mkdir d "
+        "&& echo e > d/nested.txt"
+    )
     first = Path(sandbox.snapshot())
     sandbox.run("echo B > modified.txt && rm deleted.txt && echo n > added.txt")
     second = Path(sandbox.snapshot())
@@ -117,7 +125,9 @@ def test_snapshots_are_incremental_on_disk(sandbox: Sandbox):
     assert stats == {"copied_files": 2, "linked_files": 2, "copied_bytes": 4}
     for name in ("unchanged.txt", "d/nested.txt"):
         assert os.stat(first / "files" / name).st_ino == os.stat(second / "files" / name).st_ino
-    assert os.stat(first / "files" / "modified.txt").st_ino != os.stat(second / "files" / "modified.txt").st_ino
+    assert (
+        os.stat(first / "files" / "modified.txt").st_ino != os.stat(second / "files" / "modified.txt").st_ino
+    )
     assert (first / "files" / "modified.txt").read_text() == "b\n"
     assert (second / "files" / "modified.txt").read_text() == "B\n"
     assert not (second / "files" / "deleted.txt").exists()
@@ -132,14 +142,20 @@ CREATOR = """
 import sys
 from posttrain.envs.sandbox import Sandbox
 sb = Sandbox(memory_mb=200, max_processes=20, env={"GREETING": "hi"}, snapshot_root=sys.argv[1])
-sb.run("mkdir -p out && echo 'built by a dead process' > out/result.txt && sleep 300 &")
+sb.run("mkdir -p out && echo 'built by a dead process' > out/result.txt; sleep 300 &")
 print(sb.snapshot())
 """
 
 
 def test_a_snapshot_restores_in_a_new_sandbox_after_its_creator_process_died(tmp_path: Path):
-    done = subprocess.run([sys.executable, "-c", CREATOR, str(tmp_path)], capture_output=True, text=True,
-                          timeout=60, cwd=Path(__file__).resolve().parents[2], check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", CREATOR, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parents[2],
+        check=True,
+    )
     snapshot = done.stdout.strip()
     with Sandbox.from_snapshot(snapshot) as sb:
         assert sb.run("cat out/result.txt").stdout == "built by a dead process\n"

@@ -44,12 +44,24 @@ SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 # /etc entries programs commonly need (dynamic linker cache, certificates, alternatives symlinks,
 # Debian's python3 sitecustomize). The rest of the host's /etc stays invisible.
 ETC_ENTRIES = (
-    "alternatives", "ca-certificates", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime",
-    "mime.types", "nsswitch.conf", "protocols", "python3", "python3.11", "python3.12", "services",
+    "alternatives",
+    "ca-certificates",
+    "ld.so.cache",
+    "ld.so.conf",
+    "ld.so.conf.d",
+    "localtime",
+    "mime.types",
+    "nsswitch.conf",
+    "protocols",
+    "python3",
+    "python3.11",
+    "python3.12",
+    "services",
     "ssl",
 )
 DEVICES = ("null", "zero", "full", "random", "urandom")
 READ_CHUNK = 65536
+FINAL_READS = 64
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -89,8 +101,13 @@ def _check(result: int, what: str) -> None:
 
 def _mount(source: str, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
     _check(
-        _libc.mount(source.encode(), target.encode(), fstype.encode() if fstype else None, flags,
-                    data.encode() if data else None),
+        _libc.mount(
+            source.encode(),
+            target.encode(),
+            fstype.encode() if fstype else None,
+            flags,
+            data.encode() if data else None,
+        ),
         f"mount {source} on {target}",
     )
 
@@ -159,16 +176,22 @@ def build_root(config: dict[str, Any]) -> None:
         open(f"{root}/dev/{name}", "a").close()
         # Plain bind, no read-only remount: writing to /dev/null must keep working.
         _mount(f"/dev/{name}", f"{root}/dev/{name}", None, MS_BIND)
-    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
-                         ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+    for name, target in (
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ):
         os.symlink(target, f"{root}/dev/{name}")
     os.mkdir(f"{root}/dev/shm")
     _mount("tmpfs", f"{root}/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777,size=16m")
     os.mkdir(f"{root}/proc")
     _mount("proc", f"{root}/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     os.mkdir(f"{root}/.old_root")
-    _check(_libc.syscall(SYS_PIVOT_ROOT[platform.machine()], root.encode(), f"{root}/.old_root".encode()),
-           "pivot_root")
+    _check(
+        _libc.syscall(SYS_PIVOT_ROOT[platform.machine()], root.encode(), f"{root}/.old_root".encode()),
+        "pivot_root",
+    )
     os.chdir("/")
     _check(_libc.umount2(b"/.old_root", MNT_DETACH), "umount old root")
     os.rmdir("/.old_root")
@@ -178,7 +201,9 @@ def build_root(config: dict[str, Any]) -> None:
 def loopback_up() -> None:
     """A fresh network namespace has `lo` down; servers an agent starts inside expect 127.0.0.1."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        flags = struct.unpack("16sH", fcntl.ioctl(s, SIOCGIFFLAGS, struct.pack("16sH14s", b"lo", 0, b""))[:18])[1]
+        flags = struct.unpack(
+            "16sH", fcntl.ioctl(s, SIOCGIFFLAGS, struct.pack("16sH14s", b"lo", 0, b""))[:18]
+        )[1]
         fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sH14s", b"lo", flags | IFF_UP, b""))
 
 
@@ -203,16 +228,15 @@ class Capture:
             self.dropped += excess
             del self.tail[:excess]
 
-    def encoded(self) -> str:
+    def value(self) -> bytes:
         marker = f"\n[... {self.dropped} bytes omitted ...]\n".encode() if self.dropped else b""
-        return base64.b64encode(bytes(self.head) + marker + bytes(self.tail)).decode()
+        return bytes(self.head) + marker + bytes(self.tail)
 
 
 class Run:
     """One command: its process group, pipes, captured output and deadline."""
 
     def __init__(self, request: dict[str, Any], pid: int, pipes: dict[int, str], stdin: bytes) -> None:
-        self.request = request
         self.pid = pid
         self.pipes = pipes  # fd -> "stdout" | "stderr" | "stdin"
         self.stdin = memoryview(stdin)
@@ -245,10 +269,10 @@ class Init:
             timeout = None
             if self.run is not None and self.run.status is None:
                 timeout = max(0.0, self.run.deadline - time.monotonic())
-            for key, events in self.selector.select(timeout):
+            for key, _ in self.selector.select(timeout):
                 if key.data == "control":
                     request = recv_message(self.control)
-                    if request is None or request["op"] == "shutdown":
+                    if request is None:  # the host closed the sandbox, or died
                         self.kill_all()
                         return
                     self.handle(request)
@@ -256,7 +280,7 @@ class Init:
                     while _read_nonblocking(self.wake_r):
                         pass
                 else:
-                    self.pump(key.fd, key.data, events)
+                    self.pump(key.fd, key.data)
             self.reap()
             run = self.run
             if run is not None and run.status is None and time.monotonic() >= run.deadline:
@@ -281,16 +305,11 @@ class Init:
             send_message(self.control, {"error": f"unknown op {op!r}"})
 
     def start(self, request: dict[str, Any]) -> None:
-        limit = self.config["rlimits"]["RLIMIT_NPROC"][0]
-        if _task_count() >= limit:
+        if _task_count() >= self.config["rlimits"]["RLIMIT_NPROC"][0]:
             # The kernel checks RLIMIT_NPROC at setuid before counting the caller, so a command
             # started from here would be one task over the limit; refuse it here instead.
-            message = f"sandbox: cannot start {request['argv'][0]!r}: the sandbox's process limit ({limit}) is reached\n"
-            send_message(self.control, {
-                "exit_code": 126, "timed_out": False, "cpu_seconds": 0.0, "wall_seconds": 0.0,
-                "stdout": "", "stderr": base64.b64encode(message.encode()).decode(),
-                "stdout_dropped": 0, "stderr_dropped": 0,
-            })
+            message = f"sandbox: cannot start {request['argv'][0]!r}: {self.process_limit_reached()}\n"
+            send_message(self.control, _run_reply(126, stderr=message.encode()))
             return
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
@@ -344,13 +363,18 @@ class Init:
             code = 127 if isinstance(exc, FileNotFoundError) else 126
             reason = str(exc)
             if isinstance(exc, BlockingIOError):  # EAGAIN from setresuid/execve: RLIMIT_NPROC
-                reason = f"the sandbox's process limit ({self.config['rlimits']['RLIMIT_NPROC'][0]}) is reached"
+                reason = (
+                    f"the sandbox's process limit ({self.config['rlimits']['RLIMIT_NPROC'][0]}) is reached"
+                )
             try:
                 os.write(2, f"sandbox: cannot start {request['argv'][0]!r}: {reason}\n".encode())
             finally:
                 os._exit(code)
 
-    def pump(self, fd: int, name: str, events: int) -> None:
+    def process_limit_reached(self) -> str:
+        return f"the sandbox's process limit ({self.config['rlimits']['RLIMIT_NPROC'][0]}) is reached"
+
+    def pump(self, fd: int, name: str) -> None:
         run = self.run
         if run is None or fd not in run.pipes:
             self._drain_detached(fd)
@@ -401,7 +425,12 @@ class Init:
             if name == "stdin":
                 self._close(fd)
                 continue
-            while (data := _read_nonblocking(fd)):
+            # What the command wrote is in the pipe already; the bound stops a background process
+            # that keeps writing from holding this loop.
+            for _ in range(FINAL_READS):
+                data = _read_nonblocking(fd)
+                if not data:
+                    break
                 run.captures[name].add(data)
             if data == b"":
                 self._close(fd)
@@ -412,16 +441,17 @@ class Init:
         assert status is not None
         exit_code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
         self.run = None
-        send_message(self.control, {
-            "exit_code": exit_code,
-            "timed_out": run.timed_out,
-            "cpu_seconds": run.cpu_seconds,
-            "wall_seconds": time.monotonic() - run.start,
-            "stdout": run.captures["stdout"].encoded(),
-            "stderr": run.captures["stderr"].encoded(),
-            "stdout_dropped": run.captures["stdout"].dropped,
-            "stderr_dropped": run.captures["stderr"].dropped,
-        })
+        send_message(
+            self.control,
+            _run_reply(
+                exit_code,
+                timed_out=run.timed_out,
+                cpu_seconds=run.cpu_seconds,
+                wall_seconds=time.monotonic() - run.start,
+                stdout=run.captures["stdout"].value(),
+                stderr=run.captures["stderr"].value(),
+            ),
+        )
 
     def stop_all(self) -> int:
         """SIGSTOP every process and wait until each one is really stopped (or 2 s passed).
@@ -442,6 +472,25 @@ class Init:
             self.reap()
             time.sleep(0.0005)
         self.reap()
+
+
+def _run_reply(
+    exit_code: int,
+    *,
+    timed_out: bool = False,
+    cpu_seconds: float = 0.0,
+    wall_seconds: float = 0.0,
+    stdout: bytes = b"",
+    stderr: bytes = b"",
+) -> dict[str, Any]:
+    return {
+        "exit_code": exit_code,
+        "timed_out": timed_out,
+        "cpu_seconds": cpu_seconds,
+        "wall_seconds": wall_seconds,
+        "stdout": base64.b64encode(stdout).decode(),
+        "stderr": base64.b64encode(stderr).decode(),
+    }
 
 
 def _signal_all(sig: int) -> bool:

@@ -38,13 +38,14 @@ from posttrain.envs.sandbox import init_process
 from posttrain.envs.sandbox.cgroup import MemoryCgroup
 from posttrain.envs.sandbox.snapshots import (
     Signature,
+    copy_workspace,
+    read_files,
     read_manifest,
     restore_snapshot,
     settle_time_ns,
     signatures,
     write_snapshot,
 )
-from posttrain.envs.sandbox.snapshots import copy_workspace as copy_workspace_files
 
 WORKSPACE = "/workspace"
 DEFAULT_ENV = {
@@ -79,8 +80,8 @@ class RunResult:
     stdout / stderr: UTF-8 decoded with replacement characters; head and tail kept past
       `max_output_bytes`, with a marker saying how many bytes were omitted.
     timed_out: the wall-clock timeout ended the command's process group.
-    killed_reason: "timeout", "memory" (the OOM killer ended it at the sandbox's memory limit) or
-      "cpu" (RLIMIT_CPU); None when it ended on its own.
+    killed_reason: "timeout", "memory" (the OOM killer ended it at the sandbox's memory limit),
+      "cpu" (RLIMIT_CPU) or "file_size" (RLIMIT_FSIZE); None when it ended on its own.
     wall_seconds / cpu_seconds: elapsed time and the CPU time of the command and its waited-for
       children.
     """
@@ -110,6 +111,8 @@ class Sandbox:
     env: environment added to every command's.
     timeout: default wall-clock seconds of one `run`.
     max_output_bytes: stdout and stderr kept per run, each.
+    max_file_mb: the largest file a process may write (RLIMIT_FSIZE; SIGXFSZ past it). It also
+      bounds what one file costs a snapshot: a sparse file is copied dense.
     tmp_mb: size of the private /tmp (memory-backed, not part of snapshots).
     base_dir: where the sandbox's host directory is made (default: the system temp dir).
     snapshot_root: where `snapshot()` writes (default: <temp dir>/posttrain-sandbox-snapshots).
@@ -126,23 +129,39 @@ class Sandbox:
         env: Mapping[str, str] | None = None,
         timeout: float = 30.0,
         max_output_bytes: int = 1 << 20,
+        max_file_mb: int = 1024,
         tmp_mb: int = 64,
         base_dir: str | os.PathLike[str] | None = None,
         snapshot_root: str | os.PathLike[str] | None = None,
     ) -> None:
-        _check_limits(memory_mb=memory_mb, cpu_seconds=cpu_seconds, max_processes=max_processes,
-                      max_output_bytes=max_output_bytes, tmp_mb=tmp_mb)
+        _check_limits(
+            memory_mb=memory_mb,
+            cpu_seconds=cpu_seconds,
+            max_processes=max_processes,
+            max_output_bytes=max_output_bytes,
+            max_file_mb=max_file_mb,
+            tmp_mb=tmp_mb,
+        )
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
         self.config: dict[str, Any] = {
-            "memory_mb": memory_mb, "cpu_seconds": cpu_seconds, "max_processes": max_processes,
-            "network": network, "mounts": _check_mounts(mounts or {}), "env": dict(env or {}),
-            "timeout": timeout, "max_output_bytes": max_output_bytes, "tmp_mb": tmp_mb,
+            "memory_mb": memory_mb,
+            "cpu_seconds": cpu_seconds,
+            "max_processes": max_processes,
+            "network": network,
+            "mounts": _check_mounts(mounts or {}),
+            "env": dict(env or {}),
+            "timeout": timeout,
+            "max_output_bytes": max_output_bytes,
+            "max_file_mb": max_file_mb,
+            "tmp_mb": tmp_mb,
         }
         _check_host()
         self.name = f"sb-{secrets.token_hex(6)}"
         self.uid = UID_RANGE[0] + secrets.randbelow(UID_RANGE[1] - UID_RANGE[0])
-        self.snapshot_root = Path(snapshot_root or Path(tempfile.gettempdir()) / "posttrain-sandbox-snapshots")
+        self.snapshot_root = Path(
+            snapshot_root or Path(tempfile.gettempdir()) / "posttrain-sandbox-snapshots"
+        )
         self.snapshot_root.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._base_dir = base_dir
         self._lock = threading.RLock()
@@ -158,8 +177,16 @@ class Sandbox:
         os.chown(self.workspace, self.uid, self.uid)
         (self._dir / "root").mkdir()
         self._cgroup = MemoryCgroup.create(self.name, memory_mb << 20)
-        self._sock, self._proc = self._start_init()
-        self._release = weakref.finalize(self, _release, self._proc, self._sock, self._cgroup, self._dir)
+        try:
+            self._sock, self._proc = self._start_init()
+        except BaseException:
+            if self._cgroup is not None:
+                self._cgroup.remove()
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise
+        self._release = weakref.finalize(
+            self, _release, os.getpid(), self._proc, self._sock, self._cgroup, self._dir
+        )
         reply = self._receive(STARTUP_TIMEOUT_S, "start")
         if "error" in reply:
             self.close()
@@ -167,7 +194,7 @@ class Sandbox:
 
     @property
     def memory_enforcement(self) -> str:
-        """"cgroup-v1" / "cgroup-v2": memory_mb bounds all processes together and OOM kills are
+        """ "cgroup-v1" / "cgroup-v2": memory_mb bounds all processes together and OOM kills are
         reported; "rlimit": each process's address space is bounded (allocations fail instead)."""
         return f"cgroup-v{self._cgroup.version}" if self._cgroup else "rlimit"
 
@@ -210,12 +237,18 @@ class Sandbox:
                 raise SandboxError(f"sandbox {self.name} is paused: call resume() before run()")
             self._settle()
             oom_before = self._cgroup.oom_kills() if self._cgroup else 0
-            reply = self._request({
-                "op": "run", "argv": argv, "cwd": cwd, "timeout": float(timeout),
-                "env": {**DEFAULT_ENV, **self.config["env"], **(env or {})},
-                "stdin": base64.b64encode(data).decode() if data is not None else None,
-                "max_output": self.config["max_output_bytes"],
-            }, timeout + REPLY_GRACE_S)
+            reply = self._request(
+                {
+                    "op": "run",
+                    "argv": argv,
+                    "cwd": cwd,
+                    "timeout": float(timeout),
+                    "env": {**DEFAULT_ENV, **self.config["env"], **(env or {})},
+                    "stdin": base64.b64encode(data).decode() if data is not None else None,
+                    "max_output": self.config["max_output_bytes"],
+                },
+                timeout + REPLY_GRACE_S,
+            )
             oom_killed = self._cgroup is not None and self._cgroup.oom_kills() > oom_before
         exit_code = reply["exit_code"]
         return RunResult(
@@ -238,7 +271,9 @@ class Sandbox:
             self._paused = True
             if reply["running"]:
                 self.resume()
-                raise SandboxError(f"sandbox {self.name}: {reply['running']} processes did not stop within 2 s")
+                raise SandboxError(
+                    f"sandbox {self.name}: {reply['running']} processes did not stop within 2 s"
+                )
 
     def resume(self) -> None:
         """Continue every process stopped by `pause()`. Idempotent."""
@@ -249,6 +284,23 @@ class Sandbox:
             self._settle()
             self._request({"op": "continue"}, CONTROL_TIMEOUT_S)
             self._paused = False
+
+    def workspace_files(self, max_bytes: int = 1 << 20) -> dict[str, bytes]:
+        """Relative path -> content (first `max_bytes`) of every regular file in /workspace.
+
+        The safe way for host code (verifiers, rewards) to look at an agent's files: reading
+        `workspace` directly with ordinary path calls follows symlinks the agent may have planted
+        to host files, as root. This never follows one, and pauses the sandbox while reading.
+        """
+        with self._lock:
+            self._check_open()
+            was_paused = self._paused
+            self.pause()
+            try:
+                return read_files(self.workspace, max_bytes)
+            finally:
+                if not was_paused:
+                    self.resume()
 
     def snapshot(self) -> str:
         """Write the workspace's files to a new directory under `snapshot_root`; return its path.
@@ -263,7 +315,9 @@ class Sandbox:
             try:
                 self._snapshot_count += 1
                 dest = self.snapshot_root / f"{self.name}-{self._snapshot_count:04d}-{secrets.token_hex(3)}"
-                entries = write_snapshot(self.workspace, dest, self._parent_snapshot, self._baseline, self.config)
+                entries = write_snapshot(
+                    self.workspace, dest, self._parent_snapshot, self._baseline, self.config
+                )
                 self._parent_snapshot, self._baseline = dest, signatures(entries)
                 self._settle_ns = settle_time_ns(entries)
             finally:
@@ -296,7 +350,7 @@ class Sandbox:
             was_paused = self._paused
             try:
                 self.pause()
-                copy_workspace_files(self.workspace, child.workspace, child.uid)
+                copy_workspace(self.workspace, child.workspace, child.uid)
             except BaseException:
                 child.close()
                 raise
@@ -341,25 +395,52 @@ class Sandbox:
             "RLIMIT_CPU": [self.config["cpu_seconds"], self.config["cpu_seconds"] + 1],
             "RLIMIT_NPROC": [limit_nproc, limit_nproc],
             "RLIMIT_CORE": [0, 0],
+            "RLIMIT_FSIZE": [self.config["max_file_mb"] << 20] * 2,
         }
         if self._cgroup is None:
             rlimits["RLIMIT_AS"] = [self.config["memory_mb"] << 20] * 2
         init_config = {
-            "root": str(self._dir / "root"), "workspace": str(self.workspace), "uid": self.uid,
-            "network": self.config["network"], "mounts": sorted(self.config["mounts"].items()),
-            "tmp_mb": self.config["tmp_mb"], "rlimits": rlimits,
+            "root": str(self._dir / "root"),
+            "workspace": str(self.workspace),
+            "uid": self.uid,
+            "network": self.config["network"],
+            # Sorted by sandbox path so a mount nested in another is made after it.
+            "mounts": sorted(self.config["mounts"].items(), key=lambda mount: mount[1]),
+            "tmp_mb": self.config["tmp_mb"],
+            "rlimits": rlimits,
             "cgroup_procs": self._cgroup.procs_file if self._cgroup else None,
         }
-        namespaces = ["--mount", "--pid", "--fork", "--uts", "--ipc", "--propagation", "private", "--kill-child"]
+        namespaces = [
+            "--mount",
+            "--pid",
+            "--fork",
+            "--uts",
+            "--ipc",
+            "--propagation",
+            "private",
+            "--kill-child",
+        ]
         if not self.config["network"]:
             namespaces.append("--net")
         command = [
-            "unshare", *namespaces, sys.executable, "-I", "-S", init_process.__file__,
-            str(init_sock.fileno()), json.dumps(init_config),
+            "unshare",
+            *namespaces,
+            sys.executable,
+            "-I",
+            "-S",
+            init_process.__file__,
+            str(init_sock.fileno()),
+            json.dumps(init_config),
         ]
         with open(self._dir / "init.log", "wb") as log:
-            proc = subprocess.Popen(command, pass_fds=[init_sock.fileno()], stdin=subprocess.DEVNULL,
-                                    stdout=log, stderr=log, start_new_session=True)
+            proc = subprocess.Popen(
+                command,
+                pass_fds=[init_sock.fileno()],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+            )
         init_sock.close()
         return host_sock, proc
 
@@ -387,7 +468,9 @@ class Sandbox:
         log = self._dir / "init.log"
         detail = log.read_text(errors="replace").strip()[-2000:] if log.exists() else ""
         self.close()
-        raise SandboxError(f"sandbox {self.name} closed: {what}" + (f"; its log says: {detail}" if detail else ""))
+        raise SandboxError(
+            f"sandbox {self.name} closed: {what}" + (f"; its log says: {detail}" if detail else "")
+        )
 
     def _check_open(self) -> None:
         if self.closed:
@@ -413,12 +496,26 @@ class Sandbox:
             signal.SIGKILL in killed_by and reply["cpu_seconds"] >= self.config["cpu_seconds"] - 0.5
         ):
             return "cpu"
+        if signal.SIGXFSZ in killed_by:
+            return "file_size"
         return None
 
 
-def _release(proc: subprocess.Popen[bytes], sock: socket.socket, cgroup: MemoryCgroup | None, directory: Path) -> None:
-    """Close pid 1's socket (it then kills every process and exits), wait, and clean up the host."""
+def _release(
+    owner_pid: int,
+    proc: subprocess.Popen[bytes],
+    sock: socket.socket,
+    cgroup: MemoryCgroup | None,
+    directory: Path,
+) -> None:
+    """Close pid 1's socket (it then kills every process and exits), wait, and clean up the host.
+
+    In a process forked from the owner (a multiprocessing worker) only the inherited socket copy is
+    closed: the sandbox is the owner's to end.
+    """
     sock.close()
+    if os.getpid() != owner_pid:
+        return
     try:
         proc.wait(timeout=5)
     except subprocess.TimeoutExpired:
@@ -434,7 +531,9 @@ def _check_limits(**limits: int) -> None:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if limits["memory_mb"] < 16:
-        raise ValueError(f"memory_mb must be at least 16 (a shell needs a few MiB), got {limits['memory_mb']}")
+        raise ValueError(
+            f"memory_mb must be at least 16 (a shell needs a few MiB), got {limits['memory_mb']}"
+        )
 
 
 def _check_mounts(mounts: Mapping[str, str]) -> dict[str, str]:
@@ -444,18 +543,24 @@ def _check_mounts(mounts: Mapping[str, str]) -> dict[str, str]:
         if not os.path.exists(host_path):
             raise ValueError(f"mounts: host path {host!r} does not exist")
         if not target_path.startswith("/"):
-            raise ValueError(f"mounts: sandbox path {target!r} for {host!r} must be absolute, e.g. /opt/tools")
+            raise ValueError(
+                f"mounts: sandbox path {target!r} for {host!r} must be absolute, e.g. /opt/tools"
+            )
         for reserved in RESERVED_TARGETS:
             if target_path == reserved or (reserved != "/" and target_path.startswith(reserved + "/")):
-                raise ValueError(f"mounts: sandbox path {target!r} is inside {reserved}, which the sandbox owns; "
-                                 f"mount under /opt or /mnt instead")
+                raise ValueError(
+                    f"mounts: sandbox path {target!r} is inside {reserved}, which the sandbox owns; "
+                    f"mount under /opt or /mnt instead"
+                )
         checked[host_path] = target_path
     return checked
 
 
 def _check_host() -> None:
     if os.geteuid() != 0:
-        raise SandboxError("sandboxes need root (mount, pid and network namespaces, a per-sandbox uid); "
-                           "run as root, e.g. in the CI container")
+        raise SandboxError(
+            "sandboxes need root (mount, pid and network namespaces, a per-sandbox uid); "
+            "run as root, e.g. in the CI container"
+        )
     if shutil.which("unshare") is None:
         raise SandboxError("util-linux `unshare` is not on PATH; install util-linux")

@@ -67,8 +67,15 @@ def scan(workspace: Path) -> dict[str, Entry]:
                     kind, target = "symlink", os.readlink(item.path)
                 else:
                     continue
-                entries[rel] = Entry(kind, stat.S_IMODE(st.st_mode), st.st_size, st.st_mtime_ns, target,
-                                     (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns), st.st_ctime_ns)
+                entries[rel] = Entry(
+                    kind,
+                    stat.S_IMODE(st.st_mode),
+                    st.st_size,
+                    st.st_mtime_ns,
+                    target,
+                    (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns),
+                    st.st_ctime_ns,
+                )
     return entries
 
 
@@ -82,8 +89,9 @@ def settle_time_ns(entries: dict[str, Entry]) -> int:
     return newest + TIMESTAMP_TICK_NS
 
 
-def write_snapshot(workspace: Path, dest: Path, parent: Path | None, baseline: dict[str, Signature],
-                   config: dict[str, Any]) -> dict[str, Entry]:
+def write_snapshot(
+    workspace: Path, dest: Path, parent: Path | None, baseline: dict[str, Signature], config: dict[str, Any]
+) -> dict[str, Entry]:
     """Copy `workspace` into the new snapshot directory `dest`, linking files unchanged since
     `parent` (whose recorded signatures are `baseline`). Returns the scanned entries."""
     entries = scan(workspace)
@@ -99,8 +107,10 @@ def write_snapshot(workspace: Path, dest: Path, parent: Path | None, baseline: d
                 target.mkdir(mode=0o700)
             elif entry.kind == "symlink":
                 os.symlink(entry.target or "", target)
-            elif parent_files is not None and baseline.get(rel) == entry.signature and _link(
-                parent_files / rel, target
+            elif (
+                parent_files is not None
+                and baseline.get(rel) == entry.signature
+                and _link(parent_files / rel, target)
             ):
                 linked += 1
             else:
@@ -116,8 +126,10 @@ def write_snapshot(workspace: Path, dest: Path, parent: Path | None, baseline: d
         "parent": str(parent) if parent is not None else None,
         "config": config,
         "stats": {"copied_files": copied, "linked_files": linked, "copied_bytes": copied_bytes},
-        "entries": {rel: {"kind": e.kind, "mode": e.mode, "size": e.size, "mtime_ns": e.mtime_ns,
-                          "target": e.target} for rel, e in entries.items()},
+        "entries": {
+            rel: {"kind": e.kind, "mode": e.mode, "size": e.size, "mtime_ns": e.mtime_ns, "target": e.target}
+            for rel, e in entries.items()
+        },
     }
     with open(partial / MANIFEST, "w") as f:
         json.dump(manifest, f)
@@ -135,11 +147,15 @@ def read_manifest(snapshot: Path) -> dict[str, Any]:
         )
     manifest = json.loads(path.read_text())
     if manifest.get("format") != FORMAT_VERSION:
-        raise ValueError(f"{path}: snapshot format {manifest.get('format')!r}, this code reads {FORMAT_VERSION}")
+        raise ValueError(
+            f"{path}: snapshot format {manifest.get('format')!r}, this code reads {FORMAT_VERSION}"
+        )
     return manifest
 
 
-def restore_snapshot(snapshot: Path, workspace: Path, uid: int, keep: dict[str, Signature]) -> dict[str, Entry]:
+def restore_snapshot(
+    snapshot: Path, workspace: Path, uid: int, keep: dict[str, Signature]
+) -> dict[str, Entry]:
     """Make `workspace` equal to `snapshot`'s files, owned by `uid`.
 
     `keep` holds signatures recorded when this same snapshot was last taken or restored into this
@@ -150,10 +166,14 @@ def restore_snapshot(snapshot: Path, workspace: Path, uid: int, keep: dict[str, 
     source = snapshot / "files"
     for rel, entry in sorted(scan(workspace).items(), reverse=True):
         want = wanted.get(rel)
-        if want is not None and want["kind"] == entry.kind and (
-            entry.kind == "dir"
-            or (entry.kind == "file" and keep.get(rel) == entry.signature)
-            or (entry.kind == "symlink" and want["target"] == entry.target)
+        if (
+            want is not None
+            and want["kind"] == entry.kind
+            and (
+                entry.kind == "dir"
+                or (entry.kind == "file" and keep.get(rel) == entry.signature)
+                or (entry.kind == "symlink" and want["target"] == entry.target)
+            )
         ):
             continue
         _remove(workspace / rel)
@@ -166,6 +186,7 @@ def restore_snapshot(snapshot: Path, workspace: Path, uid: int, keep: dict[str, 
         elif want["kind"] == "symlink":
             os.symlink(want["target"], target)
             os.lchown(target, uid, uid)
+            os.utime(target, ns=(want["mtime_ns"], want["mtime_ns"]), follow_symlinks=False)
         else:
             _copy_file(source / rel, target, mode=want["mode"], uid=uid, mtime_ns=want["mtime_ns"])
     for rel in sorted(wanted, reverse=True):  # directories last, deepest first, so mtimes stick
@@ -188,6 +209,7 @@ def copy_workspace(source: Path, dest: Path, uid: int) -> None:
         elif entry.kind == "symlink":
             os.symlink(entry.target or "", target)
             os.lchown(target, uid, uid)
+            os.utime(target, ns=(entry.mtime_ns, entry.mtime_ns), follow_symlinks=False)
         else:
             _copy_file(source / rel, target, mode=entry.mode, uid=uid, mtime_ns=entry.mtime_ns)
     for rel in sorted(entries, reverse=True):
@@ -196,6 +218,20 @@ def copy_workspace(source: Path, dest: Path, uid: int) -> None:
             os.chown(dest / rel, uid, uid, follow_symlinks=False)
             os.chmod(dest / rel, entry.mode, follow_symlinks=False)
             os.utime(dest / rel, ns=(entry.mtime_ns, entry.mtime_ns), follow_symlinks=False)
+
+
+def read_files(workspace: Path, max_bytes: int) -> dict[str, bytes]:
+    """The regular files of a (paused) workspace, at most `max_bytes` each; symlinks are skipped."""
+    files = {}
+    for rel, entry in sorted(scan(workspace).items()):
+        if entry.kind == "file":
+            fd = os.open(workspace / rel, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            try:
+                if stat.S_ISREG(os.fstat(fd).st_mode):
+                    files[rel] = os.pread(fd, max_bytes, 0)
+            finally:
+                os.close(fd)
+    return files
 
 
 def _remove(path: Path) -> None:
@@ -213,7 +249,9 @@ def _link(source: Path, target: Path) -> bool:
         return False
 
 
-def _copy_file(source: Path, target: Path, *, mode: int, uid: int | None = None, mtime_ns: int | None = None) -> None:
+def _copy_file(
+    source: Path, target: Path, *, mode: int, uid: int | None = None, mtime_ns: int | None = None
+) -> None:
     src = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         if not stat.S_ISREG(os.fstat(src).st_mode):

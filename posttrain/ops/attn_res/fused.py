@@ -13,33 +13,35 @@ from collections.abc import Sequence
 
 import torch
 
+from posttrain.ops.attn_res.naive import upcast
+
 
 class _AttnResMix(torch.autograd.Function):
     @staticmethod
     def forward(ctx, norm_weight, query, eps, *sources):
-        u = norm_weight.float() * query.float()
+        u = upcast(norm_weight) * upcast(query)
         dim = sources[0].shape[-1]
-        rstd = torch.stack([torch.rsqrt(s.float().pow(2).sum(-1) / dim + eps) for s in sources])
-        logits = torch.stack([(s.float() @ u) for s in sources]) * rstd
+        rstd = torch.stack([torch.rsqrt(upcast(s).pow(2).sum(-1) / dim + eps) for s in sources])
+        logits = torch.stack([(upcast(s) @ u) for s in sources]) * rstd
         weights = torch.softmax(logits, dim=0)
-        out = torch.zeros_like(sources[0], dtype=torch.float32)
+        out = torch.zeros_like(upcast(sources[0]))
         for i, s in enumerate(sources):
-            out = out + weights[i].unsqueeze(-1) * s.float()
+            out = out + weights[i].unsqueeze(-1) * upcast(s)
         ctx.save_for_backward(norm_weight, query, weights, rstd, *sources)
         return out.to(sources[-1].dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         norm_weight, query, weights, rstd, *sources = ctx.saved_tensors
-        g = grad_out.float()
-        u = norm_weight.float() * query.float()
+        g = upcast(grad_out)
+        u = upcast(norm_weight) * upcast(query)
         dim = sources[0].shape[-1]
-        grad_p = torch.stack([(g * s.float()).sum(-1) for s in sources])
+        grad_p = torch.stack([(g * upcast(s)).sum(-1) for s in sources])
         grad_logit = weights * (grad_p - (weights * grad_p).sum(0, keepdim=True))
         grad_u = torch.zeros_like(u)
         grads = []
         for i, s in enumerate(sources):
-            x = s.float()
+            x = upcast(s)
             r = rstd[i].unsqueeze(-1)
             dl = grad_logit[i].unsqueeze(-1)
             xu = (x @ u).unsqueeze(-1)
@@ -47,8 +49,8 @@ class _AttnResMix(torch.autograd.Function):
             gx = weights[i].unsqueeze(-1) * g + dl * (u * r - xu * r.pow(3) * x / dim)
             grads.append(gx.to(s.dtype))
             grad_u = grad_u + (dl * r * x).reshape(-1, dim).sum(0)
-        grad_w = (grad_u * query.float()).to(norm_weight.dtype)
-        grad_q = (grad_u * norm_weight.float()).to(query.dtype)
+        grad_w = (grad_u * upcast(query)).to(norm_weight.dtype)
+        grad_q = (grad_u * upcast(norm_weight)).to(query.dtype)
         return (grad_w, grad_q, None, *grads)
 
 

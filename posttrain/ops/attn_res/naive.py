@@ -14,6 +14,11 @@ from collections.abc import Sequence
 import torch
 
 
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """x in float32, or float64 if it already is (lets gradcheck run in double precision)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def naive_attn_res(
     sources: Sequence[torch.Tensor],
     norm_weight: torch.Tensor,
@@ -31,7 +36,7 @@ def naive_attn_res(
     Returns:
         [..., D] mix in the dtype of the last source.
     """
-    values = torch.stack([s.float() for s in sources])  # [S, ..., D]
-    normed = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
-    weights = torch.softmax(normed @ query.float(), dim=0)  # [S, ...]
+    values = torch.stack([upcast(s) for s in sources])  # [S, ..., D]
+    normed = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + eps) * upcast(norm_weight)
+    weights = torch.softmax(normed @ upcast(query), dim=0)  # [S, ...]
     return (weights.unsqueeze(-1) * values).sum(0).to(sources[-1].dtype)

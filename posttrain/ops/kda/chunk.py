@@ -19,6 +19,7 @@ kernel instead (same layout and semantics; see `_fla_chunk_kda`).
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Callable
 from typing import Literal
@@ -94,7 +95,9 @@ def chunk_kda(
             cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(q.device),
         )
         return o.to(v.dtype), final_state
-    return _torch_chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size, N)
+    return _torch_chunk_kda(
+        q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size, N
+    )
 
 
 @functools.cache
@@ -136,20 +139,22 @@ def _torch_chunk_kda(
         T_pad = math.ceil(T / C) * C
         padded = [F.pad(x, (0, 0, 0, 0, 0, T_pad - T)) for x in (q, k, v, g, beta)]
         segments = [(0, T_pad // C)]
-        segment_h0 = [h0]
+        segment_h0 = h0[None]  # one segment spanning every row
     else:
         # Each document starts on a tile boundary; zero tokens (k = 0, beta = 0, g = 0) fill the
         # tail of its last tile and leave the state untouched.
         src, dst, segments = _varlen_layout(cu_seqlens.tolist(), C, T)
         src_index = torch.tensor(src, device=q.device)
-        padded = [torch.cat([x, x.new_zeros(1, 1, *x.shape[2:])], 1)[:, src_index] for x in (q, k, v, g, beta)]
-        segment_h0 = list(h0.split(1))
+        padded = [
+            torch.cat([x, x.new_zeros(1, 1, *x.shape[2:])], 1)[:, src_index] for x in (q, k, v, g, beta)
+        ]
+        segment_h0 = h0[:, None]  # one segment per document, in the single packed row
 
-    chunks = [x.unflatten(1, (-1, C)).permute(1, 0, 3, 2, 4).contiguous() for x in padded]  # [NT, R, H, C, D]
-    o, final_states = _chunk_forward(*chunks, scale, shift, segments, segment_h0)
+    tiles = [x.unflatten(1, (-1, C)).permute(1, 0, 3, 2, 4).contiguous() for x in padded]  # [NT, R, H, C, D]
+    o, final_states = _chunk_forward(*tiles, scale, shift, segments, segment_h0)
     o = o.permute(1, 0, 3, 2, 4).flatten(1, 2)  # [R, T_pad, H, V]
     o = o[:, :T] if cu_seqlens is None else o[:, torch.tensor(dst, device=q.device)]
-    final_state = torch.cat(final_states) if output_final_state else None
+    final_state = final_states.flatten(0, 1) if output_final_state else None
     return o.to(out_dtype), final_state
 
 
@@ -173,7 +178,7 @@ def _varlen_layout(bounds: list[int], C: int, T: int) -> tuple[list[int], list[i
     src: list[int] = []
     dst: list[int] = []
     segments = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
+    for start, end in itertools.pairwise(bounds):
         length = end - start
         padded_length = math.ceil(length / C) * C
         first = len(src)
@@ -193,19 +198,21 @@ def _chunk_forward(
     scale: float,
     shift: float,
     segments: list[tuple[int, int]],
-    segment_h0: list[torch.Tensor],
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Tiles [NT, R, H, C, D] (beta with D = 1) -> o [NT, R, H, C, V] and each segment's final state.
+    segment_h0: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tiles [NT, R, H, C, D] (beta with D = 1) -> o [NT, R, H, C, V] and final states [S, R', H, K, V].
 
-    Segment s covers tiles segments[s] of every row and starts from segment_h0[s] [R, H, K, V].
+    Segment s covers tiles segments[s] and starts from segment_h0[s] [R', H, K, V]: R' = R for one
+    segment over all rows, R' = 1 for documents packed in one row.
     """
     NT, R, H, C, K = q.shape
     V = v.shape[-1]
     G = g.cumsum(-2)
     decay = G.exp()
     q = q * scale
-    q_in = q * (G + shift).exp()
-    k_in = k * (G + shift).exp()
+    ahead = (G + shift).exp()
+    q_in = q * ahead
+    k_in = k * ahead
     k_out = k * (-G - shift).exp()
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     strictly_causal = causal.tril(-1)
@@ -218,13 +225,12 @@ def _chunk_forward(
     G_last = G[..., -1:, :]
     chunk_decay = G_last.mT.exp()  # [NT, R, H, K, 1]
     k_to_end = k * (G_last - G).exp()
-    h0 = torch.stack(segment_h0)  # [S, R', H, K, V]; R' = R, or 1 per packed document
     S_in, delta, final_states = _StateScan.apply(
-        *(x.flatten(1, 2) for x in (chunk_decay, k_to_end, w, u)), h0.flatten(1, 2), segments
+        *(x.flatten(1, 2) for x in (chunk_decay, k_to_end, w, u, segment_h0)), segments
     )
     S_in = S_in.unflatten(1, (R, H))  # [NT, R, H, K, V]: the state entering each tile
     o = (q * decay) @ S_in + A_qk @ delta.unflatten(1, (R, H))
-    return o, list(final_states.unflatten(1, (-1, H)))
+    return o, final_states.unflatten(1, (-1, H))
 
 
 class _StateScan(torch.autograd.Function):
@@ -243,13 +249,20 @@ class _StateScan(torch.autograd.Function):
         S_in = u.new_empty(w.shape[0], *h0.shape[1:])
         delta = torch.empty_like(u)
         final_states = torch.empty_like(h0)
+        # Per-tile views made once, and results written in place: at 16-token tiles the loop's cost
+        # is per-op overhead, not arithmetic.
+        decay_n, k_n, w_n, u_n, S_n, delta_n = (
+            x.unbind(0) for x in (chunk_decay, k_to_end, w, u, S_in, delta)
+        )
         for s, (first, last) in enumerate(segments):
-            S = h0[s]
+            if first == last:
+                final_states[s] = h0[s]
+                continue
+            S_n[first].copy_(h0[s])
             for n in range(first, last):
-                S_in[n] = S
-                delta[n] = torch.baddbmm(u[n], w[n], S, alpha=-1)
-                S = torch.baddbmm(chunk_decay[n] * S, k_to_end[n].mT, delta[n])
-            final_states[s] = S
+                torch.baddbmm(u_n[n], w_n[n], S_n[n], alpha=-1, out=delta_n[n])
+                S_next = S_n[n + 1] if n + 1 < last else final_states[s]
+                torch.mul(decay_n[n], S_n[n], out=S_next).baddbmm_(k_n[n].mT, delta_n[n])
         ctx.segments = segments
         ctx.save_for_backward(chunk_decay, k_to_end, w, S_in, delta)
         return S_in, delta, final_states
@@ -261,13 +274,19 @@ class _StateScan(torch.autograd.Function):
         dS_out = torch.empty_like(S_in)  # dL/dS after each tile
         d_delta = torch.empty_like(delta)  # total dL/d delta, through the outputs and the state
         dh0 = torch.empty_like(d_final_states)
+        decay_n, k_n, w_n, dS_in_n, d_delta_out_n, dS_out_n, d_delta_n = (
+            x.unbind(0) for x in (chunk_decay, k_to_end, w, dS_in, d_delta_out, dS_out, d_delta)
+        )
         for s, (first, last) in enumerate(ctx.segments):
-            dS = d_final_states[s]
+            if first == last:
+                dh0[s] = d_final_states[s]
+                continue
+            dS_out_n[last - 1].copy_(d_final_states[s])
             for n in reversed(range(first, last)):
-                dS_out[n] = dS
-                d_delta[n] = torch.baddbmm(d_delta_out[n], k_to_end[n], dS)
-                dS = torch.baddbmm(chunk_decay[n] * dS + dS_in[n], w[n].mT, d_delta[n], alpha=-1)
-            dh0[s] = dS
+                torch.baddbmm(d_delta_out_n[n], k_n[n], dS_out_n[n], out=d_delta_n[n])
+                dS_prev = dS_out_n[n - 1] if n > first else dh0[s]
+                torch.mul(decay_n[n], dS_out_n[n], out=dS_prev).add_(dS_in_n[n])
+                dS_prev.baddbmm_(w_n[n].mT, d_delta_n[n], alpha=-1)
         d_chunk_decay = (dS_out * S_in).sum(-1, keepdim=True)
         d_k_to_end = delta @ dS_out.mT
         d_w = -(d_delta @ S_in.mT)

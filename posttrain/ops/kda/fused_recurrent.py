@@ -7,6 +7,8 @@ computed for all tokens at once, so each step is four small batched ops.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from posttrain.ops.kda.inputs import check_kda_inputs
@@ -55,12 +57,12 @@ def fused_recurrent_kda(
         segment_h0 = [h0]
     else:
         bounds = cu_seqlens.tolist()
-        segments = list(zip(bounds[:-1], bounds[1:]))
+        segments = list(itertools.pairwise(bounds))
         segment_h0 = list(h0.split(1))
 
     outputs = []
     final_states = []
-    for (start, end), S in zip(segments, segment_h0):
+    for (start, end), S in zip(segments, segment_h0, strict=True):
         for t in range(start, end):
             S = S * decay[:, t]
             error = v[:, t] - (k[:, t].unsqueeze(-2) @ S).squeeze(-2)

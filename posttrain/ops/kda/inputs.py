@@ -3,6 +3,8 @@ whichever kernel the caller picked (fla's kernels would otherwise fail deep insi
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 
@@ -38,7 +40,7 @@ def check_kda_inputs(
         if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
             raise ValueError(f"KDA: cu_seqlens must be a 1-D [N+1] tensor, got {tuple(cu_seqlens.shape)}")
         bounds = cu_seqlens.tolist()
-        if bounds[0] != 0 or bounds[-1] != T or any(b > a for a, b in zip(bounds[1:], bounds[:-1])):
+        if bounds[0] != 0 or bounds[-1] != T or any(a > b for a, b in itertools.pairwise(bounds)):
             raise ValueError(f"KDA: cu_seqlens must rise from 0 to T={T}, got {bounds}")
         N = len(bounds) - 1
     V = v.shape[-1]

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import torch
 
+from posttrain.ops.situ.naive import upcast
+
 
 def _branches(g: torch.Tensor, u: torch.Tensor, beta: float, linear_beta: float | None):
-    """Forward values and derivatives of both branches (all float32)."""
+    """Forward values and derivatives of both branches (in the upcast dtype)."""
     t = torch.tanh(g / beta)
     s = torch.sigmoid(g)
     a = beta * t * s
@@ -29,14 +31,14 @@ class _SituGLU(torch.autograd.Function):
     def forward(ctx, gate, up, beta, linear_beta):
         ctx.save_for_backward(gate, up)
         ctx.beta, ctx.linear_beta = beta, linear_beta
-        a, _, b, _ = _branches(gate.float(), up.float(), beta, linear_beta)
+        a, _, b, _ = _branches(upcast(gate), upcast(up), beta, linear_beta)
         return (a * b).to(gate.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         gate, up = ctx.saved_tensors
-        a, da, b, db = _branches(gate.float(), up.float(), ctx.beta, ctx.linear_beta)
-        go = grad_out.float()
+        a, da, b, db = _branches(upcast(gate), upcast(up), ctx.beta, ctx.linear_beta)
+        go = upcast(grad_out)
         return (go * b * da).to(gate.dtype), (go * a * db).to(up.dtype), None, None
 
 

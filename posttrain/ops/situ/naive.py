@@ -11,6 +11,11 @@ from __future__ import annotations
 import torch
 
 
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """x in float32, or float64 if it already is (lets gradcheck run in double precision)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def naive_situ_glu(
     gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: float | None = 25.0
 ) -> torch.Tensor:
@@ -25,8 +30,8 @@ def naive_situ_glu(
     Returns:
         [..., I] activations.
     """
-    g = gate.float()
-    u = up.float()
+    g = upcast(gate)
+    u = upcast(up)
     g = beta * torch.tanh(g / beta) * torch.sigmoid(g)
     if linear_beta is not None:
         u = linear_beta * torch.tanh(u / linear_beta)

@@ -31,7 +31,9 @@ def run_toy_sum(ctx: StageContext) -> dict[str, float]:
     total = ctx.config.value + sum(int((path / "value.txt").read_text()) for path in ctx.inputs.values())
     effort = {"low": 1, "high": 2, "max": 3}.get(ctx.matrix.get("effort"), 1)
     for step in range(1, ctx.config.train.steps + 1):
-        ctx.metrics.log(step, loss=1.0 / step, reward=step * ctx.config.train.lr, response_length=10 * effort + step)
+        ctx.metrics.log(
+            step, loss=1.0 / step, reward=step * ctx.config.train.lr, response_length=10 * effort + step
+        )
         ctx.progress(step, ctx.config.train.steps, loss=1.0 / step)
     if ctx.config.fail:
         raise RuntimeError("toy stage asked to fail")

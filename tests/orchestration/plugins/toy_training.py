@@ -25,9 +25,15 @@ class ToyTrain(BaseModel):
 def run_toy_train(ctx: StageContext) -> dict[str, float]:
     """Regress a fixed random teacher with a dropout MLP."""
     cfg = ctx.config
-    model = torch.nn.Sequential(torch.nn.Linear(32, cfg.width), torch.nn.GELU(), torch.nn.Dropout(0.2),
-                                torch.nn.Linear(cfg.width, cfg.width), torch.nn.GELU(), torch.nn.Dropout(0.2),
-                                torch.nn.Linear(cfg.width, 1))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(32, cfg.width),
+        torch.nn.GELU(),
+        torch.nn.Dropout(0.2),
+        torch.nn.Linear(cfg.width, cfg.width),
+        torch.nn.GELU(),
+        torch.nn.Dropout(0.2),
+        torch.nn.Linear(cfg.width, 1),
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 10) * 0.98**s)
     teacher = torch.randn(32, 1)
@@ -46,7 +52,8 @@ def run_toy_train(ctx: StageContext) -> dict[str, float]:
         ctx.metrics.log(step + 1, loss=loss.item(), lr=scheduler.get_last_lr()[0])
         ctx.progress(step + 1, cfg.steps, loss=loss.item())
         if (step + 1) % cfg.every == 0 or step + 1 == cfg.steps:
-            ctx.checkpoints.save(step + 1, model=model, optimizer=optimizer, scheduler=scheduler,
-                                 extra={"samples_seen": seen})
+            ctx.checkpoints.save(
+                step + 1, model=model, optimizer=optimizer, scheduler=scheduler, extra={"samples_seen": seen}
+            )
     save_file(model.state_dict(), str(ctx.output_dir / "model.safetensors"))
     return {"loss": loss.item(), "samples_seen": float(seen)}

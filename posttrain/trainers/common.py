@@ -1,0 +1,353 @@
+"""What every trainer (SFT, RL, MOPD) sets up the same way: the policy model, its optimiser and LR
+schedule, the `accelerate` wrapper, one optimizer step, and checkpoints that resume bit for bit.
+
+A trainer builds a `TrainState` from its config blocks and then only writes its own loop:
+
+    policy = load_policy(ctx, tokenizer, lora=cfg.lora, gradient_checkpointing=...)
+    state = TrainState.create(ctx, policy.model, cfg.train, cfg.accelerate, total_steps=...)
+    restored = state.restore()                       # None on a fresh start
+    ...  state.backward(loss) per micro-batch ...
+    metrics = state.optimizer_step()                 # clip, step, schedule, router balancing
+    state.save_checkpoint(step, extra={"data": cursor})
+
+Exact resume rests on three rules kept here: a checkpoint is written only between optimizer steps
+(no half-accumulated gradients, no pending router statistics), it holds every piece of state the
+rest of the run reads (weights incl. the router bias buffer, optimizer moments, scheduler position,
+global RNGs, plus the trainer's own `extra` such as its data cursor), and nothing else a run
+depends on lives outside it (accelerate's global state is reset when a stage builds its own).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from torch import nn
+
+from posttrain.checkpoint import Checkpoint
+from posttrain.stages import StageContext
+
+CONFIG_FILE = "config.json"
+
+
+class NonFiniteLossError(FloatingPointError):
+    """Training produced a NaN/inf loss or gradient norm; the message names the step and the fix."""
+
+
+class OptimConfig(BaseModel):
+    """AdamW with a linear warm-up then a cosine decay to `min_lr_ratio * lr`, and norm clipping."""
+
+    model_config = ConfigDict(extra="forbid")
+    lr: float = Field(1e-3, gt=0, description="peak learning rate")
+    warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warm-up from 0 to lr")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a fraction of lr")
+    weight_decay: float = Field(0.0, ge=0, description="decoupled decay on matrices (not norms, biases)")
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0)
+    grad_clip: float | None = Field(1.0, gt=0, description="max global grad norm; null: no clipping")
+
+
+class FSDPConfig(BaseModel):
+    """Options passed to accelerate's FullyShardedDataParallelPlugin (GPU runs)."""
+
+    model_config = ConfigDict(extra="forbid")
+    version: Literal[1, 2] = 2
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+    state_dict_type: Literal["FULL_STATE_DICT", "SHARDED_STATE_DICT"] = "FULL_STATE_DICT"
+    activation_checkpointing: bool = False
+    wrap_classes: list[str] = Field(
+        default_factory=lambda: ["KimiK3DecoderLayer"], description="module classes sharded as units"
+    )
+
+
+class AccelerateConfig(BaseModel):
+    """How `accelerate` runs the model. DeepSpeed and FSDP are for GPU runs started with
+    `accelerate launch`; on a machine without CUDA the stage runs as one plain process and says so
+    in its log (the config is still checked, so a typo fails here and not on the cluster)."""
+
+    model_config = ConfigDict(extra="forbid")
+    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    deepspeed_config: str | None = Field(None, description="path of a DeepSpeed JSON config (ZeRO stage etc.)")
+    fsdp: FSDPConfig | None = None
+
+    @model_validator(mode="after")
+    def _one_sharding(self) -> AccelerateConfig:
+        if self.deepspeed_config and self.fsdp:
+            raise ValueError("accelerate: set deepspeed_config or fsdp, not both")
+        if self.deepspeed_config and not Path(self.deepspeed_config).is_file():
+            raise ValueError(
+                f"accelerate.deepspeed_config: {self.deepspeed_config} does not exist "
+                "(give an absolute path or one relative to the directory `posttrain run` starts in)"
+            )
+        return self
+
+
+class LoRAConfig(BaseModel):
+    """Low-rank adapters through peft; only the adapters train and the final model is merged."""
+
+    model_config = ConfigDict(extra="forbid")
+    r: int = Field(8, gt=0)
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="module names (e.g. [q_proj, o_proj]) or every Linear but the LM head"
+    )
+
+
+# Model -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Policy:
+    """The model being trained and where it came from ("preset" or "pretrained")."""
+
+    model: nn.Module
+    source: str
+
+
+def load_policy(
+    ctx: StageContext,
+    vocab_size: int,
+    *,
+    lora: LoRAConfig | None = None,
+    gradient_checkpointing: bool = False,
+    model_path: Path | None = None,
+) -> Policy:
+    """The stage's model, ready to train: a fresh seeded KimiK3ForCausalLM from a preset file, or
+    from_pretrained from a model dir (`model_path`, default ctx.model); embeddings grown to
+    `vocab_size` when the tokenizer has more tokens; QAT hooks from ctx.qat; LoRA adapters.
+    """
+    import posttrain.model as k3
+    from posttrain.qat import apply_qat
+
+    path = Path(model_path or ctx.model) if (model_path or ctx.model) else None
+    if path is None:
+        raise ValueError(
+            f"stage {ctx.stage_id}: no `model` in the stage file; set it to a preset (models/tiny.yaml) "
+            "or to the stage id of a need whose model this stage continues"
+        )
+    if path.is_dir():
+        if not (path / CONFIG_FILE).is_file():
+            raise FileNotFoundError(f"stage {ctx.stage_id}: model dir {path} has no {CONFIG_FILE}")
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        source = "pretrained"
+    else:
+        config = k3.load_model_config(path)
+        config.vocab_size = max(config.vocab_size, vocab_size)
+        torch.manual_seed(ctx.seed)
+        model = k3.KimiK3ForCausalLM(config)
+        source = "preset"
+    if model.get_input_embeddings().num_embeddings < vocab_size:
+        model.resize_token_embeddings(vocab_size)
+    applied = apply_qat(model, ctx.qat)
+    if applied:
+        ctx.log.info("QAT %s on %d routed-expert modules", getattr(ctx.qat, "scheme", ctx.qat), len(applied))
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if lora is not None:
+        from peft import LoraConfig as PeftLoraConfig
+        from peft import get_peft_model
+
+        model = get_peft_model(
+            model,
+            PeftLoraConfig(
+                r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules
+            ),
+        )
+    model.train()
+    return Policy(model=model, source=source)
+
+
+def merged_model(model: nn.Module) -> nn.Module:
+    """The plain transformers model to save: a peft model has its LoRA adapters merged in."""
+    from peft import PeftModel
+
+    if isinstance(model, PeftModel):
+        return model.merge_and_unload()
+    return model
+
+
+def save_final_model(model: nn.Module, tokenizer: Any, output_dir: Path, stop_token_ids: list[int]) -> None:
+    """save_pretrained (safetensors) + tokenizer with its chat template, so downstream stages and
+    `AutoModelForCausalLM.from_pretrained` (after `import posttrain.model`) load it. `generate`
+    stops on the chat's end-of-turn tokens and pads with the tokenizer's pad."""
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = list(stop_token_ids)
+    model.save_pretrained(str(output_dir), safe_serialization=True)
+    tokenizer.save_pretrained(str(output_dir))
+
+
+# Optimisation ----------------------------------------------------------------------------------
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters; matrices decay, vectors (norms, biases, gates' scalars)
+    do not: decaying a norm's gain pulls it to 0, which no one wants."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("the model has no trainable parameter")
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]], lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=False
+    )
+
+
+@dataclass(frozen=True)
+class WarmupCosine:
+    """LR multiplier at optimizer step s: s/warmup during warm-up, then a cosine from 1 to
+    min_ratio at `total` steps (flat after). A class, not a lambda, so the scheduler pickles."""
+
+    warmup: int
+    total: int
+    min_ratio: float
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / (self.warmup + 1)
+        span = max(1, self.total - self.warmup)
+        progress = min(1.0, (step - self.warmup) / span)
+        return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int) -> Any:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(cfg.warmup_steps, total_steps, cfg.min_lr_ratio))
+
+
+# accelerate ------------------------------------------------------------------------------------
+
+
+def accelerator_plugins(cfg: AccelerateConfig, grad_accum: int, log: logging.Logger) -> dict[str, Any]:
+    """Keyword arguments for `accelerate.Accelerator`: mixed precision and, on CUDA machines, the
+    DeepSpeed or FSDP plugin built from the stage's config."""
+    from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin
+
+    kwargs: dict[str, Any] = {"mixed_precision": cfg.mixed_precision, "gradient_accumulation_steps": grad_accum}
+    plugin: Any = None
+    if cfg.deepspeed_config:
+        plugin = DeepSpeedPlugin(hf_ds_config=str(Path(cfg.deepspeed_config).resolve()))
+        plugin.deepspeed_config["gradient_accumulation_steps"] = grad_accum
+        key = "deepspeed_plugin"
+    elif cfg.fsdp is not None:
+        plugin = FullyShardedDataParallelPlugin(
+            fsdp_version=cfg.fsdp.version,
+            reshard_after_forward=cfg.fsdp.reshard_after_forward,
+            cpu_offload=cfg.fsdp.cpu_offload,
+            state_dict_type=cfg.fsdp.state_dict_type,
+            activation_checkpointing=cfg.fsdp.activation_checkpointing,
+            auto_wrap_policy="transformer_based_wrap",
+            transformer_cls_names_to_wrap=cfg.fsdp.wrap_classes,
+        )
+        key = "fsdp_plugin"
+    if plugin is not None:
+        if torch.cuda.is_available():
+            kwargs[key] = plugin
+        else:
+            log.warning("accelerate: %s accepted, but this machine has no CUDA: running as one plain process", key)
+    return kwargs
+
+
+def build_accelerator(cfg: AccelerateConfig, grad_accum: int, log: logging.Logger) -> Any:
+    """A fresh `accelerate.Accelerator`. accelerate keeps process-global state (the first
+    Accelerator's plugins win); a stage owns its process, so it resets what an earlier one left."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    return Accelerator(**accelerator_plugins(cfg, grad_accum, log))
+
+
+# The train state -------------------------------------------------------------------------------
+
+
+class TrainState:
+    """Model, optimizer, LR schedule and accelerator of one stage, and their checkpoints."""
+
+    def __init__(self, ctx: StageContext, model: nn.Module, optimizer: Any, scheduler: Any, accelerator: Any,
+                 grad_clip: float | None) -> None:
+        self.ctx = ctx
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.accelerator = accelerator
+        self.grad_clip = grad_clip
+
+    @classmethod
+    def create(cls, ctx: StageContext, model: nn.Module, optim: OptimConfig, accelerate: AccelerateConfig,
+               total_steps: int, grad_accum: int = 1) -> TrainState:
+        accelerator = build_accelerator(accelerate, grad_accum, ctx.log)
+        optimizer = build_optimizer(model, optim)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        # The schedule counts optimizer steps itself (accelerate's prepared scheduler would step
+        # once per process and change the LR curve with the world size).
+        scheduler = build_scheduler(optimizer, optim, total_steps)
+        return cls(ctx, model, optimizer, scheduler, accelerator, optim.grad_clip)
+
+    @property
+    def unwrapped(self) -> nn.Module:
+        return self.accelerator.unwrap_model(self.model)
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def check_finite(self, loss: torch.Tensor, step: int, what: str = "loss", detail: str = "") -> None:
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            raise NonFiniteLossError(
+                f"stage {self.ctx.stage_id}: {what} is {value} at optimizer step {step}{detail}. "
+                f"Lower the learning rate (train.lr, now {self.optimizer.param_groups[0]['initial_lr']:g}) or "
+                "increase warm-up (train.warmup_steps), and check the data of this step for broken rows; "
+                "the last checkpoint before the step is intact."
+            )
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.accelerator.backward(loss)
+
+    def optimizer_step(self, step: int) -> dict[str, float]:
+        """Clip, step, advance the schedule, clear gradients, then re-balance the routers with the
+        statistics of this step's forwards. Returns grad_norm, lr and the router metrics."""
+        lr = self.lr
+        if self.grad_clip is not None:
+            norm = self.accelerator.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        else:
+            grads = [p.grad.detach().norm() for p in self.model.parameters() if p.grad is not None]
+            norm = torch.stack(grads).norm() if grads else torch.zeros(())
+        # DeepSpeed clips inside its engine and may not report the norm (None).
+        if norm is not None:
+            self.check_finite(torch.as_tensor(norm), step, "the gradient norm")
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics = {"lr": lr} if norm is None else {"grad_norm": float(norm), "lr": lr}
+        update = getattr(base_without_peft(self.unwrapped), "update_router_bias", None)
+        if update is not None:
+            metrics.update(update())
+        return metrics
+
+    def save_checkpoint(self, step: int, extra: dict[str, Any] | None = None) -> Path:
+        return self.ctx.checkpoints.save(
+            step, model=self.unwrapped, optimizer=self.optimizer, scheduler=self.scheduler, extra=extra or {}
+        )
+
+    def restore(self) -> Checkpoint | None:
+        """Load the newest intact checkpoint into model, optimizer, scheduler and the RNGs."""
+        return self.ctx.checkpoints.load(model=self.unwrapped, optimizer=self.optimizer, scheduler=self.scheduler)
+
+
+def base_without_peft(model: nn.Module) -> nn.Module:
+    """The transformers model under a peft wrapper, without merging (shares the training weights)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model

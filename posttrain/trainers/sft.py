@@ -1,0 +1,220 @@
+"""The `sft` stage kind: supervised fine-tuning of K3 on agent trajectories.
+
+Documents from the registered data recipes are rendered by the K3 chat renderer (loss on assistant
+tokens only: thinking, content, tool calls, end of turn), packed into fixed-length rows with
+document boundaries (`cu_seqlens`: KDA state and MLA attention never cross documents) and trained
+with AdamW under `accelerate`: gradient accumulation with every trained token weighted equally,
+warm-up + cosine LR, clipping, QAT hooks from the stage's `qat:` block, Quantile Balancing of the
+router bias after each optimizer step. Eval loss on held-out trajectories and tool-task success on
+held-out prompts are measured before and after training and land in the stage manifest.
+
+Why not TRL's SFTTrainer: see docs/sft.md (packing reaches our model's forward under the wrong
+keyword, and checkpoint / resume would bypass the stage's CheckpointManager).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from torch import nn
+
+from posttrain.algos.sft import sft_loss
+from posttrain.data.chat import ChatRenderer, load_tokenizer
+from posttrain.data.packing import PackedRow
+from posttrain.stages import StageContext, stage_kind
+from posttrain.trainers.common import (
+    AccelerateConfig,
+    LoRAConfig,
+    OptimConfig,
+    TrainState,
+    base_without_peft,
+    load_policy,
+    merged_model,
+    save_final_model,
+)
+from posttrain.trainers.sft_data import DataConfig, PackedStream, load_sft_data, pack
+from posttrain.trainers.tool_eval import tool_task_prompts, tool_task_success
+
+
+class TrainConfig(OptimConfig):
+    """The optimisation loop; one optimizer step = `grad_accum` packed rows of `micro_batch_tokens`."""
+
+    steps: int = Field(gt=0, description="optimizer steps")
+    micro_batch_tokens: int = Field(1024, gt=1, description="tokens per packed row (one row per micro-batch)")
+    grad_accum: int = Field(1, gt=0, description="packed rows per optimizer step")
+    gradient_checkpointing: bool = False
+    seed: int | None = Field(None, description="data order seed; null: the stage's seed")
+
+
+class EvalConfig(BaseModel):
+    """Tool-task success on held-out prompts (eval loss always uses every held-out trajectory)."""
+
+    model_config = ConfigDict(extra="forbid")
+    tool_prompts: int = Field(16, ge=0, description="held-out prompts played as episodes; 0: skip")
+    max_new_tokens: int = Field(96, gt=0, description="tokens per assistant turn")
+    max_turns: int = Field(4, gt=0, description="assistant turns per episode")
+
+
+class SFTConfig(BaseModel):
+    """Keys of an `sft` stage file besides the generic ones (docs/sft.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+    data: DataConfig = Field(default_factory=DataConfig)
+    train: TrainConfig
+    lora: LoRAConfig | None = None
+    accelerate: AccelerateConfig = Field(default_factory=AccelerateConfig)
+    tokenizer: str | None = Field(None, description="tokenizer dir; null: the model dir's, else the shipped one")
+    checkpoint_every: int = Field(50, gt=0, description="optimizer steps between checkpoints")
+    eval_every: int = Field(0, ge=0, description="optimizer steps between eval-loss measurements; 0: only at the ends")
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+
+    @model_validator(mode="after")
+    def _fits_in_a_row(self) -> SFTConfig:
+        if self.data.max_length is not None and self.data.max_length > self.train.micro_batch_tokens:
+            raise ValueError(
+                f"data.max_length ({self.data.max_length}) > train.micro_batch_tokens "
+                f"({self.train.micro_batch_tokens}): a trajectory must fit in one packed row; lower "
+                "data.max_length or raise train.micro_batch_tokens"
+            )
+        return self
+
+
+@torch.no_grad()
+def eval_loss(model: nn.Module, rows: list[PackedRow]) -> float:
+    """Mean loss per trained token over packed rows (every token weighted equally)."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    try:
+        for row in rows:
+            logits = model(input_ids=row.input_ids, cu_seqlens=row.cu_seqlens, use_cache=False).logits
+            out = sft_loss(logits, row.input_ids, row.loss_mask, reduction="sum", cu_seqlens=row.cu_seqlens)
+            total += float(out.loss)
+            count += int(out.num_tokens)
+    finally:
+        model.train(was_training)
+    return total / max(count, 1)
+
+
+def _tokenizer_dir(cfg: SFTConfig, ctx: StageContext) -> Path | None:
+    if cfg.tokenizer:
+        return Path(cfg.tokenizer)
+    if ctx.model is not None and Path(ctx.model).is_dir() and (Path(ctx.model) / "tokenizer_config.json").is_file():
+        return Path(ctx.model)
+    return None
+
+
+class Evaluator:
+    """Eval loss and tool-task success of the model being trained, under one name suffix."""
+
+    def __init__(self, cfg: EvalConfig, renderer: ChatRenderer, rows: list[PackedRow], records: list[dict]) -> None:
+        self.cfg = cfg
+        self.renderer = renderer
+        self.rows = rows
+        self.prompts = tool_task_prompts(records, cfg.tool_prompts)
+
+    def loss(self, model: nn.Module, suffix: str) -> dict[str, float]:
+        return {f"eval_loss_{suffix}": eval_loss(model, self.rows)} if self.rows else {}
+
+    def __call__(self, model: nn.Module, suffix: str) -> dict[str, float]:
+        metrics = self.loss(model, suffix)
+        if self.prompts:
+            result = tool_task_success(
+                model, self.renderer, self.prompts, max_new_tokens=self.cfg.max_new_tokens, max_turns=self.cfg.max_turns
+            )
+            metrics.update(result.metrics(suffix))
+        return metrics
+
+
+@stage_kind("sft", config=SFTConfig)
+def run_sft(ctx: StageContext) -> dict[str, float]:
+    """Supervised fine-tuning on agent trajectories (packed rows, loss on assistant tokens)."""
+    cfg: SFTConfig = ctx.config
+    train = cfg.train
+    seed = ctx.seed if train.seed is None else train.seed
+    tokenizer = load_tokenizer(_tokenizer_dir(cfg, ctx))
+    renderer = ChatRenderer(tokenizer)
+    data = load_sft_data(cfg.data, renderer, seed, cfg.data.max_length or train.micro_batch_tokens, ctx.log)
+    policy = load_policy(ctx, len(tokenizer), lora=cfg.lora, gradient_checkpointing=train.gradient_checkpointing)
+    state = TrainState.create(ctx, policy.model, train, cfg.accelerate, train.steps, train.grad_accum)
+    model = base_without_peft(state.unwrapped)
+    stream = PackedStream(data.train, train.micro_batch_tokens, renderer.pad_id, seed)
+    evaluate = Evaluator(cfg.eval, renderer, pack(data.eval, train.micro_batch_tokens, renderer.pad_id), data.eval_records)
+    ctx.log.info(
+        "SFT: %s model, %d trainable parameters, %d steps x %d rows x %d tokens",
+        policy.source, sum(p.numel() for p in state.model.parameters() if p.requires_grad),
+        train.steps, train.grad_accum, train.micro_batch_tokens,
+    )
+
+    checkpoint = state.restore()
+    if checkpoint is not None:
+        step, before = checkpoint.step, dict(checkpoint.extra["before"])
+        stream.seek(checkpoint.extra["data"])
+    else:
+        step, before = 0, evaluate(model, "before")
+        ctx.metrics.log(0, before)
+        ctx.log.info("before training: %s", _shown(before))
+
+    last: dict[str, float] = {}
+    while step < train.steps:
+        last = _train_step(state, stream, train, step + 1)
+        step += 1
+        if cfg.eval_every and step % cfg.eval_every == 0 and step < train.steps:
+            last.update({"eval_loss": evaluate.loss(model, "now")["eval_loss_now"]} if evaluate.rows else {})
+        ctx.metrics.log(step, last)
+        if step % cfg.checkpoint_every == 0 or step == train.steps:
+            state.save_checkpoint(step, extra={"data": stream.cursor(), "before": before})
+        ctx.progress(step, train.steps, loss=last["loss"], lr=last["lr"])
+
+    after = evaluate(model, "after")
+    ctx.metrics.log(step, after)
+    ctx.log.info("after training: %s", _shown(after))
+    save_final_model(merged_model(state.unwrapped), tokenizer, ctx.output_dir, renderer.stop_token_ids)
+    final = {**before, **after, **data.report.metrics(), "steps": float(step)}
+    final.update({f"train_{k}": v for k, v in last.items() if k in ("loss", "tokens_per_s")})
+    return final
+
+
+def _train_step(state: TrainState, stream: PackedStream, train: TrainConfig, step: int) -> dict[str, float]:
+    """One optimizer step over `grad_accum` packed rows; the loss is the mean over every trained
+    token of the step (summed per row, divided once by the step's token count across processes)."""
+    started = time.perf_counter()
+    rows = [stream.next() for _ in range(train.grad_accum)]
+    accelerator = state.accelerator
+    trained = torch.stack([row.loss_mask.sum() for row, _ in rows]).sum()
+    total = accelerator.reduce(trained.to(accelerator.device), reduction="sum").clamp(min=1)
+    # accelerate divides by grad_accum in backward and DDP averages over processes: undo both so the
+    # gradient is sum(token losses) / total.
+    scale = train.grad_accum * accelerator.num_processes / total
+    loss_sum = torch.zeros(())
+    metrics: dict[str, float] = {}
+    for index, (row, uids) in enumerate(rows):
+        with accelerator.accumulate(state.model):
+            logits = state.model(
+                input_ids=row.input_ids.to(accelerator.device), cu_seqlens=row.cu_seqlens.to(accelerator.device)
+            ).logits
+            out = sft_loss(logits, row.input_ids.to(logits.device), row.loss_mask.to(logits.device),
+                           reduction="sum", cu_seqlens=row.cu_seqlens)
+            state.check_finite(out.loss, step, detail=f" (packed documents {', '.join(uids)})")
+            state.backward(out.loss * scale)
+            loss_sum += out.loss.detach().float().cpu()
+            if index == len(rows) - 1:
+                metrics = state.optimizer_step(step)
+    elapsed = time.perf_counter() - started
+    real_tokens = sum(int(row.cu_seqlens[row.num_documents]) for row, _ in rows)
+    return {
+        "loss": float(loss_sum) / max(int(trained), 1),
+        "tokens_per_s": real_tokens / elapsed,
+        "trained_tokens": float(trained),
+        "epoch": stream.epoch_fraction,
+        **metrics,
+    }
+
+
+def _shown(metrics: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, float) and math.isfinite(v))

@@ -1,0 +1,147 @@
+"""SFT data: registered recipes -> rendered documents -> a seeded stream of packed rows with a cursor.
+
+The stream is a pure function of (documents, row length, seed) and a cursor (epoch, row): epoch e
+shuffles the documents with a generator seeded by (seed, e) and packs them first-fit, so a resumed
+run rebuilds the very rows it would have seen and continues at the saved cursor. No data-loader
+worker, prefetch queue or sampler state has to be checkpointed.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from posttrain.data.chat import ChatRenderer
+from posttrain.data.loading import decode_record
+from posttrain.data.mixture import DATA_RECIPES, build_mixture, weighted_indices
+from posttrain.data.packing import PackedRow, pack_documents
+from posttrain.data.trajectory import ValidationReport
+
+
+class DataConfig(BaseModel):
+    """Which trajectories SFT trains on and how they are cut."""
+
+    model_config = ConfigDict(extra="forbid")
+    recipes: dict[str, float] = Field(
+        default_factory=lambda: {"agent_sft": 1.0},
+        description="registered data recipe -> weight (0.5 keeps a seeded half of its train rows, 2 repeats them)",
+    )
+    eval_fraction: float | None = Field(
+        None, ge=0, lt=1, description="held-out share of every recipe; null: each recipe's own"
+    )
+    max_length: int | None = Field(
+        None, gt=0, description="longer trajectories are skipped as too_long; null: train.micro_batch_tokens"
+    )
+    strict: bool = Field(False, description="a bad row fails the stage (file, row, reason) instead of being skipped")
+
+
+@dataclass
+class Document:
+    """One rendered trajectory: ids and the loss mask (1 on assistant tokens)."""
+
+    uid: str
+    ids: list[int]
+    loss_mask: list[int]
+
+
+@dataclass
+class SFTData:
+    """Rendered train and eval documents, the eval records (for tool-task prompts) and the report
+    of skipped rows per reason."""
+
+    train: list[Document]
+    eval: list[Document]
+    eval_records: list[dict[str, Any]]
+    report: ValidationReport = field(default_factory=ValidationReport)
+
+
+def load_sft_data(
+    cfg: DataConfig, renderer: ChatRenderer, seed: int, max_length: int, log: logging.Logger
+) -> SFTData:
+    """Build every recipe's mixture (validated, split by (seed, uid)), weight the recipes' train rows
+    and render everything once. Eval rows shared by two recipes count once."""
+    report = ValidationReport()
+    train: list[Document] = []
+    eval_docs: list[Document] = []
+    eval_records: list[dict[str, Any]] = []
+    seen_eval: set[str] = set()
+    for name, weight in cfg.recipes.items():
+        if not weight > 0:
+            raise ValueError(f"data.recipes.{name}: weight must be > 0, got {weight}")
+        recipe = DATA_RECIPES.get(name)()
+        if cfg.eval_fraction is not None:
+            recipe = replace(recipe, eval_fraction=cfg.eval_fraction)
+        mixture = build_mixture(recipe, seed=seed, renderer=renderer, max_length=max_length, strict=cfg.strict)
+        report.merge(mixture.report)
+        rows = mixture.train.select(weighted_indices(len(mixture.train), weight, random.Random(f"{seed}:{name}")))
+        train += [_render(decode_record(row), renderer) for row in rows]
+        for row in mixture.eval:
+            record = decode_record(row)
+            if record["uid"] not in seen_eval:
+                seen_eval.add(record["uid"])
+                eval_records.append(record)
+                eval_docs.append(_render(record, renderer))
+    log.info("SFT data: %s; %d train and %d eval trajectories", report.summary(), len(train), len(eval_docs))
+    for reason, example in sorted(report.first_example.items()):
+        log.warning("skipped %d rows as %s, e.g. %s", report.skipped[reason], reason, example)
+    return SFTData(train=train, eval=eval_docs, eval_records=eval_records, report=report)
+
+
+def _render(record: dict[str, Any], renderer: ChatRenderer) -> Document:
+    ids, mask = renderer.render(record["messages"], record.get("tools"), record.get("effort"))
+    return Document(uid=record["uid"], ids=ids, loss_mask=mask)
+
+
+def pack(documents: list[Document], seq_len: int, pad_id: int) -> list[PackedRow]:
+    return pack_documents([(d.ids, d.loss_mask) for d in documents], seq_len, pad_id)
+
+
+class PackedStream:
+    """Endless packed rows over `documents`, reshuffled every epoch; `cursor` / `seek` save and
+    restore the position exactly."""
+
+    def __init__(self, documents: list[Document], seq_len: int, pad_id: int, seed: int) -> None:
+        if not documents:
+            raise ValueError("no training documents: every row was skipped or held out for eval")
+        self.documents = documents
+        self.seq_len = seq_len
+        self.pad_id = pad_id
+        self.seed = seed
+        self.epoch = 0
+        self.row = 0
+        self._rows: list[tuple[PackedRow, list[str]]] | None = None
+
+    def _epoch_rows(self, epoch: int) -> list[tuple[PackedRow, list[str]]]:
+        order = list(range(len(self.documents)))
+        random.Random(f"sft-epoch:{self.seed}:{epoch}").shuffle(order)
+        shuffled = [self.documents[i] for i in order]
+        rows = pack(shuffled, self.seq_len, self.pad_id)
+        return [(row, [shuffled[i].uid for i in row.document_indices]) for row in rows]
+
+    def next(self) -> tuple[PackedRow, list[str]]:
+        """The next packed row and the uids of its documents."""
+        if self._rows is None:
+            self._rows = self._epoch_rows(self.epoch)
+        if self.row == len(self._rows):
+            self.epoch, self.row = self.epoch + 1, 0
+            self._rows = self._epoch_rows(self.epoch)
+        item = self._rows[self.row]
+        self.row += 1
+        return item
+
+    def cursor(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "row": self.row}
+
+    def seek(self, cursor: dict[str, int]) -> None:
+        self.epoch, self.row = int(cursor["epoch"]), int(cursor["row"])
+        self._rows = None
+
+    @property
+    def epoch_fraction(self) -> float:
+        """Epochs consumed so far (fractional)."""
+        rows = len(self._rows) if self._rows is not None else len(self._epoch_rows(self.epoch))
+        return self.epoch + self.row / rows

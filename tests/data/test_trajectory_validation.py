@@ -1,0 +1,163 @@
+"""Bad trajectory rows: each reason on hand-written rows, skipped and counted by default, fatal with
+file, row and reason under strict loading, and an error when nothing survives."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import datasets
+import pytest
+
+from posttrain.data.loading import decode_record, load_trajectories, prompt_sample, trajectory_sample
+from posttrain.data.trajectory import REASONS, BadTrajectoryError, clean_record, validate_trajectory
+
+
+def _call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _row(uid: str, messages: list[dict[str, Any]], effort: str | None = "high") -> dict[str, Any]:
+    return {"uid": uid, "domain": "general", "effort": effort, "messages": messages, "tools": []}
+
+
+USER = {"role": "user", "content": "What is 2+3?"}
+GOOD = _row("good", [USER, {"role": "assistant", "reasoning_content": "Add.", "content": "5"}])
+BAD_ROWS = {
+    "malformed_tool_call_json": _row(
+        "json",
+        [USER, {"role": "assistant", "content": "", "tool_calls": [_call("c1", "calculator", '{"expression": "2+')]}],
+    ),
+    "unknown_role": _row("role", [USER, {"role": "narrator", "content": "Meanwhile..."}]),
+    "unmatched_tool_result": _row(
+        "unmatched",
+        [
+            USER,
+            {"role": "assistant", "content": "", "tool_calls": [_call("c1", "calculator", '{"expression": "2+3"}')]},
+            {"role": "tool", "tool_call_id": "c9", "content": "5"},
+        ],
+    ),
+    "empty_assistant_turn": _row("empty", [USER, {"role": "assistant", "reasoning_content": " ", "content": ""}]),
+    "no_assistant_turn": _row("none", [USER]),
+}
+
+
+def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_each_reason_is_detected_on_its_row():
+    for reason, row in BAD_ROWS.items():
+        verdict = validate_trajectory(clean_record(row))
+        assert (verdict.ok, verdict.reason) == (False, reason), verdict.detail
+    assert validate_trajectory(clean_record(GOOD)) == (True, "", "")
+
+
+def test_malformed_records_are_their_own_reason():
+    not_a_list = {"uid": "x", "messages": "hello"}
+    content_not_text = _row("x", [USER, {"role": "assistant", "content": 5}])
+    bad_effort = {**GOOD, "effort": "medium"}
+    arguments_not_object = _row("x", [USER, {"role": "assistant", "tool_calls": [_call("c", "f", "[1, 2]")]}])
+    for row, reason in (
+        (not_a_list, "malformed_record"),
+        (content_not_text, "malformed_record"),
+        (bad_effort, "malformed_record"),
+        (arguments_not_object, "malformed_tool_call_json"),
+    ):
+        assert validate_trajectory(clean_record(row)).reason == reason
+
+
+def test_bad_rows_are_skipped_and_counted(tmp_path):
+    rows = [GOOD, *BAD_ROWS.values(), {**GOOD, "uid": "good-2"}]
+    dataset, report = load_trajectories(_write_jsonl(tmp_path / "mixed.jsonl", rows))
+    assert dataset["uid"] == ["good", "good-2"]
+    assert report.kept == 2
+    assert dict(report.skipped) == dict.fromkeys(BAD_ROWS, 1)
+    metrics = report.metrics()
+    assert metrics["data/kept"] == 2.0
+    assert {key for key in metrics if key.startswith("data/skipped/")} == {f"data/skipped/{r}" for r in REASONS}
+    assert metrics["data/skipped/unknown_role"] == 1.0 and metrics["data/skipped/too_long"] == 0.0
+    assert "mixed.jsonl row 2" in report.first_example["unknown_role"]
+
+
+def test_strict_loading_names_file_row_and_reason(tmp_path):
+    path = _write_jsonl(tmp_path / "strict.jsonl", [GOOD, GOOD, BAD_ROWS["unmatched_tool_result"]])
+    with pytest.raises(BadTrajectoryError, match=r"strict\.jsonl row 2: unmatched_tool_result: message 2 answers 'c9'"):
+        load_trajectories(path, strict=True)
+
+
+def test_nothing_surviving_is_an_error(tmp_path):
+    path = _write_jsonl(tmp_path / "all_bad.jsonl", list(BAD_ROWS.values()))
+    with pytest.raises(BadTrajectoryError, match="all_bad.jsonl: no trajectory survived validation"):
+        load_trajectories(path)
+
+
+def test_too_long_counts_rendered_tokens(tmp_path, renderer):
+    long_answer = _row("long", [USER, {"role": "assistant", "content": "five " * 200}])
+    path = _write_jsonl(tmp_path / "lengths.jsonl", [GOOD, long_answer])
+    limit = len(renderer.render(GOOD["messages"], [], "high")[0])
+    dataset, report = load_trajectories(path, renderer=renderer, max_length=limit)
+    assert dataset["uid"] == ["good"] and report.skipped["too_long"] == 1
+    assert f"> max_length {limit}" in report.first_example["too_long"]
+
+
+def test_tool_call_ids_become_k3_ids_and_results_follow():
+    row = _row(
+        "ids",
+        [
+            USER,
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [_call("call_a", "search", '{"query": "x"}'), _call("call_b", "calculator", "{}")],
+            },
+            {"role": "tool", "tool_call_id": "call_b", "content": "1"},
+            {"role": "tool", "tool_call_id": "call_a", "content": "2"},
+            {"role": "assistant", "content": "", "tool_calls": [_call("call_c", "search", '{"query": "y"}')]},
+        ],
+    )
+    messages = clean_record(row)["messages"]
+    assert [c["id"] for c in messages[1]["tool_calls"]] == ["functions.search:0", "functions.calculator:1"]
+    assert [m["tool_call_id"] for m in messages[2:4]] == ["functions.calculator:1", "functions.search:0"]
+    assert messages[4]["tool_calls"][0]["id"] == "functions.search:2"
+    assert validate_trajectory({**row, "messages": messages}).ok
+
+
+def test_parquet_and_arrow_null_padding(tmp_path, renderer):
+    """Arrow pads every row with the keys other rows have; the loaded record is the written one."""
+    rows = [
+        GOOD,
+        _row(
+            "tools",
+            [
+                USER,
+                {"role": "assistant", "content": "", "tool_calls": [_call("c", "calculator", '{"expression": "2+3"}')]},
+                {"role": "tool", "tool_call_id": "c", "content": "5"},
+                {"role": "assistant", "content": "5"},
+            ],
+            effort=None,
+        ),
+    ]
+    path = tmp_path / "rows.parquet"
+    datasets.Dataset.from_list(rows).to_parquet(str(path))
+    dataset, report = load_trajectories(path)
+    assert report.kept == 2
+    loaded = decode_record(dataset[1])
+    assert "reasoning_content" not in loaded["messages"][1] and "tool_call_id" not in loaded["messages"][0]
+    assert loaded["messages"][2] == {"role": "tool", "tool_call_id": "functions.calculator:0", "content": "5"}
+    assert dataset[1]["effort"] == ""
+
+    sample = trajectory_sample(loaded, renderer)
+    sample.check()
+    assert sample.loss_mask[sample.prompt_length] == 1 and sum(sample.loss_mask[: sample.prompt_length]) == 0
+    prompt = prompt_sample(loaded)
+    assert [m["role"] for m in prompt.messages] == ["user"] and prompt.tokens == []
+
+
+def test_unreadable_file_names_the_fix(tmp_path):
+    path = tmp_path / "types.jsonl"
+    path.write_text(json.dumps(GOOD) + "\n" + json.dumps({**GOOD, "messages": 7}) + "\n")
+    with pytest.raises(ValueError, match="types.jsonl: could not read the rows as one table"):
+        load_trajectories(path)

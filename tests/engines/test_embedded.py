@@ -1,0 +1,177 @@
+"""EmbeddedEngine on the tiny K3: scoring is the model's own forward, generation is resumable,
+batch-independent, weight updates take effect, QAT numbers are the training numbers."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from posttrain.data.sample import Sample
+from posttrain.engines import EmbeddedEngine, SamplingConfig
+from posttrain.engines.base import tokens_already_generated
+from posttrain.model import KimiK3ForCausalLM, load_model_config
+from posttrain.qat import QATConfig, apply_qat
+
+TINY = "stages/models/tiny.yaml"
+
+
+def tiny_k3(seed: int) -> KimiK3ForCausalLM:
+    torch.manual_seed(seed)
+    model = KimiK3ForCausalLM(load_model_config(TINY))
+    with torch.no_grad():  # wider than the default init so next-token distributions are peaked
+        for name, parameter in model.named_parameters():
+            if parameter.dim() > 1 and "embed" not in name:
+                parameter.mul_(4.0)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def model() -> KimiK3ForCausalLM:
+    return tiny_k3(0)
+
+
+def prompt(uid: str, tokens: list[int]) -> Sample:
+    n = len(tokens)
+    return Sample(
+        uid=uid,
+        tokens=list(tokens),
+        prompt_length=n,
+        loss_mask=[0] * n,
+        rollout_logprobs=[0.0] * n,
+        policy_version=[-1] * n,
+    )
+
+
+def prompts() -> list[Sample]:
+    return [prompt("a", [11, 12, 13]), prompt("b", [21, 22, 23, 24, 25, 26]), prompt("c", [31, 32, 33, 34])]
+
+
+def forward_logprobs(model: torch.nn.Module, tokens: list[int]) -> list[float]:
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([tokens])).logits[0].float()
+    picked = torch.log_softmax(logits[:-1], dim=-1).gather(-1, torch.tensor(tokens[1:])[:, None])
+    return [0.0] + picked.squeeze(-1).tolist()
+
+
+def test_score_equals_forward_log_softmax(model):
+    samples = prompts()
+    scores = EmbeddedEngine(model).score(samples)
+    for sample, score in zip(samples, scores, strict=True):
+        assert len(score) == len(sample.tokens) and score[0] == 0.0
+        torch.testing.assert_close(
+            torch.tensor(score), torch.tensor(forward_logprobs(model, sample.tokens)), atol=1e-5, rtol=0
+        )
+
+
+def test_generation_logprobs_are_the_models_and_alignment_holds(model):
+    samples = EmbeddedEngine(model).generate(prompts(), SamplingConfig(max_tokens=5, seed=3, top_k=40))
+    for sample in samples:
+        sample.check()
+        assert sample.finish_reason == "length" and sample.response_length == 5
+        assert sample.loss_mask[sample.prompt_length :] == [1] * 5
+        assert sample.policy_version[sample.prompt_length :] == [0] * 5
+        rescored = forward_logprobs(model, sample.tokens)
+        torch.testing.assert_close(
+            torch.tensor(sample.rollout_logprobs[sample.prompt_length :]),
+            torch.tensor(rescored[sample.prompt_length :]),
+            atol=1e-5,
+            rtol=0,
+        )
+
+
+def test_paused_and_resumed_equals_uninterrupted(model):
+    sampling = SamplingConfig(max_tokens=6, seed=7, temperature=0.9, top_p=0.95)
+    engine = EmbeddedEngine(model)
+    straight = engine.generate(prompts(), sampling)
+
+    checks = {"n": 0}
+
+    def pause_after_two_steps(_samples: list[Sample]) -> bool:
+        checks["n"] += 1
+        return checks["n"] == 3  # checked once before the batch, then after each decoding step
+
+    resumed = engine.generate(prompts(), sampling, pause_when=pause_after_two_steps)
+    assert [s.finish_reason for s in resumed] == ["paused"] * 3
+    assert [s.response_length for s in resumed] == [2, 2, 2]
+    assert [tokens_already_generated(s) for s in resumed] == [2, 2, 2]
+    engine.generate(resumed, sampling)
+    for a, b in zip(straight, resumed, strict=True):
+        assert b.tokens == a.tokens and b.finish_reason == a.finish_reason == "length"
+        torch.testing.assert_close(
+            torch.tensor(b.rollout_logprobs), torch.tensor(a.rollout_logprobs), atol=1e-5, rtol=0
+        )
+
+
+def test_batched_generation_equals_one_by_one(model):
+    sampling = SamplingConfig(max_tokens=5, seed=11)
+    batched = EmbeddedEngine(model).generate(prompts(), sampling)
+    single = [EmbeddedEngine(model, max_batch_size=1).generate([s], sampling)[0] for s in prompts()]
+    for a, b in zip(batched, single, strict=True):
+        assert a.tokens == b.tokens
+        torch.testing.assert_close(
+            torch.tensor(a.rollout_logprobs), torch.tensor(b.rollout_logprobs), atol=1e-5, rtol=0
+        )
+
+
+def test_finish_reasons_stop_tool_call_and_length(model):
+    engine = EmbeddedEngine(model)
+    greedy = SamplingConfig(max_tokens=6, temperature=0.0)
+    free = engine.generate([prompt("g", [5, 6, 7])], greedy)[0]
+    generated = free.tokens[3:]
+    assert free.finish_reason == "length" and len(generated) == 6
+    target = generated[2]
+    cut = generated.index(target) + 1  # the first occurrence ends the turn, token included
+
+    stopped = engine.generate(
+        [prompt("g", [5, 6, 7])], SamplingConfig(max_tokens=6, temperature=0.0, stop_token_ids=(target,))
+    )[0]
+    assert stopped.finish_reason == "stop" and stopped.tokens[3:] == generated[:cut]
+    tool = engine.generate(
+        [prompt("g", [5, 6, 7])], SamplingConfig(max_tokens=6, temperature=0.0, tool_call_token_ids=(target,))
+    )[0]
+    assert tool.finish_reason == "tool_call" and tool.tokens[3:] == generated[:cut]
+    short = engine.generate([prompt("g", [5, 6, 7])], SamplingConfig(max_tokens=2, temperature=0.0))[0]
+    assert short.finish_reason == "length" and short.tokens[3:] == generated[:2]
+
+
+def test_update_weights_switches_to_the_new_models_logprobs(model, tmp_path):
+    engine = EmbeddedEngine(copy.deepcopy(model))
+    new_model = tiny_k3(1)
+    before = engine.score(prompts())
+    engine.update_weights(new_model.state_dict())
+    assert engine.policy_version == 1
+    after = engine.score(prompts())
+    for sample, old, new in zip(prompts(), before, after, strict=True):
+        expected = torch.tensor(forward_logprobs(new_model, sample.tokens))
+        torch.testing.assert_close(torch.tensor(new), expected, atol=1e-5, rtol=0)
+        assert (torch.tensor(old) - expected).abs().max() > 1e-2
+    generated = engine.generate([prompt("v", [1, 2, 3])], SamplingConfig(max_tokens=2))[0]
+    assert generated.policy_version == [-1, -1, -1, 1, 1]
+
+    model.save_pretrained(tmp_path / "ckpt")
+    engine.update_weights(tmp_path / "ckpt")
+    assert engine.policy_version == 2
+    for sample, score in zip(prompts(), engine.score(prompts()), strict=True):
+        torch.testing.assert_close(
+            torch.tensor(score), torch.tensor(forward_logprobs(model, sample.tokens)), atol=1e-5, rtol=0
+        )
+    with pytest.raises(ValueError, match="unexpected"):
+        engine.update_weights({**model.state_dict(), "not.a.weight": torch.zeros(1)})
+
+
+def test_qat_fake_quant_is_active_in_generation_and_scoring(model):
+    quantized = copy.deepcopy(model)
+    assert apply_qat(quantized, QATConfig(scheme="k3"))
+    engine = EmbeddedEngine(quantized)
+    sample = engine.generate([prompt("q", [3, 4, 5, 6])], SamplingConfig(max_tokens=4, seed=2))[0]
+    with_qat = forward_logprobs(quantized, sample.tokens)
+    without_qat = forward_logprobs(model, sample.tokens)
+    torch.testing.assert_close(
+        torch.tensor(sample.rollout_logprobs[4:]), torch.tensor(with_qat[4:]), atol=1e-5, rtol=0
+    )
+    torch.testing.assert_close(
+        torch.tensor(engine.score([sample])[0]), torch.tensor(with_qat), atol=1e-5, rtol=0
+    )
+    assert max(abs(a - b) for a, b in zip(with_qat, without_qat, strict=True)) > 1e-4

@@ -1,0 +1,206 @@
+"""CheckpointManager: everything round-trips exactly, damaged checkpoints are skipped with a
+warning, old ones are pruned; MetricsLogger rewinds to a restored step."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from posttrain.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
+from posttrain.data.sample import Sample
+from posttrain.metrics import MetricsLogger, read_metrics
+
+
+def make_state(
+    seed: int,
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Dropout(0.3), torch.nn.Linear(7, 3))
+    model.register_buffer("router_bias", torch.randn(4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    return model, optimizer, scheduler
+
+
+def train(model, optimizer, scheduler, steps: int) -> None:
+    for _ in range(steps):
+        loss = model(torch.randn(8, 5)).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+
+
+def draws() -> tuple[float, float, torch.Tensor]:
+    return random.random(), float(np.random.rand()), torch.rand(3)
+
+
+def paused(uid: str) -> Sample:
+    sample = Sample(uid=uid, domain="agent", effort="max", messages=[{"role": "user", "content": "hi"}])
+    sample.append([1, 2, 3], generated=False)
+    sample.append([7, 8], generated=True, logprobs=[-0.5, -1.25], version=3)
+    sample.prompt_length, sample.finish_reason = 3, "paused"
+    return sample
+
+
+def test_round_trip_restores_every_piece_of_state(tmp_path: Path) -> None:
+    model, optimizer, scheduler = make_state(0)
+    train(model, optimizer, scheduler, 3)
+    manager = CheckpointManager(tmp_path / "ckpt")
+    extra = {"cursor": 17, "router": {"bias": torch.arange(4.0)}, "order": [3, 1, 2], "name": "shard-2"}
+    manager.save(
+        3,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        extra=extra,
+        samples={"rollout_queue": [paused("p0-1"), paused("p4-0")]},
+    )
+    after_save = draws()
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    saved_optimizer = optimizer.state_dict()
+
+    fresh_model, fresh_optimizer, fresh_scheduler = make_state(1)
+    draws()
+    checkpoint = CheckpointManager(tmp_path / "ckpt").load(
+        model=fresh_model, optimizer=fresh_optimizer, scheduler=fresh_scheduler
+    )
+    assert checkpoint is not None and checkpoint.step == 3
+    replay = draws()
+    assert replay[:2] == after_save[:2] and torch.equal(replay[2], after_save[2])
+    for name, value in fresh_model.state_dict().items():
+        assert torch.equal(value, saved[name]), name
+    for index, state in saved_optimizer["state"].items():
+        for key, value in state.items():
+            assert torch.equal(fresh_optimizer.state_dict()["state"][index][key], value)
+    assert fresh_scheduler.state_dict() == scheduler.state_dict()
+    assert checkpoint.extra["cursor"] == 17 and checkpoint.extra["order"] == [3, 1, 2]
+    assert torch.equal(checkpoint.extra["router"]["bias"], torch.arange(4.0))
+    queue = checkpoint.samples["rollout_queue"]
+    assert [s.to_dict() for s in queue] == [paused("p0-1").to_dict(), paused("p4-0").to_dict()]
+
+
+def test_rng_helpers_replay_the_same_draws() -> None:
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    state = capture_rng_state()
+    first = draws()
+    draws()
+    restore_rng_state(state)
+    second = draws()
+    assert first[:2] == second[:2] and torch.equal(first[2], second[2])
+
+
+def test_keeps_the_last_k_and_points_latest_at_the_newest(tmp_path: Path) -> None:
+    model, _, _ = make_state(0)
+    manager = CheckpointManager(tmp_path, keep=2)
+    for step in range(1, 6):
+        manager.save(step, model=model, extra={"step": step})
+    assert manager.steps() == [4, 5]
+    assert (tmp_path / "latest").read_text().strip() == "step-5"
+    assert manager.load(model=model).extra == {"step": 5}
+
+
+def test_damaged_checkpoint_falls_back_to_the_previous_one_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    model, _, _ = make_state(0)
+    manager = CheckpointManager(tmp_path, keep=3)
+    weights = {}
+    for step in (2, 4, 6):
+        model[0].weight.data.fill_(float(step))
+        manager.save(step, model=model, extra={"step": step})
+        weights[step] = model[0].weight.detach().clone()
+    blob = tmp_path / "step-6" / "model.safetensors"
+    data = bytearray(blob.read_bytes())
+    data[-1] ^= 0xFF
+    blob.write_bytes(bytes(data))
+
+    with caplog.at_level(logging.WARNING, logger="posttrain.checkpoint"):
+        checkpoint = CheckpointManager(tmp_path).load(model=model)
+    assert checkpoint is not None and checkpoint.step == 4
+    assert torch.equal(model[0].weight, weights[4])
+    assert "step-6 is damaged (model.safetensors does not match its sha256); resuming from" in caplog.text
+
+
+def test_half_written_and_missing_checkpoints_are_ignored(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    model, _, _ = make_state(0)
+    manager = CheckpointManager(tmp_path)
+    manager.save(1, model=model, extra={"step": 1})
+    manager.save(2, model=model, extra={"step": 2})
+    (tmp_path / "step-2" / "extra.pt").unlink()  # a file lost after the rename
+    half = tmp_path / ".tmp-step-3-999-abcd"  # a kill during the write: never renamed
+    half.mkdir()
+    (half / "model.safetensors").write_bytes(b"\x00" * 10)
+    (tmp_path / "step-9").mkdir()  # a dir without a manifest
+    with caplog.at_level(logging.WARNING, logger="posttrain.checkpoint"):
+        manager = CheckpointManager(tmp_path)
+        checkpoint = manager.load(model=model)
+    assert not half.exists()
+    assert checkpoint is not None and checkpoint.extra == {"step": 1}
+    assert "step-2 is damaged (extra.pt is missing)" in caplog.text
+
+    manager.save(2, model=model, extra={"step": 2})  # the run goes on from step 1
+    assert manager.steps() == [1, 2], "the damaged step-2 is replaced and the abandoned step-9 removed"
+    assert manager.load(model=model).extra == {"step": 2}
+
+
+def test_no_intact_checkpoint_means_start_from_scratch(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "step-4").mkdir()
+    (tmp_path / "latest").write_text("step-4\n")
+    rewound = []
+    with caplog.at_level(logging.WARNING, logger="posttrain.checkpoint"):
+        assert CheckpointManager(tmp_path, on_restore=rewound.append).load() is None
+    assert rewound == [0]
+    assert "no intact checkpoint" in caplog.text
+
+
+def test_extra_state_that_cannot_be_loaded_safely_is_refused_at_save(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path)
+    with pytest.raises(TypeError, match=r"extra\['data'\]\['rows'\]: ndarray cannot be stored"):
+        manager.save(1, extra={"data": {"rows": np.zeros(3)}})
+    assert manager.steps() == [] and not list(tmp_path.glob(".tmp-*"))
+
+
+def test_checkpoint_manifest_lists_every_file_with_its_hash(tmp_path: Path) -> None:
+    model, optimizer, scheduler = make_state(0)
+    path = CheckpointManager(tmp_path).save(
+        7,
+        model={"student": model},
+        optimizer=optimizer,
+        scheduler=scheduler,
+        write_files=lambda d: (d / "engine.json").write_text('{"policy_version": 3}'),
+    )
+    manifest = json.loads((path / "checkpoint.json").read_text())
+    assert manifest["step"] == 7
+    assert sorted(manifest["files"]) == [
+        "engine.json",
+        "model-student.safetensors",
+        "optimizer.pt",
+        "rng.pt",
+        "scheduler.pt",
+    ]
+    assert all(len(h) == 64 for h in manifest["files"].values())
+
+
+def test_metrics_rewind_drops_steps_after_the_restored_one(tmp_path: Path) -> None:
+    metrics = MetricsLogger(tmp_path, tensorboard=False)
+    for step in range(1, 6):
+        metrics.log(step, {"response_length/low": step * 10.0}, loss=1.0 / step)
+    with open(tmp_path / "metrics.jsonl", "a") as handle:
+        handle.write('{"step": 6, "lo')  # the process was killed mid-line
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4, 5]
+    metrics.rewind(3)
+    metrics.log(4, loss=0.2)
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert records[2]["response_length/low"] == 30.0 and records[3]["loss"] == 0.2

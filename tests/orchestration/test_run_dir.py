@@ -1,0 +1,142 @@
+"""A real run of a three-stage DAG through the CLI: manifests, skip of done stages, staleness after
+a config change, --restart / --from / --only, failures, report and status."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+STAGES = ("a", "b", "c")
+
+
+def manifest(run: Path, stage: str) -> dict:
+    return json.loads((run / stage / "manifest.json").read_text())
+
+
+def started(run: Path) -> dict[str, float]:
+    return {s: manifest(run, s)["started"] for s in STAGES}
+
+
+def value(run: Path, stage: str) -> int:
+    return int((run / stage / "model" / "value.txt").read_text())
+
+
+def plan_rows(out: str) -> dict[str, str]:
+    """stage -> status column of `posttrain plan` output."""
+    rows = {}
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.split("│")]
+        if len(cells) > 4 and cells[1] not in ("", "stage"):
+            rows[cells[1]] = cells[4]
+    return rows
+
+
+def write_dag(write, b_value: int = 3) -> Path:
+    toy = 'kind: toy-sum\nplugins: ["{toy}"]\n'
+    write("a.yaml", toy, "value: 2\n")
+    write("b.yaml", toy, f"needs: [a.yaml]\nvalue: {b_value}\n")
+    return write("c.yaml", toy, "needs: [b.yaml]\nvalue: 4\ntrain: {steps: 5}\n")
+
+
+def test_run_skip_stale_restart_from_only(write, posttrain, tmp_path: Path) -> None:
+    dag, run = write_dag(write), tmp_path / "run"
+    code, out, err = posttrain("run", dag, "--run-dir", run)
+    assert code == 0, out + err
+    assert [value(run, s) for s in STAGES] == [2, 5, 9]
+    c = manifest(run, "c")
+    assert c["status"] == "done" and c["attempts"] == 1 and c["metrics"] == {"total": 9.0, "loss": 0.2}
+    assert c["inputs"] == {"b": manifest(run, "b")["model_hash"]} and c["run_seconds"] > 0
+    assert [r["step"] for r in map(json.loads, (run / "c" / "metrics.jsonl").read_text().splitlines())] == [
+        1,
+        2,
+        3,
+        4,
+        5,
+    ]
+    assert list((run / "a" / "tensorboard").glob("events.out.tfevents.*"))
+    assert "stage a starting" in (run / "run.log").read_text()
+    first = started(run)
+
+    code, out, _ = posttrain("run", dag, "--run-dir", run)
+    assert code == 0 and "all 3 stages in scope are done" in out
+    assert started(run) == first
+
+    assert plan_rows(posttrain("plan", dag, "--run-dir", run)[1]) == {"a": "done", "b": "done", "c": "done"}
+    assert plan_rows(posttrain("plan", dag, "--run-dir", run, "b.value=6")[1]) == {
+        "a": "done",
+        "b": "stale",
+        "c": "stale",
+    }
+    write_dag(write, b_value=6)
+    assert posttrain("run", dag, "--run-dir", run)[0] == 0
+    now = started(run)
+    assert now["a"] == first["a"] and now["b"] > first["b"] and now["c"] > first["c"]
+    assert [value(run, s) for s in STAGES] == [2, 8, 12]
+
+    # a rerun that reproduces the same weights leaves its dependants done
+    before = now
+    assert posttrain("run", dag, "--run-dir", run, "--restart", "a")[0] == 0
+    now = started(run)
+    assert now["a"] > before["a"] and (now["b"], now["c"]) == (before["b"], before["c"])
+
+    before = now
+    assert posttrain("run", dag, "--run-dir", run, "--from", "b")[0] == 0
+    now = started(run)
+    assert now["a"] == before["a"] and now["b"] > before["b"] and now["c"] > before["c"]
+
+    code, _, err = posttrain("run", dag, "--run-dir", run, "--only", "c", "b.value=3")
+    assert code == 2 and "--only c: its need b is stale (config changed)" in err and "add --only b" in err
+    before = now
+    assert posttrain("run", dag, "--run-dir", run, "--only", "c", "--restart", "c")[0] == 0
+    now = started(run)
+    assert (now["a"], now["b"]) == (before["a"], before["b"]) and now["c"] > before["c"]
+
+    code, out, _ = posttrain("status", run)
+    assert code == 0
+    assert all(f"│ {s}" in out for s in STAGES) and out.count("done") == 3 and "total=12" in out
+
+
+def test_report_has_every_stage_and_the_curves_that_were_logged(write, posttrain, tmp_path: Path) -> None:
+    toy = 'kind: toy-sum\nplugins: ["{toy}"]\n'
+    write("sft.yaml", toy)
+    dag = write("rl.yaml", toy, "needs: [sft.yaml]\nmatrix: {effort: [low, max]}\nvalue: 2\n")
+    run = tmp_path / "run"
+    assert posttrain("run", dag, "--run-dir", run)[0] == 0
+    report = (run / "report.md").read_text()
+    for row in (
+        "| sft | toy-sum | done | 1 |",
+        "| rl-low | toy-sum | done | 1 |",
+        "| rl-max | toy-sum | done | 1 |",
+    ):
+        assert row in report
+    assert "total=3" in report and "loss=0.3333" in report
+    for plot in ("loss", "reward", "response_length"):
+        assert f"![{plot}](plots/{plot}.png)" in report
+        assert (run / "plots" / f"{plot}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (run / "plots" / "mopd_kl.png").exists(), "no stage logged a KL"
+
+
+def test_failed_stage_blocks_dependants_and_resumes_after_the_fix(write, posttrain, tmp_path: Path) -> None:
+    toy = 'kind: toy-sum\nplugins: ["{toy}"]\n'
+    write("a.yaml", toy)
+    write("f.yaml", toy, "needs: [a.yaml]\nfail: true\n")
+    dag = write("g.yaml", toy, "needs: [f.yaml]\n")
+    run = tmp_path / "run"
+    code, out, _ = posttrain("run", dag, "--run-dir", run)
+    assert code == 1
+    assert manifest(run, "a")["status"] == "done"
+    failed = manifest(run, "f")
+    assert failed["status"] == "failed" and failed["error"] == "RuntimeError: toy stage asked to fail"
+    assert not (run / "f" / "model").exists() and not (run / "g").exists()
+    assert "blocked" in out and "toy stage asked to fail" in out
+    assert "Traceback" in (run / "f" / "stage.log").read_text()
+    assert plan_rows(posttrain("plan", dag, "--run-dir", run)[1]) == {
+        "a": "done",
+        "f": "failed",
+        "g": "pending",
+    }
+
+    a_started = manifest(run, "a")["started"]
+    assert posttrain("run", dag, "--run-dir", run, "f.fail=false")[0] == 0
+    assert manifest(run, "a")["started"] == a_started
+    assert value(run, "g") == 3 and manifest(run, "f")["attempts"] == 1

@@ -1,0 +1,289 @@
+"""Stage files: every user mistake is exit 2 with file:line: key: problem (hint), and nothing is
+written; matrices expand; overrides follow the documented targeting rules."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from orchestration_support import REPO
+
+from orchestration.pipeline import load_pipeline
+from posttrain.config.errors import ConfigError
+
+HEADER = """
+    kind: toy-sum
+    plugins: ["{toy}"]
+"""
+
+
+def assert_user_error(result: tuple[int, str, str], *fragments: str) -> str:
+    code, out, err = result
+    assert code == 2, (out, err)
+    assert "Traceback" not in out + err
+    for fragment in fragments:
+        assert fragment in err, f"{fragment!r} not in:\n{err}"
+    return err
+
+
+@pytest.mark.parametrize("command", ["run", "plan"])
+def test_yaml_syntax_error_names_file_and_line(write, posttrain, tmp_path: Path, command: str) -> None:
+    path = write(
+        "a.yaml",
+        HEADER,
+        """
+    value: 2
+      train: 4
+    """,
+    )
+    assert_user_error(
+        posttrain(command, path, "--run-dir", tmp_path / "run"),
+        "a.yaml:4:",
+        "YAML syntax error",
+        "mapping values are not allowed here",
+    )
+    assert not (tmp_path / "run").exists()
+
+
+def test_misspelled_keys_suggest_the_nearest_valid_key(write, posttrain, tmp_path: Path) -> None:
+    path = write(
+        "a.yaml",
+        HEADER,
+        """
+    valeu: 2
+    train:
+      lr: 0.5
+      stpes: 3
+    """,
+    )
+    err = assert_user_error(
+        posttrain("run", path, "--run-dir", tmp_path / "run"),
+        "a.yaml:3: valeu: unknown key (did you mean 'value'?)",
+        "a.yaml:6: train.stpes: unknown key (did you mean 'steps'?)",
+    )
+    assert "2 problems" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_misspelled_generic_key_is_caught_even_for_an_unregistered_kind(
+    write, posttrain, tmp_path: Path
+) -> None:
+    write("b.yaml", HEADER)
+    path = write(
+        "a.yaml",
+        """
+    kind: not-registered-anywhere
+    neds: [b.yaml]
+    """,
+    )
+    assert_user_error(
+        posttrain("plan", path, "--run-dir", tmp_path / "run"),
+        "a.yaml:2: neds: unknown key (did you mean 'needs'?)",
+    )
+
+
+def test_missing_needs_file(write, posttrain, tmp_path: Path) -> None:
+    write("base.yaml", HEADER)
+    path = write(
+        "a.yaml",
+        HEADER,
+        """
+    needs: [bsae.yaml]
+    """,
+    )
+    assert_user_error(
+        posttrain("run", path, "--run-dir", tmp_path / "run"),
+        "a.yaml:3: needs[0]: stage file bsae.yaml does not exist",
+        "did you mean 'base.yaml'?",
+    )
+    assert not (tmp_path / "run").exists()
+
+
+def test_cycle_is_named(write, posttrain, tmp_path: Path) -> None:
+    write("b.yaml", HEADER, "needs: [c.yaml]\n")
+    write("c.yaml", HEADER, "needs: [a.yaml]\n")
+    path = write("a.yaml", HEADER, "needs: [b.yaml]\n")
+    err = assert_user_error(posttrain("run", path, "--run-dir", tmp_path / "run"), "needs form a cycle: ")
+    cycle = err.split("needs form a cycle: ")[1].split(" (")[0].split(" -> ")
+    assert cycle[0] == cycle[-1] and sorted(cycle[:-1]) == ["a", "b", "c"]
+    assert not (tmp_path / "run").exists()
+
+
+def test_wrong_types_name_key_line_and_value(write, posttrain, tmp_path: Path) -> None:
+    path = write(
+        "a.yaml",
+        HEADER,
+        """
+    seed: abc
+    train: {steps: many}
+    """,
+    )
+    assert_user_error(
+        posttrain("run", path, "--run-dir", tmp_path / "run"),
+        "a.yaml:3: seed: Input should be a valid integer",
+        "'abc'",
+        "a.yaml:4: train.steps: Input should be a valid integer",
+        "'many'",
+    )
+    assert not (tmp_path / "run").exists()
+
+
+def test_missing_model_preset_and_duplicate_key(write, posttrain, tmp_path: Path) -> None:
+    write("models/tiny.yaml", "hidden_size: 64\n")
+    path = write(
+        "a.yaml",
+        HEADER,
+        """
+    model: models/tinny.yaml
+    value: 1
+    value: 2
+    """,
+    )
+    assert_user_error(
+        posttrain("run", path, "--run-dir", tmp_path / "run"),
+        "a.yaml:3: model: model preset models/tinny.yaml does not exist",
+        "did you mean 'tiny.yaml'?",
+        "a.yaml:5: value: duplicate key (first written on line 4)",
+    )
+
+
+def test_model_names_a_need_or_a_preset(write, tmp_path: Path) -> None:
+    write("base.yaml", HEADER)
+    ok = load_pipeline(write("a.yaml", HEADER, "needs: [base.yaml]\nmodel: base\n"))
+    assert ok.stages["a"].model == "base" and ok.stages["a"].model_is_input
+    with pytest.raises(
+        ConfigError, match=r"model 'bsae' is neither a preset file .* nor one of this stage's needs"
+    ):
+        load_pipeline(write("b.yaml", HEADER, "needs: [base.yaml]\nmodel: bsae\n"))
+
+
+def test_missing_plugin_file(write, posttrain, tmp_path: Path) -> None:
+    path = write(
+        "a.yaml",
+        """
+    kind: toy-sum
+    plugins: [my_stages.py]
+    """,
+    )
+    assert_user_error(
+        posttrain("plan", path), "a.yaml:2: plugins[0]: plug-in file my_stages.py does not exist"
+    )
+
+
+def test_unregistered_kind_plans_but_does_not_run(write, posttrain, tmp_path: Path) -> None:
+    path = write("a.yaml", "kind: distill-v9\nteacher_temperature: 2\n")
+    code, out, _ = posttrain("plan", path, "--run-dir", tmp_path / "run")
+    assert code == 0
+    assert "distill-v9*" in out and "pending" in out
+    assert "kind 'distill-v9' is not registered" in out and "teacher_temperature" in out
+    assert_user_error(
+        posttrain("run", path, "--run-dir", tmp_path / "run"),
+        "a.yaml:1: kind: kind 'distill-v9' is not registered",
+        "cannot run",
+    )
+    assert not (tmp_path / "run").exists()
+
+
+def test_matrix_expands_with_typed_substitution(write) -> None:
+    write("sft.yaml", HEADER)
+    pipeline = load_pipeline(
+        write(
+            "rl.yaml",
+            HEADER,
+            """
+    stage: rl-${domain}-${effort}
+    needs: [sft.yaml]
+    matrix:
+      domain: [general, coding]
+      effort: [low, max]
+      scale: [3]
+    value: ${scale}
+    description: ${domain} at ${effort}
+    """,
+        )
+    )
+    assert list(pipeline.stages) == [
+        "sft",
+        "rl-general-low",
+        "rl-general-max",
+        "rl-coding-low",
+        "rl-coding-max",
+    ]
+    stage = pipeline.stages["rl-coding-max"]
+    assert stage.body["value"] == 3 and stage.description == "coding at max"
+    assert stage.matrix == {"domain": "coding", "effort": "max", "scale": 3}
+    assert stage.needs == ["sft"]
+
+
+def test_matrix_stage_id_must_use_every_name(write, posttrain) -> None:
+    path = write(
+        "rl.yaml",
+        HEADER,
+        """
+    stage: rl-${domain}
+    matrix: {domain: [a, b], effort: [low, max]}
+    """,
+    )
+    assert_user_error(
+        posttrain("plan", path),
+        "rl.yaml:3: stage: a matrix stage id must use every matrix name with several values",
+        "['effort'] unused",
+    )
+
+
+def test_overrides_target_stages_and_keys(write) -> None:
+    write("a.yaml", HEADER, "train: {steps: 2}\n")
+    write("b.yaml", HEADER, "needs: [a.yaml]\nmatrix: {effort: [low, max]}\n")
+    path = write("c.yaml", HEADER, "needs: [b.yaml]\n")
+    pipeline = load_pipeline(path, ["train.steps=7", "b-*.value=5", "c.seed=11", "a.train.lr=0.5"])
+    steps = {sid: s.body.get("train", {}).get("steps") for sid, s in pipeline.stages.items()}
+    assert steps == {"a": 7, "b-low": 7, "b-max": 7, "c": 7}  # every stage whose schema has train.steps
+    assert [pipeline.stages[s].body.get("value") for s in ("a", "b-low", "b-max", "c")] == [None, 5, 5, None]
+    assert pipeline.stages["c"].seed == 11 and pipeline.stages["a"].seed == 0
+    assert pipeline.stages["a"].body["train"] == {"steps": 7, "lr": 0.5}
+    base = load_pipeline(path)
+    assert base.stages["c"].config_hash != pipeline.stages["c"].config_hash
+
+
+def test_bad_overrides_are_user_errors(write, posttrain, tmp_path: Path) -> None:
+    path = write("a.yaml", HEADER, "train: {steps: 2}\n")
+    assert_user_error(
+        posttrain("run", path, "train.stpes=3", "--run-dir", tmp_path / "run"),
+        "command line: train.stpes=3: no stage has this key (did you mean 'train.steps'?)",
+    )
+    assert_user_error(
+        posttrain("run", path, "train.steps=lots", "--run-dir", tmp_path / "run"),
+        "command line override 'train.steps=lots': train.steps: Input should be a valid integer",
+    )
+    assert_user_error(
+        posttrain("run", path, "needs=[]", "--run-dir", tmp_path / "run"),
+        "'needs' shapes the stage DAG and cannot be overridden",
+    )
+    assert_user_error(
+        posttrain("run", path, "steps", "--run-dir", tmp_path / "run"), "cannot read override 'steps'"
+    )
+    assert not (tmp_path / "run").exists()
+
+
+def test_kind_config_must_forbid_unknown_keys() -> None:
+    from pydantic import BaseModel
+
+    from posttrain.stages import stage_kind
+
+    class Loose(BaseModel):
+        steps: int = 1
+
+    with pytest.raises(TypeError, match="must set model_config = ConfigDict"):
+        stage_kind("loose", config=Loose)
+
+
+def test_shipped_pipeline_is_the_eleven_stage_dag() -> None:
+    pipeline = load_pipeline(REPO / "stages" / "mopd.yaml")
+    rl = [f"rl-{d}-{e}" for d in ("general", "agent", "coding") for e in ("low", "high", "max")]
+    assert list(pipeline.stages) == ["sft", *rl, "mopd"]
+    assert pipeline.stages["mopd"].needs == rl
+    assert all(pipeline.stages[s].needs == ["sft"] for s in rl)
+    assert pipeline.stages["rl-agent-max"].matrix == {"domain": "agent", "effort": "max"}
+    for stage in pipeline.stages.values():
+        assert stage.model == str(REPO / "stages" / "models" / "tiny.yaml")
+        assert stage.qat == {"scheme": "k3"}
