@@ -1,7 +1,10 @@
 """Is `chunk_kda` fast enough to train on a CPU? Times its forward+backward against the token-by-token
 spec `naive_recurrent_kda` on the same inputs and prints the ratio (issue 2 aims for >= 20x).
 
-Usage: python bench/kda_cpu.py [--T 2048] [--H 4] [--K 64] [--V 64] [--repeats 3]
+Usage: python bench/kda_cpu.py [--T 2048] [--H 4] [--K 64] [--V 64] [--repeats 3] [--threads 1]
+
+One thread by default: on a CPU shared with other jobs, OpenMP's second thread mostly waits for a
+busy core, which makes small ops (both paths are made of them) erratically slow.
 """
 
 from __future__ import annotations
@@ -50,7 +53,9 @@ def main() -> None:
     parser.add_argument("--K", type=int, default=64)
     parser.add_argument("--V", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
 
     inputs = make_inputs(args.B, args.T, args.H, args.K, args.V)
     print(

@@ -1,14 +1,16 @@
 """On a CUDA GPU: is our plain-PyTorch `chunk_kda` right there, does the fla dispatch agree with it,
 and how much faster is fla's Triton kernel at long T? Prints errors and times; asserts nothing.
 
-Usage: python bench/kda_gpu.py [--repeats 10]   (needs CUDA; fla optional: pip install
-flash-linear-attention)
+Usage: python bench/kda_gpu.py [--repeats 5]   (needs CUDA; fla optional: pip install
+flash-linear-attention). On a fresh machine fla's Triton kernels compile and autotune on first use:
+on an H200 the sections up to the bf16 comparison took most of a 10-minute run.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import time
 import traceback
 
 import torch
@@ -18,6 +20,7 @@ from posttrain.ops.kda import chunk_kda, fused_recurrent_kda, kda_gate, naive_re
 from posttrain.ops.kda.chunk import _fla_chunk_kda
 
 NAMES = ["q", "k", "v", "g", "beta", "initial_state"]
+START = time.perf_counter()
 
 
 def make_inputs(B, T, H, K, V, dtype, seed=0, device="cuda") -> dict[str, torch.Tensor]:
@@ -51,7 +54,7 @@ def report(label: str, actual: dict, expected: dict) -> None:
         diff = (actual[name].double() - ref.double()).flatten()
         rel = (diff.norm() / ref.double().norm().clamp_min(1e-30)).item()
         parts.append(f"{name} rel {rel:.1e} max {diff.abs().max().item():.1e}")
-    print(f"{label}:\n    " + "\n    ".join(parts))
+    print(f"[{time.perf_counter() - START:.0f}s] {label}:\n    " + "\n    ".join(parts))
 
 
 def time_ms(fn, inputs, repeats, **kwargs) -> float:
@@ -77,7 +80,7 @@ def time_ms(fn, inputs, repeats, **kwargs) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/kda_gpu.py needs a CUDA GPU")
@@ -143,11 +146,14 @@ def compare_fla_torch(label: str, inputs: dict, **kwargs) -> None:
 
 
 def time_fla_torch(T: int, repeats: int) -> None:
-    inputs = make_inputs(1, T, 16, 128, 128, torch.bfloat16, seed=4)
+    # B, H, K, V and dtypes as in the bf16 comparison: fla's Triton autotuner keys on them, and a
+    # new key means minutes of re-tuning on a fresh machine.
+    inputs = make_inputs(2, T, 4, 128, 128, torch.bfloat16, seed=4)
     fla_ms = time_ms(chunk_kda, inputs, repeats, backend="fla")
     torch_ms = time_ms(chunk_kda, inputs, repeats, backend="torch")
     print(
-        f"fwd+bwd bf16 B=1 T={T} H=16 K=V=128: fla {fla_ms:.2f} ms, torch chunk {torch_ms:.2f} ms, "
+        f"[{time.perf_counter() - START:.0f}s] fwd+bwd bf16 B=2 T={T} H=4 K=V=128: "
+        f"fla {fla_ms:.2f} ms, torch chunk {torch_ms:.2f} ms, "
         f"fla is {torch_ms / fla_ms:.1f}x faster",
         flush=True,
     )

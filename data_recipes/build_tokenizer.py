@@ -77,7 +77,9 @@ def train_superwords(words: Tokenizer, texts: list[str]) -> tuple[dict[str, int]
     vocab = dict(words.get_vocab())
     merges = [tuple(merge) for merge in json.loads(words.to_str())["model"]["merges"]]
     units = Counter(unit for text in texts for unit in _digit_split(text) if not unit.isdigit())
-    sequences = [(words.encode(unit, add_special_tokens=False).tokens, count) for unit, count in sorted(units.items())]
+    sequences = [
+        (words.encode(unit, add_special_tokens=False).tokens, count) for unit, count in sorted(units.items())
+    ]
     while len(vocab) < VOCAB_SIZE:
         pairs: Counter[tuple[str, str]] = Counter()
         for tokens, count in sequences:
@@ -127,7 +129,9 @@ def build(output_dir: Path = OUTPUT_DIR) -> PreTrainedTokenizerFast:
         tokenizer_object=bpe,
         eos_token=SPECIAL_TOKENS["end_of_turn"],
         pad_token=SPECIAL_TOKENS["pad"],
-        extra_special_tokens=[t for t in specials if t not in (SPECIAL_TOKENS["end_of_turn"], SPECIAL_TOKENS["pad"])],
+        extra_special_tokens=[
+            t for t in specials if t not in (SPECIAL_TOKENS["end_of_turn"], SPECIAL_TOKENS["pad"])
+        ],
         chat_template=CHAT_TEMPLATE,
         model_max_length=4096,
     )
@@ -136,7 +140,10 @@ def build(output_dir: Path = OUTPUT_DIR) -> PreTrainedTokenizerFast:
     output_dir.mkdir(parents=True, exist_ok=True)
     # save_jinja_files=False keeps the template inside tokenizer_config.json, where every reader looks.
     tokenizer.save_pretrained(str(output_dir), save_jinja_files=False)
-    special_map = {**tokenizer.special_tokens_map, "additional_special_tokens": tokenizer.extra_special_tokens}
+    special_map = {
+        **tokenizer.special_tokens_map,
+        "additional_special_tokens": tokenizer.extra_special_tokens,
+    }
     (output_dir / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2) + "\n")
     return tokenizer
 

@@ -16,7 +16,9 @@ SHIPPED_SFT = str(Path(__file__).resolve().parent / "data" / "agent_sft.jsonl")
 
 @DATA_RECIPES.register("agent_sft")
 def agent_sft() -> Recipe:
-    return Recipe(sources=(MixtureSource(SHIPPED_SFT),), eval_fraction=0.1, description="shipped agent SFT set")
+    return Recipe(
+        sources=(MixtureSource(SHIPPED_SFT),), eval_fraction=0.1, description="shipped agent SFT set"
+    )
 
 
 @DATA_RECIPES.register("agent_sft_agentic")

@@ -276,8 +276,13 @@ def _import_plugins(loader: _Loader) -> None:
         load_plugins()
     except Exception as exc:  # an installed plug-in package that does not import
         raise ConfigError(
-            [Issue(ENTRY_POINT_GROUP, f"importing the plug-in packages failed: {type(exc).__name__}: {exc}",
-                   hint="fix or uninstall the package named in the error")]
+            [
+                Issue(
+                    ENTRY_POINT_GROUP,
+                    f"importing the plug-in packages failed: {type(exc).__name__}: {exc}",
+                    hint="fix or uninstall the package named in the error",
+                )
+            ]
         ) from exc
     seen: set[str] = set()
     for inst in loader.instances.values():

@@ -1,8 +1,8 @@
 """Run one stage in the current process: the worker behind the local and the Ray executors.
 
 The driver writes DIR/<stage>/stage.json (the validated stage, its inputs' hashes, whether to
-start over) and starts `python -m orchestration.runner DIR STAGE` or a Ray task calling
-`run_stage`. The worker takes the stage lock, decides between resuming and starting over (a
+start over) and starts a process or a Ray task calling `run_stage`. `python -m orchestration.runner
+DIR STAGE` runs one prepared stage in the foreground (to debug a failed stage under pdb). The worker takes the stage lock, decides between resuming and starting over (a
 changed config or input discards the old checkpoints), seeds every RNG, calls the kind's `run`,
 and renames the finished model into place before marking the manifest done. Every step is safe to
 kill: the next attempt repeats it.
@@ -11,14 +11,15 @@ kill: the next attempt repeats it.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import logging
 import os
 import random
+import select
 import signal
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -293,14 +294,34 @@ def _stage_logger(run_dir: Path, stage_id: str) -> tuple[logging.Logger, list[st
     return log, warnings
 
 
-def die_with_parent(parent_pid: int) -> None:
-    """Ask Linux to SIGKILL this process when its parent dies, so a killed driver leaves no worker
-    writing into the run dir; exit at once if the parent is already gone."""
-    if sys.platform.startswith("linux"):
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() != parent_pid:
+def exit_with_driver(driver_pid: int) -> None:
+    """SIGKILL this stage process the moment the driver process dies (however it dies), so no
+    orphan keeps writing into the run dir while a rerun resumes the stage. A pidfd wakes the
+    watcher at once; kernels without pidfd_open are polled."""
+    try:
+        pidfd = os.pidfd_open(driver_pid)
+    except ProcessLookupError:
         os._exit(1)
+    except OSError:
+        pidfd = None
+
+    def watch() -> None:
+        if pidfd is not None:
+            select.select([pidfd], [], [])
+        else:
+            while _alive(driver_pid):
+                time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="exit-with-driver", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -310,10 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("stage")
     parser.add_argument("--executor", default="local")
-    parser.add_argument("--parent-pid", type=int, help="die with this process (the driver)")
     args = parser.parse_args(argv)
-    if args.parent_pid is not None:
-        die_with_parent(args.parent_pid)
     return run_stage(args.run_dir, args.stage, args.executor)
 
 

@@ -28,7 +28,7 @@ from orchestration.console import (
 )
 from orchestration.executors import execute
 from orchestration.pipeline import Pipeline, load_pipeline
-from orchestration.report import write_report
+from orchestration.report import REPORT, write_report
 from orchestration.rundir import StageLock, StageState, plan_states, read_manifest
 from orchestration.runner import RUN_LOG
 from posttrain.config.errors import ConfigError, Issue, did_you_mean
@@ -192,7 +192,9 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
                 log=log.info,
             )
         console.print(summary_table(pipeline, run_dir, outcome))
-        report = write_report(pipeline, run_dir)
+        report = run_dir / REPORT
+        if to_run or not report.exists():  # matplotlib costs seconds; a no-op rerun skips it
+            write_report(pipeline, run_dir)
         console.print(f"report: {report}   log: {run_dir / RUN_LOG}", highlight=False)
         for sid, status in outcome.status.items():
             for warning in (

@@ -98,7 +98,12 @@ class OrderTotal(FileAnswerFamily):
         )
         total = episode.results()[0]
         yield episode.assistant(
-            thinking(effort, f"The total is {total}. I write it to {path}.", [], ["Only the number goes in the file."]),
+            thinking(
+                effort,
+                f"The total is {total}. I write it to {path}.",
+                [],
+                ["Only the number goes in the file."],
+            ),
             calls=[("write_file", {"path": path, "content": total})],
         )
         yield episode.assistant(
@@ -159,7 +164,10 @@ class DesksPerFloor(FileAnswerFamily):
 
     def make_prompt(self, rng: random.Random, effort: str) -> Sample:
         office, path = rng.choice(_facts("offices.txt", OFFICE)), rng.choice(FILE_NAMES)
-        question = f"How many desks per floor does the {office['city']} office have on average? Write the number to {path}."
+        question = (
+            f"How many desks per floor does the {office['city']} office have on average? "
+            f"Write the number to {path}."
+        )
         messages = [system_message(self.domain, rng), {"role": "user", "content": question}]
         answer = str(int(office["desks"]) // int(office["floors"]))
         task = {"answer": answer, "path": path, "values": {"city": office["city"]}}
@@ -180,13 +188,18 @@ class DesksPerFloor(FileAnswerFamily):
         floors, desks = found.group(1), found.group(2)
         expression = f"{desks}/{floors}"
         yield episode.assistant(
-            thinking(effort, f"{desks} desks over {floors} floors: {expression}.", ["Divide desks by floors."], []),
+            thinking(
+                effort, f"{desks} desks over {floors} floors: {expression}.", ["Divide desks by floors."], []
+            ),
             calls=[("calculator", {"expression": expression})],
         )
         average = episode.results()[0]
         yield episode.assistant(
             thinking(
-                effort, f"The average is {average}.", [f"I write {average} to {path}."], [f"{average}*{floors} = {desks}."]
+                effort,
+                f"The average is {average}.",
+                [f"I write {average} to {path}."],
+                [f"{average}*{floors} = {desks}."],
             ),
             calls=[("write_file", {"path": path, "content": average})],
         )

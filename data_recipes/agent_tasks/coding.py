@@ -15,8 +15,8 @@ from typing import Any
 
 from data_recipes.agent_tasks.common import ToolFamily, system_message, thinking
 from posttrain.data.sample import Sample
-from posttrain.envs.sandbox import Sandbox
 from posttrain.data.tasks import TASK_FAMILIES, Episode, FinalState
+from posttrain.envs.sandbox import Sandbox
 
 PASS_MARK = "ALL TESTS PASSED"
 VERIFY_TIMEOUT_S = 10.0
@@ -42,61 +42,84 @@ class FunctionSpec:
 
 SPECS = (
     FunctionSpec(
-        "scale", "return {k} times x plus {c}",
-        "def scale(x):\n    return {k} * x + {c}", "def scale(x):\n    return {k} * x - {c}",
+        "scale",
+        "return {k} times x plus {c}",
+        "def scale(x):\n    return {k} * x + {c}",
+        "def scale(x):\n    return {k} * x - {c}",
         "it subtracts {c} instead of adding it",
         lambda rng: {"k": rng.randint(2, 9), "c": rng.randint(1, 9)},
-        lambda p: lambda x: p["k"] * x + p["c"], ((0,), (3,), (-2,), (10,)),
+        lambda p: lambda x: p["k"] * x + p["c"],
+        ((0,), (3,), (-2,), (10,)),
     ),
     FunctionSpec(
-        "count_char", "count how many times the letter '{ch}' appears in the string s",
-        "def count_char(s):\n    return s.count('{ch}')", "def count_char(s):\n    return s.count('{ch}') + 1",
+        "count_char",
+        "count how many times the letter '{ch}' appears in the string s",
+        "def count_char(s):\n    return s.count('{ch}')",
+        "def count_char(s):\n    return s.count('{ch}') + 1",
         "it adds 1 to the count",
         lambda rng: {"ch": rng.choice("aeiost")},
-        lambda p: lambda s: s.count(p["ch"]), (("banana",), ("test case",), ("",), ("assessment",)),
+        lambda p: lambda s: s.count(p["ch"]),
+        (("banana",), ("test case",), ("",), ("assessment",)),
     ),
     FunctionSpec(
-        "sum_above", "return the sum of the numbers in the list xs that are greater than {t}",
+        "sum_above",
+        "return the sum of the numbers in the list xs that are greater than {t}",
         "def sum_above(xs):\n    return sum(x for x in xs if x > {t})",
         "def sum_above(xs):\n    return sum(x for x in xs if x >= {t})",
         "it keeps numbers equal to {t}",
         lambda rng: {"t": rng.randint(1, 5)},
-        lambda p: lambda xs: sum(x for x in xs if x > p["t"]), (([1, 2, 3, 4, 5, 6],), ([],), ([5, 5, 9],), ([0, 7],)),
+        lambda p: lambda xs: sum(x for x in xs if x > p["t"]),
+        (([1, 2, 3, 4, 5, 6],), ([],), ([5, 5, 9],), ([0, 7],)),
     ),
     FunctionSpec(
-        "clamp", "return x limited to the range {lo} to {hi}",
-        "def clamp(x):\n    return max({lo}, min({hi}, x))", "def clamp(x):\n    return max({lo}, min({lo}, x))",
+        "clamp",
+        "return x limited to the range {lo} to {hi}",
+        "def clamp(x):\n    return max({lo}, min({hi}, x))",
+        "def clamp(x):\n    return max({lo}, min({lo}, x))",
         "it uses {lo} as the upper limit instead of {hi}",
         lambda rng: {"lo": rng.randint(0, 5), "hi": rng.randint(10, 20)},
-        lambda p: lambda x: max(p["lo"], min(p["hi"], x)), ((-3,), (7,), (25,), (10,)),
+        lambda p: lambda x: max(p["lo"], min(p["hi"], x)),
+        ((-3,), (7,), (25,), (10,)),
     ),
     FunctionSpec(
-        "repeat_word", "return the string w repeated {n} times, joined by '-'",
-        "def repeat_word(w):\n    return '-'.join([w] * {n})", "def repeat_word(w):\n    return '-'.join([w] * ({n} - 1))",
+        "repeat_word",
+        "return the string w repeated {n} times, joined by '-'",
+        "def repeat_word(w):\n    return '-'.join([w] * {n})",
+        "def repeat_word(w):\n    return '-'.join([w] * ({n} - 1))",
         "it repeats the word one time too few",
         lambda rng: {"n": rng.randint(2, 5)},
-        lambda p: lambda w: "-".join([w] * p["n"]), (("ab",), ("x",), ("hey",)),
+        lambda p: lambda w: "-".join([w] * p["n"]),
+        (("ab",), ("x",), ("hey",)),
     ),
     FunctionSpec(
-        "is_multiple", "return True when n is a multiple of {k}, else False",
-        "def is_multiple(n):\n    return n % {k} == 0", "def is_multiple(n):\n    return n % {k} == 1",
+        "is_multiple",
+        "return True when n is a multiple of {k}, else False",
+        "def is_multiple(n):\n    return n % {k} == 0",
+        "def is_multiple(n):\n    return n % {k} == 1",
         "it compares the remainder with 1 instead of 0",
         lambda rng: {"k": rng.randint(2, 9)},
-        lambda p: lambda n: n % p["k"] == 0, ((0,), (12,), (35,), (63,), (7,)),
+        lambda p: lambda n: n % p["k"] == 0,
+        ((0,), (12,), (35,), (63,), (7,)),
     ),
     FunctionSpec(
-        "last_items", "return the last {n} items of the list xs",
-        "def last_items(xs):\n    return xs[-{n}:]", "def last_items(xs):\n    return xs[{n}:]",
+        "last_items",
+        "return the last {n} items of the list xs",
+        "def last_items(xs):\n    return xs[-{n}:]",
+        "def last_items(xs):\n    return xs[{n}:]",
         "it drops the first {n} items instead of keeping the last {n}",
         lambda rng: {"n": rng.randint(1, 3)},
-        lambda p: lambda xs: xs[-p["n"] :], (([1, 2, 3, 4, 5],), ([9],), (["a", "b", "c", "d"],)),
+        lambda p: lambda xs: xs[-p["n"] :],
+        (([1, 2, 3, 4, 5],), ([9],), (["a", "b", "c", "d"],)),
     ),
     FunctionSpec(
-        "spread", "return the largest number in the list xs minus the smallest",
-        "def spread(xs):\n    return max(xs) - min(xs)", "def spread(xs):\n    return max(xs) - xs[0]",
+        "spread",
+        "return the largest number in the list xs minus the smallest",
+        "def spread(xs):\n    return max(xs) - min(xs)",
+        "def spread(xs):\n    return max(xs) - xs[0]",
         "it subtracts the first item instead of the smallest",
         lambda rng: {},
-        lambda p: lambda xs: max(xs) - min(xs), (([3, 9, 1],), ([5],), ([-2, 4, 0],), ([8, 2, 6],)),
+        lambda p: lambda xs: max(xs) - min(xs),
+        (([3, 9, 1],), ([5],), ([-2, 4, 0],), ([8, 2, 6],)),
     ),
 )
 SPEC_BY_NAME = {spec.name: spec for spec in SPECS}
@@ -137,14 +160,15 @@ class HiddenTestFamily(ToolFamily):
         return spec, constants, task
 
 
-
 def _spec_and_constants(sample: Sample) -> tuple[FunctionSpec, dict[str, Any]]:
     spec = SPEC_BY_NAME[sample.task["function"]]
     values = sample.task["values"].items()
     return spec, {key: int(text) if text.lstrip("-").isdigit() else text for key, text in values}
 
 
-def _examples(spec: FunctionSpec, constants: dict[str, Any], inputs: list[tuple[Any, ...]]) -> tuple[str, list[str]]:
+def _examples(
+    spec: FunctionSpec, constants: dict[str, Any], inputs: list[tuple[Any, ...]]
+) -> tuple[str, list[str]]:
     """A program tail printing the function on `inputs`, and what a correct function prints."""
     reference = spec.make(constants)
     return "\n".join(f"print({_call(spec, args)})" for args in inputs), [str(reference(*a)) for a in inputs]
@@ -181,7 +205,9 @@ class WriteFunction(HiddenTestFamily):
         if sample.effort == "low":
             yield episode.assistant(plan, content=_code_block(code))
             return
-        prints, expected = _examples(spec, constants, list(spec.inputs[1 : 2 if sample.effort == "high" else 3]))
+        prints, expected = _examples(
+            spec, constants, list(spec.inputs[1 : 2 if sample.effort == "high" else 3])
+        )
         yield episode.assistant(
             thinking(sample.effort, plan, ["I run it on an example first."], ["Two examples, to be sure."]),
             calls=[("run_python", {"code": f"{code}\n{prints}"})],
@@ -190,7 +216,9 @@ class WriteFunction(HiddenTestFamily):
         if output != expected:
             raise RuntimeError(f"{sample.uid}: the reference printed {output}, expected {expected}")
         seen = f"It printed {', '.join(output)}, as expected."
-        yield episode.assistant(thinking(sample.effort, seen, [], ["The code is done."]), content=_code_block(code))
+        yield episode.assistant(
+            thinking(sample.effort, seen, [], ["The code is done."]), content=_code_block(code)
+        )
 
 
 @TASK_FAMILIES.register("coding/fix_function")
@@ -220,7 +248,9 @@ class FixFunction(HiddenTestFamily):
         revealing = next(args for args in spec.inputs if wrong(*args) != reference(*args))
         prints, expected = _examples(spec, constants, [revealing])
         yield episode.assistant(
-            thinking(sample.effort, "I run the given code on an example.", [], ["That shows what goes wrong."]),
+            thinking(
+                sample.effort, "I run the given code on an example.", [], ["That shows what goes wrong."]
+            ),
             calls=[("run_python", {"code": f"{buggy}\n{prints}"})],
         )
         output = episode.results()[0]
@@ -229,7 +259,8 @@ class FixFunction(HiddenTestFamily):
             yield episode.assistant(seen, content=_code_block(code))
             return
         yield episode.assistant(
-            thinking(sample.effort, seen, [], ["I test the fix."]), calls=[("run_python", {"code": f"{code}\n{prints}"})]
+            thinking(sample.effort, seen, [], ["I test the fix."]),
+            calls=[("run_python", {"code": f"{code}\n{prints}"})],
         )
         fixed = episode.results()[0]
         if fixed.splitlines() != expected:

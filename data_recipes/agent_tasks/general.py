@@ -50,7 +50,8 @@ ARITHMETIC_TEMPLATES = (
         ["{n} starts with {a} coins.", "Spending {c} and earning {b} gives {a}-{c}+{b}."],
     ),
     (
-        "A bus carries {b} people on each of {a} trips, plus {c} people on a last trip. How many people ride?",
+        "A bus carries {b} people on each of {a} trips, plus {c} people on a last trip. "
+        "How many people ride?",
         "{a}*{b}+{c}",
         ["{a} full trips of {b} people is {a}*{b}.", "The last trip adds {c}."],
     ),
@@ -73,7 +74,12 @@ class Arithmetic(ExactAnswerFamily):
     def make_prompt(self, rng: random.Random, effort: str) -> Sample:
         template = rng.randrange(len(ARITHMETIC_TEMPLATES))
         question, expression, _ = ARITHMETIC_TEMPLATES[template]
-        values = {"a": rng.randint(3, 40), "b": rng.randint(3, 40), "c": rng.randint(2, 30), "n": rng.choice(NAMES)}
+        values = {
+            "a": rng.randint(3, 40),
+            "b": rng.randint(3, 40),
+            "c": rng.randint(2, 30),
+            "n": rng.choice(NAMES),
+        }
         if template == 2:
             values["c"] = rng.randint(1, values["a"])
         messages = [system_message(self.domain, rng), {"role": "user", "content": question.format(**values)}]
@@ -95,7 +101,8 @@ class Arithmetic(ExactAnswerFamily):
         estimate = f"Estimate: {a}*{b} is about {_round10(a)}*{_round10(b)} = {_round10(a) * _round10(b)}."
         plan = f"The answer is {expression}; I will use the calculator."
         yield episode.assistant(
-            thinking(sample.effort, plan, working, [estimate]), calls=[("calculator", {"expression": expression})]
+            thinking(sample.effort, plan, working, [estimate]),
+            calls=[("calculator", {"expression": expression})],
         )
         result = episode.results()[0]
         checks = [f"Check: {result} is near my estimate, and a count must be a whole number, so it stands."]
@@ -129,9 +136,8 @@ class Elements(ExactAnswerFamily):
         elif kind == "name":
             question, answer = f"Which element has the symbol {first['symbol']}?", first["name"]
         else:
-            question = (
-                f"What is the sum of the atomic numbers of {first['name'].lower()} and {second['name'].lower()}?"
-            )
+            names = f"{first['name'].lower()} and {second['name'].lower()}"
+            question = f"What is the sum of the atomic numbers of {names}?"
             answer = str(first["number"] + second["number"])
         messages = [system_message(self.domain, rng), {"role": "user", "content": question}]
         task = {"answer": answer, "kind": kind, "elements": [first["name"], second["name"]]}
@@ -145,10 +151,14 @@ class Elements(ExactAnswerFamily):
             answer = sample.task["answer"]
             neighbours = [e for e in elements() if abs(e["number"] - first["number"]) == 1]
             checks = [
-                f"Check against its neighbour: {e['name']} is {e['number']} ({e['symbol']}), a different element."
+                f"Check against its neighbour: {e['name']} is {e['number']} ({e['symbol']}), "
+                "a different element."
                 for e in neighbours[:1]
             ]
-            working = ["The question asks for one fact from the periodic table.", f"So the answer is {answer}."]
+            working = [
+                "The question asks for one fact from the periodic table.",
+                f"So the answer is {answer}.",
+            ]
             yield episode.assistant(thinking(sample.effort, fact, working, checks), content=answer)
             return
         other = f"{second['name']} is element {second['number']}."
@@ -166,7 +176,11 @@ class Elements(ExactAnswerFamily):
         )
 
 
-RELATIONS = (("taller", "shortest", "tallest"), ("older", "youngest", "oldest"), ("faster", "slowest", "fastest"))
+RELATIONS = (
+    ("taller", "shortest", "tallest"),
+    ("older", "youngest", "oldest"),
+    ("faster", "slowest", "fastest"),
+)
 
 
 @TASK_FAMILIES.register("general/ordering")
@@ -195,5 +209,7 @@ class Ordering(ExactAnswerFamily):
         plan = f"Ordering by {relation}: {chain}. The {sample.task['asked']} is {sample.task['answer']}."
         working = [f"{people[i]} is {relation} than {people[i + 1]}." for i in range(len(people) - 1)]
         working.append("Chaining these facts gives one order.")
-        checks = [f"Check: nobody is {relation} than {people[0]}, and {people[-1]} is {relation} than nobody."]
+        checks = [
+            f"Check: nobody is {relation} than {people[0]}, and {people[-1]} is {relation} than nobody."
+        ]
         yield episode.assistant(thinking(sample.effort, plan, working, checks), content=sample.task["answer"])

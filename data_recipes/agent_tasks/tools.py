@@ -12,7 +12,6 @@ import ast
 import operator
 from fractions import Fraction
 from pathlib import Path
-from typing import Any
 
 from posttrain.envs.sandbox import Sandbox
 from posttrain.envs.tools import TOOLS, Tool
@@ -45,7 +44,11 @@ def calculate(expression: str) -> str:
 
 
 def _evaluate(node: ast.AST) -> Fraction:
-    if isinstance(node, ast.Constant) and isinstance(node.value, int | float) and not isinstance(node.value, bool):
+    if (
+        isinstance(node, ast.Constant)
+        and isinstance(node.value, int | float)
+        and not isinstance(node.value, bool)
+    ):
         return Fraction(str(node.value))
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
         value = _evaluate(node.operand)

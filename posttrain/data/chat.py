@@ -133,7 +133,10 @@ class ChatRenderer:
     # Rendering -----------------------------------------------------------------------------------
 
     def render(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, effort: str | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        effort: str | None = None,
     ) -> tuple[list[int], list[int]]:
         """Whole conversation -> (ids, loss_mask), both len(ids)."""
         ids, mask = self._render_preamble(messages, tools, effort)
@@ -145,7 +148,10 @@ class ChatRenderer:
         return ids, mask
 
     def render_prompt(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, effort: str | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        effort: str | None = None,
     ) -> list[int]:
         """Conversation so far + the assistant header: what a policy continues from."""
         ids, _ = self.render(messages, tools, effort)
@@ -256,7 +262,10 @@ class ChatRenderer:
                 {
                     "id": call_id,
                     "type": "function",
-                    "function": {"name": tool_name_from_call_id(call_id), "arguments": self.decode(ids[argument + 1 : end])},
+                    "function": {
+                        "name": tool_name_from_call_id(call_id),
+                        "arguments": self.decode(ids[argument + 1 : end]),
+                    },
                 }
             )
             position = end + 1

@@ -47,8 +47,8 @@ def read_rows(source: str | Path, split: str = "train") -> datasets.Dataset:
         return datasets.load_dataset(builder, data_files=data_files, split="train")
     except datasets.exceptions.DatasetGenerationError as error:
         raise ValueError(
-            f"{source}: could not read the rows as one table ({error.__cause__ or error}); a field must "
-            "have the same type on every row (e.g. 'content' a string or null, 'arguments' a JSON string)"
+            f"{source}: the file is not readable as rows ({error.__cause__ or error}); "
+            "each line of a .jsonl file must be one JSON object"
         ) from error
 
 
@@ -87,7 +87,9 @@ def load_trajectories(
             )
     if not kept:
         examples = "; ".join(report.first_example.values())
-        raise BadTrajectoryError(f"{source}: no trajectory survived validation ({report.summary()}): {examples}")
+        raise BadTrajectoryError(
+            f"{source}: no trajectory survived validation ({report.summary()}): {examples}"
+        )
     return datasets.Dataset.from_list(kept), report
 
 

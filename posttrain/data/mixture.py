@@ -43,7 +43,9 @@ class MixtureSource:
 
     def __post_init__(self) -> None:
         if not self.weight > 0 or math.isinf(self.weight):
-            raise ValueError(f"source {self.path}: weight must be a positive finite number, got {self.weight}")
+            raise ValueError(
+                f"source {self.path}: weight must be a positive finite number, got {self.weight}"
+            )
 
 
 @dataclass(frozen=True)

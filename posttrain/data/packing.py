@@ -77,7 +77,9 @@ def _pack_row(
     for doc_ids, doc_mask in documents:
         ids += doc_ids
         mask += doc_mask
-        labels += [IGNORE_INDEX] + [t if m else IGNORE_INDEX for t, m in zip(doc_ids[1:], doc_mask[1:], strict=True)]
+        labels += [IGNORE_INDEX] + [
+            t if m else IGNORE_INDEX for t, m in zip(doc_ids[1:], doc_mask[1:], strict=True)
+        ]
         positions += range(len(doc_ids))
         boundaries.append(len(ids))
     padding = seq_len - len(ids)

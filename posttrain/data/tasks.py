@@ -126,7 +126,8 @@ class Episode:
         self.sandbox = sandbox
         self.toolset = family.make_toolset()
         self.messages: list[dict[str, Any]] = [dict(message) for message in sample.messages]
-        self.tool_calls = 0
+        # A resumed episode (a paused partial rollout) keeps counting from the calls it already made.
+        self.tool_calls = sum(len(m.get("tool_calls") or []) for m in self.messages if m["role"] == "assistant")
         self.done = False
 
     def assistant(
@@ -174,7 +175,9 @@ class Episode:
         return out
 
     def final_state(self) -> FinalState:
-        answer = next((m.get("content") or "" for m in reversed(self.messages) if m["role"] == "assistant"), "")
+        answer = next(
+            (m.get("content") or "" for m in reversed(self.messages) if m["role"] == "assistant"), ""
+        )
         files = {}
         if self.sandbox is not None:
             workspace = self.sandbox.workspace

@@ -79,7 +79,9 @@ class ValidationReport:
 
     def summary(self) -> str:
         skipped = ", ".join(f"{reason} {count}" for reason, count in sorted(self.skipped.items()))
-        return f"kept {self.kept}, skipped {sum(self.skipped.values())}" + (f" ({skipped})" if skipped else "")
+        return f"kept {self.kept}, skipped {sum(self.skipped.values())}" + (
+            f" ({skipped})" if skipped else ""
+        )
 
 
 def clean_record(row: dict[str, Any]) -> dict[str, Any]:
@@ -177,14 +179,18 @@ def _check_message(message: Any, index: int, pending: set[str]) -> Verdict:
         return Verdict(False, "malformed_record", f"{where} is not an object with a string 'role'")
     role = message["role"]
     if role not in ROLES:
-        return Verdict(False, "unknown_role", f"{where} has role {role!r}; expected one of {', '.join(ROLES)}")
+        return Verdict(
+            False, "unknown_role", f"{where} has role {role!r}; expected one of {', '.join(ROLES)}"
+        )
     for key in ("content", "reasoning_content"):
         if not isinstance(message.get(key, ""), str):
             return Verdict(False, "malformed_record", f"{where} '{key}' must be a string")
     if role == "tool":
         call_id = message.get("tool_call_id")
         if call_id not in pending:
-            return Verdict(False, "unmatched_tool_result", f"{where} answers {call_id!r}, no open tool call has that id")
+            return Verdict(
+                False, "unmatched_tool_result", f"{where} answers {call_id!r}, no open tool call has that id"
+            )
         pending.discard(call_id)
         return Verdict(True)
     if role != "assistant":
@@ -199,7 +205,11 @@ def _check_message(message: Any, index: int, pending: set[str]) -> Verdict:
         if not verdict.ok:
             return verdict
         pending.add(call["id"])
-    if not calls and not message.get("content", "").strip() and not message.get("reasoning_content", "").strip():
+    if (
+        not calls
+        and not message.get("content", "").strip()
+        and not message.get("reasoning_content", "").strip()
+    ):
         return Verdict(False, "empty_assistant_turn", f"{where} has no thinking, content or tool call")
     return Verdict(True)
 

@@ -5,10 +5,10 @@ both are trajectory messages in `Sample.messages`. `call_tool` executes one Open
 against a sandbox and returns the answering message. A tool never raises on bad input or a
 sandbox refusal: the model sees an "error: ..." result and can recover, as it would in production.
 
-The names, schemas and result wording of run_python, write_file and search match the tools the
-shipped SFT data was generated with (data_recipes/agent_tasks/tools.py), so the policy meets in RL
-the interface it learned in SFT. shell and read_file are the sandbox's own additions. Plug-ins add
-tools by registering a `Tool` subclass in `TOOLS`.
+The shipped task families (data_recipes/agent_tasks) generate their SFT demonstrations with these
+same tools, so the policy meets in RL the very interface (names, schemas, result wording) it
+learned in SFT. Plug-ins add tools by registering a `Tool` subclass in `TOOLS` (the calculator
+lives there).
 """
 
 from __future__ import annotations

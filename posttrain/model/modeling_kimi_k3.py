@@ -186,6 +186,10 @@ class KimiK3Model(KimiK3PreTrainedModel):
             raise ValueError("KimiK3Model: pass exactly one of input_ids or inputs_embeds")
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         B, T = h.shape[:2]
+        if cu_seqlens is not None and (past_key_values is not None or use_cache):
+            raise ValueError("cu_seqlens packs whole documents: pass it without past_key_values or use_cache")
+        if cu_seqlens is not None:
+            use_cache = False
         use_cache = self.config.use_cache if use_cache is None else use_cache
         cache = past_key_values
         if cache is None and use_cache and not self.training:
@@ -194,7 +198,7 @@ class KimiK3Model(KimiK3PreTrainedModel):
             raise TypeError(f"past_key_values must be a KimiK3Cache, got {type(cache).__name__}")
         new_mask = self._new_token_mask(attention_mask, cache, B, T, h.device)
         if cu_seqlens is not None:
-            self._check_packed(cu_seqlens, cache, new_mask, B, T)
+            self._check_packed(cu_seqlens, new_mask, B, T)
         ctx = ForwardContext(
             token_mask=None if bool(new_mask.all()) else new_mask,
             cu_seqlens=cu_seqlens,
@@ -240,16 +244,12 @@ class KimiK3Model(KimiK3PreTrainedModel):
         )
 
     @staticmethod
-    def _check_packed(
-        cu_seqlens: torch.Tensor, cache: KimiK3Cache | None, new_mask: torch.Tensor, B: int, T: int
-    ) -> None:
+    def _check_packed(cu_seqlens: torch.Tensor, new_mask: torch.Tensor, B: int, T: int) -> None:
         bounds = cu_seqlens.tolist()
         if B != 1:
             raise ValueError(f"cu_seqlens packs documents into one row: expected batch size 1, got {B}")
         if bounds[0] != 0 or bounds[-1] != T or any(b <= a for a, b in zip(bounds, bounds[1:], strict=False)):
             raise ValueError(f"cu_seqlens must rise strictly from 0 to T={T}, got {bounds}")
-        if cache is not None and cache.get_seq_length() > 0:
-            raise ValueError("cu_seqlens cannot continue a cache: pass packed rows without past_key_values")
         if not bool(new_mask.all()):
             raise ValueError("cu_seqlens and padding do not mix: a packed row has no padding")
 

@@ -32,7 +32,7 @@ from posttrain.qat.mx import pack_mxfp4, quantize_dequantize, unpack_mxfp4
 MXFP4_FORMAT = "mxfp4-pack-quantized"
 EXPERT_WEIGHTS = ("w1", "w2", "w3")  # gate, down, up: the released per-expert names
 # Everything in a K3 text model that is a Linear but not a routed expert (the release's list plus
-# the LatentMoE projections, the router, the dense first layer's MLP, embeddings and norms).
+# the LatentMoE projections, the router, attention-residual queries and embeddings).
 IGNORED_LINEARS = [
     "re:.*self_attn.*",
     "re:.*shared_experts.*",
@@ -144,6 +144,25 @@ def export_mxfp4(
     return _write(Path(out_dir), state, _config_dict(model, qat, mxfp4_quantization_config()), max_shard_size)
 
 
+def dequantized_state_dict(
+    model: nn.Module, qat: QATConfig | None = None, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """The model's state dict with routed-expert weights replaced by their MXFP4 values (and
+    floating tensors cast to dtype if given): what a serving engine without MXFP4 kernels must be
+    given (e.g. a vLLM weight sync) to compute with exactly the weights training saw. qat defaults
+    as in export_mxfp4."""
+    expert_names = _expert_weight_names(model)
+    qat = qat or qat_config_of(model.config) or QATConfig()
+    state = _plain_state_dict(model)
+    for name in expert_names:
+        state[name] = quantize_dequantize(
+            state[name], qat.weight_format, qat.block_size, qat.weight_scale_rule
+        )
+    if dtype is not None:
+        state = {name: t.to(dtype) if t.is_floating_point() else t for name, t in state.items()}
+    return state
+
+
 def export_dequantized(
     model: nn.Module,
     out_dir: str | Path,
@@ -157,14 +176,8 @@ def export_dequantized(
     as an ordinary model; `restore_qat` then re-applies the recorded QAT. qat defaults as in
     export_mxfp4. Returns out_dir.
     """
-    expert_names = _expert_weight_names(model)
+    state = dequantized_state_dict(model, qat, dtype)
     qat = qat or qat_config_of(model.config) or QATConfig()
-    state = _plain_state_dict(model)
-    for name in expert_names:
-        state[name] = quantize_dequantize(
-            state[name], qat.weight_format, qat.block_size, qat.weight_scale_rule
-        )
-    state = {name: t.to(dtype) if t.is_floating_point() else t for name, t in state.items()}
     return _write(Path(out_dir), state, _config_dict(model, qat, None), max_shard_size)
 
 

@@ -25,6 +25,7 @@ A last dimension that is not a multiple of `block_size` is a ValueError (no impl
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -117,8 +118,8 @@ def _scale_exponents(amax: torch.Tensor, elem: ElementFormat, scale_rule: str) -
     else:
         # Smallest s with max_normal * 2^s >= amax, decided on exact mantissas, not on a rounded
         # amax / max_normal.
-        max_mantissa, max_exp = torch.frexp(torch.tensor(elem.max_normal, dtype=torch.float32))
-        s = exponent - int(max_exp) + (mantissa > max_mantissa).to(torch.int32)
+        max_mantissa, max_exp = math.frexp(elem.max_normal)
+        s = exponent - max_exp + (mantissa > max_mantissa).to(torch.int32)
     s = torch.where(amax == 0, SCALE_EXP_MIN, s)
     return s.clamp(SCALE_EXP_MIN, SCALE_EXP_MAX)
 

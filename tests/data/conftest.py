@@ -15,7 +15,6 @@ REPO = Path(__file__).resolve().parents[2]
 SHIPPED_SFT = REPO / "data_recipes" / "data" / "agent_sft.jsonl"
 
 
-
 @pytest.fixture(scope="session")
 def tokenizer():
     return load_tokenizer()
@@ -38,7 +37,11 @@ def calculator_schema() -> dict[str, Any]:
         "function": {
             "name": "calculator",
             "description": "Evaluate arithmetic.",
-            "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
         },
     }
 

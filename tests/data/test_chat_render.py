@@ -22,7 +22,16 @@ def test_ids_and_mask_at_exact_positions(renderer, conversation, calculator_sche
         ([t["system"], *encode("tool_declare"), t["middle"], *encode(tools_json), t["end_of_turn"]], 0),
         ([t["user"], t["middle"], *encode("What is 2+3?"), t["end_of_turn"]], 0),
         ([t["assistant"], t["middle"]], 0),
-        ([t["think_begin"], *encode("Add them."), t["think_end"], t["tool_calls_begin"], t["tool_call_begin"]], 1),
+        (
+            [
+                t["think_begin"],
+                *encode("Add them."),
+                t["think_end"],
+                t["tool_calls_begin"],
+                t["tool_call_begin"],
+            ],
+            1,
+        ),
         ([*encode("functions.calculator:0"), t["tool_call_argument"], *encode('{"expression": "2+3"}')], 1),
         ([t["tool_call_end"], t["tool_calls_end"]], 1),
         ([t["tool"], *encode("functions.calculator:0"), t["middle"], *encode("5"), t["end_of_turn"]], 0),
@@ -80,7 +89,9 @@ def test_exact_prefix_rule_on_every_shipped_turn(renderer, shipped):
                 assert mask[len(prompt) :] == [1] * (len(whole) - len(prompt))
                 checked += 1
             elif message["role"] == "tool" and messages[k - 1]["role"] == "assistant":
-                end = next((j for j in range(k, len(messages)) if messages[j]["role"] != "tool"), len(messages))
+                end = next(
+                    (j for j in range(k, len(messages)) if messages[j]["role"] != "tool"), len(messages)
+                )
                 before, _ = renderer.render(messages[:k], tools, effort)
                 after = renderer.render_prompt(messages[:end], tools, effort)
                 assert after == before + renderer.render_tool_results(messages[k:end])
@@ -114,7 +125,11 @@ def test_parse_assistant_on_cut_and_malformed_output(renderer):
     complete = [t["think_begin"], t["think_end"], t["tool_calls_begin"], *call, t["tool_call_end"]]
     parsed = renderer.parse_assistant(complete + call)  # the second call was cut off
     assert parsed["tool_calls"] == [
-        {"id": "functions.search:3", "type": "function", "function": {"name": "search", "arguments": '{"q": 1}'}}
+        {
+            "id": "functions.search:3",
+            "type": "function",
+            "function": {"name": "search", "arguments": '{"q": 1}'},
+        }
     ]
     garbled = [t["tool_calls_begin"], t["tool_call_begin"], *encode("oops"), t["tool_call_argument"]]
     garbled += [*encode("{}"), t["tool_call_end"], t["tool_calls_end"]]
@@ -143,7 +158,9 @@ def _foreign_tokenizer(directory) -> None:
     """A word-level tokenizer that has never heard of K3, saved as a Hugging Face directory."""
     model = Tokenizer(models.WordLevel(unk_token="[UNK]"))
     model.pre_tokenizer = pre_tokenizers.Whitespace()
-    model.train_from_iterator(["what is two plus three", "it is five"], trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
+    model.train_from_iterator(
+        ["what is two plus three", "it is five"], trainers.WordLevelTrainer(special_tokens=["[UNK]"])
+    )
     PreTrainedTokenizerFast(tokenizer_object=model, unk_token="[UNK]").save_pretrained(str(directory))
 
 
@@ -158,7 +175,11 @@ def test_any_tokenizer_is_given_the_k3_tokens_and_template(tmp_path, conversatio
     renderer = ChatRenderer(tokenizer)
     ids, mask = renderer.render(conversation, [calculator_schema], "high")
     out = tokenizer.apply_chat_template(
-        conversation, tools=[calculator_schema], effort="high", tokenize=True, return_assistant_tokens_mask=True
+        conversation,
+        tools=[calculator_schema],
+        effort="high",
+        tokenize=True,
+        return_assistant_tokens_mask=True,
     )
     assert out["input_ids"] == ids
     assert out["assistant_masks"] == mask

@@ -33,7 +33,11 @@ def test_generation_prompt_is_the_render_prompt(tokenizer, renderer, shipped):
             history = messages[:k]
             expected = renderer.render_prompt(history, record["tools"], record["effort"])
             got = tokenizer.apply_chat_template(
-                history, tools=record["tools"], effort=record["effort"], add_generation_prompt=True, return_dict=False
+                history,
+                tools=record["tools"],
+                effort=record["effort"],
+                add_generation_prompt=True,
+                return_dict=False,
             )
             assert got == expected
 

@@ -27,18 +27,31 @@ GOOD = _row("good", [USER, {"role": "assistant", "reasoning_content": "Add.", "c
 BAD_ROWS = {
     "malformed_tool_call_json": _row(
         "json",
-        [USER, {"role": "assistant", "content": "", "tool_calls": [_call("c1", "calculator", '{"expression": "2+')]}],
+        [
+            USER,
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [_call("c1", "calculator", '{"expression": "2+')],
+            },
+        ],
     ),
     "unknown_role": _row("role", [USER, {"role": "narrator", "content": "Meanwhile..."}]),
     "unmatched_tool_result": _row(
         "unmatched",
         [
             USER,
-            {"role": "assistant", "content": "", "tool_calls": [_call("c1", "calculator", '{"expression": "2+3"}')]},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [_call("c1", "calculator", '{"expression": "2+3"}')],
+            },
             {"role": "tool", "tool_call_id": "c9", "content": "5"},
         ],
     ),
-    "empty_assistant_turn": _row("empty", [USER, {"role": "assistant", "reasoning_content": " ", "content": ""}]),
+    "empty_assistant_turn": _row(
+        "empty", [USER, {"role": "assistant", "reasoning_content": " ", "content": ""}]
+    ),
     "no_assistant_turn": _row("none", [USER]),
 }
 
@@ -77,14 +90,18 @@ def test_bad_rows_are_skipped_and_counted(tmp_path):
     assert dict(report.skipped) == dict.fromkeys(BAD_ROWS, 1)
     metrics = report.metrics()
     assert metrics["data/kept"] == 2.0
-    assert {key for key in metrics if key.startswith("data/skipped/")} == {f"data/skipped/{r}" for r in REASONS}
+    assert {key for key in metrics if key.startswith("data/skipped/")} == {
+        f"data/skipped/{r}" for r in REASONS
+    }
     assert metrics["data/skipped/unknown_role"] == 1.0 and metrics["data/skipped/too_long"] == 0.0
     assert "mixed.jsonl row 2" in report.first_example["unknown_role"]
 
 
 def test_strict_loading_names_file_row_and_reason(tmp_path):
     path = _write_jsonl(tmp_path / "strict.jsonl", [GOOD, GOOD, BAD_ROWS["unmatched_tool_result"]])
-    with pytest.raises(BadTrajectoryError, match=r"strict\.jsonl row 2: unmatched_tool_result: message 2 answers 'c9'"):
+    with pytest.raises(
+        BadTrajectoryError, match=r"strict\.jsonl row 2: unmatched_tool_result: message 2 answers 'c9'"
+    ):
         load_trajectories(path, strict=True)
 
 
@@ -111,7 +128,10 @@ def test_tool_call_ids_become_k3_ids_and_results_follow():
             {
                 "role": "assistant",
                 "content": "",
-                "tool_calls": [_call("call_a", "search", '{"query": "x"}'), _call("call_b", "calculator", "{}")],
+                "tool_calls": [
+                    _call("call_a", "search", '{"query": "x"}'),
+                    _call("call_b", "calculator", "{}"),
+                ],
             },
             {"role": "tool", "tool_call_id": "call_b", "content": "1"},
             {"role": "tool", "tool_call_id": "call_a", "content": "2"},
@@ -133,7 +153,11 @@ def test_parquet_and_arrow_null_padding(tmp_path, renderer):
             "tools",
             [
                 USER,
-                {"role": "assistant", "content": "", "tool_calls": [_call("c", "calculator", '{"expression": "2+3"}')]},
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [_call("c", "calculator", '{"expression": "2+3"}')],
+                },
                 {"role": "tool", "tool_call_id": "c", "content": "5"},
                 {"role": "assistant", "content": "5"},
             ],
@@ -156,8 +180,11 @@ def test_parquet_and_arrow_null_padding(tmp_path, renderer):
     assert [m["role"] for m in prompt.messages] == ["user"] and prompt.tokens == []
 
 
-def test_unreadable_file_names_the_fix(tmp_path):
-    path = tmp_path / "types.jsonl"
-    path.write_text(json.dumps(GOOD) + "\n" + json.dumps({**GOOD, "messages": 7}) + "\n")
-    with pytest.raises(ValueError, match="types.jsonl: could not read the rows as one table"):
-        load_trajectories(path)
+def test_rows_of_other_types_are_counted_and_broken_lines_name_the_file(tmp_path):
+    mixed = _write_jsonl(tmp_path / "types.jsonl", [GOOD, {**GOOD, "uid": "odd", "messages": 7}])
+    dataset, report = load_trajectories(mixed)
+    assert dataset["uid"] == ["good"] and report.skipped["malformed_record"] == 1
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text(json.dumps(GOOD) + "\n{not json\n")
+    with pytest.raises(ValueError, match="broken.jsonl: the file is not readable as rows .*JSON parse error"):
+        load_trajectories(broken)

@@ -1,11 +1,8 @@
-"""Fixtures for sandbox tests: a fresh sandbox per test, snapshots under the test's tmp_path, and a
-host-side view of which processes a sandbox user owns."""
+"""The `sandbox` fixture: a fresh sandbox per test, its snapshots under the test's tmp_path."""
 
 from __future__ import annotations
 
-import os
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,35 +14,3 @@ from posttrain.envs.sandbox import Sandbox
 def sandbox(tmp_path: Path) -> Iterator[Sandbox]:
     with Sandbox(memory_mb=256, cpu_seconds=10, max_processes=32, snapshot_root=tmp_path / "snapshots") as sb:
         yield sb
-
-
-def host_pids_of(uid: int) -> list[int]:
-    """Pids of every host process whose real uid is `uid` (sandbox processes run as their own uid)."""
-    pids = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/status") as f:
-                uid_line = next(line for line in f if line.startswith("Uid:"))
-        except (FileNotFoundError, ProcessLookupError, StopIteration):
-            continue
-        if int(uid_line.split()[1]) == uid:
-            pids.append(int(name))
-    return pids
-
-
-def host_state(pid: int) -> str:
-    """The one-letter scheduler state of a host process (R, S, T, ...)."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        return f.read().rsplit(b")", 1)[1].split()[0].decode()
-
-
-def wait_for_file(path: Path, done: Callable[[str], bool], timeout: float = 20.0) -> str:
-    """Poll a file a background sandbox process writes until `done(text)`; its text at the end."""
-    deadline = time.monotonic() + timeout
-    while True:
-        text = path.read_text() if path.exists() else ""
-        if done(text) or time.monotonic() > deadline:
-            return text
-        time.sleep(0.02)

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import host_pids_of, host_state, wait_for_file
+from sandbox_helpers import host_pids_of, host_state, wait_for_file
 
 from posttrain.envs.sandbox import Sandbox
 

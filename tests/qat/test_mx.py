@@ -166,6 +166,18 @@ def test_matches_scalar_reference_bitwise(fmt, rule, dtype):
         )
 
 
+@pytest.mark.parametrize("block_size", (1, 4, 16, 64))
+def test_other_block_sizes_match_reference(block_size):
+    gen = torch.Generator().manual_seed(block_size)
+    for fmt in FORMATS:
+        for rule in RULES:
+            x = random_mx_tensor(gen, fmt, torch.bfloat16, rows=4)
+            assert_bitwise_equal(
+                quantize_dequantize(x, fmt, block_size, rule),
+                ref_quantize_dequantize(x, fmt, rule, block_size),
+            )
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("rule", RULES)
 def test_scale_exponents_match_reference(fmt, rule):

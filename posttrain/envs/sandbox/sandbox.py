@@ -194,8 +194,9 @@ class Sandbox:
 
     @property
     def memory_enforcement(self) -> str:
-        """ "cgroup-v1" / "cgroup-v2": memory_mb bounds all processes together and OOM kills are
-        reported; "rlimit": each process's address space is bounded (allocations fail instead)."""
+        """How memory_mb is enforced. With "cgroup-v1" or "cgroup-v2" it bounds all processes
+        together and OOM kills are reported; with "rlimit" it bounds each process's address space
+        (allocations fail instead)."""
         return f"cgroup-v{self._cgroup.version}" if self._cgroup else "rlimit"
 
     @property

@@ -131,10 +131,10 @@ def write_snapshot(
             for rel, e in entries.items()
         },
     }
+    # No fsync: a snapshot must outlive the process that wrote it, which the page cache gives;
+    # surviving a power loss would mean syncing every copied file. The rename publishes it whole.
     with open(partial / MANIFEST, "w") as f:
         json.dump(manifest, f)
-        f.flush()
-        os.fsync(f.fileno())
     os.rename(partial, dest)
     return entries
 

@@ -247,7 +247,7 @@ class _StateScan(torch.autograd.Function):
     @staticmethod
     def forward(ctx, chunk_decay, k_to_end, w, u, h0, segments):
         S_in = u.new_empty(w.shape[0], *h0.shape[1:])
-        delta = torch.empty_like(u)
+        delta = u.clone()
         final_states = torch.empty_like(h0)
         # Per-tile views made once, and results written in place: at 16-token tiles the loop's cost
         # is per-op overhead, not arithmetic.
@@ -260,7 +260,7 @@ class _StateScan(torch.autograd.Function):
                 continue
             S_n[first].copy_(h0[s])
             for n in range(first, last):
-                torch.baddbmm(u_n[n], w_n[n], S_n[n], alpha=-1, out=delta_n[n])
+                delta_n[n].baddbmm_(w_n[n], S_n[n], alpha=-1)
                 S_next = S_n[n + 1] if n + 1 < last else final_states[s]
                 torch.mul(decay_n[n], S_n[n], out=S_next).baddbmm_(k_n[n].mT, delta_n[n])
         ctx.segments = segments
@@ -272,10 +272,10 @@ class _StateScan(torch.autograd.Function):
     def backward(ctx, dS_in, d_delta_out, d_final_states):
         chunk_decay, k_to_end, w, S_in, delta = ctx.saved_tensors
         dS_out = torch.empty_like(S_in)  # dL/dS after each tile
-        d_delta = torch.empty_like(delta)  # total dL/d delta, through the outputs and the state
+        d_delta = d_delta_out.clone()  # total dL/d delta, through the outputs and the state
         dh0 = torch.empty_like(d_final_states)
-        decay_n, k_n, w_n, dS_in_n, d_delta_out_n, dS_out_n, d_delta_n = (
-            x.unbind(0) for x in (chunk_decay, k_to_end, w, dS_in, d_delta_out, dS_out, d_delta)
+        decay_n, k_n, w_n, dS_in_n, dS_out_n, d_delta_n = (
+            x.unbind(0) for x in (chunk_decay, k_to_end, w, dS_in, dS_out, d_delta)
         )
         for s, (first, last) in enumerate(ctx.segments):
             if first == last:
@@ -283,7 +283,7 @@ class _StateScan(torch.autograd.Function):
                 continue
             dS_out_n[last - 1].copy_(d_final_states[s])
             for n in reversed(range(first, last)):
-                torch.baddbmm(d_delta_out_n[n], k_n[n], dS_out_n[n], out=d_delta_n[n])
+                d_delta_n[n].baddbmm_(k_n[n], dS_out_n[n])
                 dS_prev = dS_out_n[n - 1] if n > first else dh0[s]
                 torch.mul(decay_n[n], dS_out_n[n], out=dS_prev).add_(dS_in_n[n])
                 dS_prev.baddbmm_(w_n[n].mT, d_delta_n[n], alpha=-1)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from posttrain.model import KimiK3Config, KimiK3ForCausalLM, count_parameters, load_model_config
-from tests.model.conftest import FULL_YAML
+from posttrain.model import KimiK3Config, KimiK3ForCausalLM, count_parameters
 
 
-def test_full_k3_reproduces_published_totals() -> None:
-    counts = count_parameters(load_model_config(FULL_YAML))
+def test_full_k3_reproduces_published_totals(full_config: KimiK3Config) -> None:
+    counts = count_parameters(full_config)
     # published: 2.78T total, 104.2B active per token (vision encoder excluded)
     assert round(counts["total"] / 1e12, 2) == 2.78
     assert round(counts["active"] / 1e9, 1) == 104.2

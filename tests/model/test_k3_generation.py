@@ -75,8 +75,13 @@ def test_cache_cannot_crop(tiny_config) -> None:
 
 
 @torch.no_grad()
-def test_mismatched_attention_mask_is_an_error(tiny_model: KimiK3ForCausalLM) -> None:
+def test_bad_masks_and_packing_are_errors(tiny_model: KimiK3ForCausalLM) -> None:
     with pytest.raises(ValueError, match=r"attention_mask has 3 positions; expected 5"):
         tiny_model(torch.randint(3, 2048, (1, 5)), attention_mask=torch.ones(1, 3, dtype=torch.long))
     with pytest.raises(ValueError, match="expected batch size 1"):
         tiny_model(torch.randint(3, 2048, (2, 5)), cu_seqlens=torch.tensor([0, 2, 5]))
+    with pytest.raises(ValueError, match="without past_key_values or use_cache"):
+        tiny_model(torch.randint(3, 2048, (1, 5)), cu_seqlens=torch.tensor([0, 2, 5]), use_cache=True)
+    # packed rows in eval mode: no cache is made up for them
+    packed = tiny_model(torch.randint(3, 2048, (1, 5)), cu_seqlens=torch.tensor([0, 2, 5]))
+    assert packed.past_key_values is None

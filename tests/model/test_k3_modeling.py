@@ -13,9 +13,8 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from posttrain.model import KimiK3Config, KimiK3ForCausalLM, save_for_vllm
-from posttrain.model.moe import KimiK3Experts
+from posttrain.model.moe import KimiK3Experts, KimiK3MoEGate
 from posttrain.ops.attn_res import naive_attn_res
-from tests.model.conftest import perturbed_model
 
 TOL = dict(atol=2e-5, rtol=1e-4)
 
@@ -69,11 +68,11 @@ def test_padding_is_excluded_from_router_statistics(tiny_model: KimiK3ForCausalL
 
 
 @pytest.mark.parametrize("block_size", [2, 3, None])
-def test_block_attention_residual_schedule_matches_spec(tiny_config: KimiK3Config, block_size) -> None:
+def test_block_attention_residual_schedule_matches_spec(tiny_config: KimiK3Config, make_model, block_size):
     """Record every sublayer's input and output; rebuild each input from the spec: a mix of
     [embedding, sum of each block's outputs so far] (blocks of `block_size` layers)."""
     tiny_config.attn_res_block_size = block_size
-    model = perturbed_model(tiny_config)
+    model = make_model(tiny_config)
     seen: list[tuple[str, torch.Tensor]] = []
     hooks = [model.model.embed_tokens.register_forward_hook(lambda m, a, o: seen.append(("emb", o)))]
     for i, layer in enumerate(model.model.layers):
@@ -215,11 +214,11 @@ def test_qat_hooks_see_expert_weights_and_activations(tiny_model: KimiK3ForCausa
     assert act_widths == {32, 64}  # latent tokens into w1/w3, SiTU output into w2
 
 
-def test_activation_checkpointing_same_gradients_and_counts_once(tiny_config: KimiK3Config) -> None:
+def test_activation_checkpointing_same_gradients_and_counts_once(tiny_config: KimiK3Config, make_model):
     ids = torch.randint(3, 2048, (2, 9))
     grads = []
     for checkpointing in (False, True):
-        model = perturbed_model(tiny_config).train()
+        model = make_model(tiny_config).train()
         if checkpointing:
             model.gradient_checkpointing_enable()
         model(ids, labels=ids).loss.backward()
@@ -231,13 +230,40 @@ def test_activation_checkpointing_same_gradients_and_counts_once(tiny_config: Ki
         torch.testing.assert_close(grads[0][name], grads[1][name], **TOL)
 
 
-def test_vllm_export_has_the_text_k3_header(tiny_model: KimiK3ForCausalLM, tmp_path) -> None:
+def test_vllm_export_has_the_text_k3_header(tiny_model: KimiK3ForCausalLM, tmp_path, vllm_config_keys):
     out = save_for_vllm(tiny_model, tmp_path / "vllm")
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "kimi_linear"
     assert config["architectures"] == ["KimiLinearForCausalLM"]
-    # every released key vLLM reads is there, with our values
-    for key in ("linear_attn_config", "attn_res_block_size", "routed_expert_hidden_size", "mla_use_output_gate"):
-        assert config[key] == getattr(tiny_model.config, key)
+    # every key vLLM's KimiLinearConfig reads is there (rope_parameters: K3 has no rotary)
+    assert vllm_config_keys - {"model_type", "rope_parameters"} <= set(config)
+    assert config["linear_attn_config"] == tiny_model.config.linear_attn_config
     with safe_open(out / "model.safetensors", "pt") as f:
         assert "model.layers.3.block_sparse_moe.experts.7.w2.weight" in set(f.keys())
+
+
+def test_config_variants_keep_documents_separate(tiny_config: KimiK3Config, make_model) -> None:
+    """The non-K3 switches (low-rank KDA output gate, full-rank q, experts at full width, grouped
+    routing) build the layers their names say and keep packed == separate."""
+    tiny_config.linear_attn_config["use_full_rank_gate"] = False
+    tiny_config.q_lora_rank = None
+    tiny_config.routed_expert_hidden_size = None
+    tiny_config.num_expert_group, tiny_config.topk_group = 2, 1
+    model = make_model(tiny_config)
+    names = {n for n, _ in model.named_parameters()}
+    assert {"model.layers.0.self_attn.g_a_proj.weight", "model.layers.0.self_attn.g_b_proj.weight"} <= names
+    assert "model.layers.3.self_attn.q_proj.weight" in names
+    assert not any("routed_expert_down_proj" in n for n in names)
+    docs = [torch.randint(3, 2048, (1, n)) for n in (5, 8)]
+    packed = logits(model, torch.cat(docs, 1), cu_seqlens=torch.tensor([0, 5, 13]))
+    torch.testing.assert_close(packed[:, :5], logits(model, docs[0]), **TOL)
+    torch.testing.assert_close(packed[:, 5:], logits(model, docs[1]), **TOL)
+
+
+def test_grouped_routing_picks_within_the_best_groups(tiny_config: KimiK3Config) -> None:
+    tiny_config.num_expert_group, tiny_config.topk_group = 4, 1
+    gate = KimiK3MoEGate(tiny_config).eval()
+    torch.nn.init.normal_(gate.weight)
+    topk_idx, topk_weight = gate(torch.randn(50, 64))
+    assert (topk_idx[:, 0] // 2 == topk_idx[:, 1] // 2).all()  # both picks from one group of 2
+    torch.testing.assert_close(topk_weight.sum(-1), torch.ones(50))  # renormalised, scale 1.0

@@ -2,21 +2,23 @@
 
 from __future__ import annotations
 
+import copy
+import inspect
 import json
 
 import pytest
 import yaml
 
 from posttrain.model import KimiK3Config, load_model_config
-from tests.model.conftest import FULL_YAML, TINY_YAML
 
 
-def tiny_dict() -> dict:
-    return yaml.safe_load(TINY_YAML.read_text())
+@pytest.fixture
+def tiny_dict(tiny_yaml) -> dict:
+    return yaml.safe_load(tiny_yaml.read_text())
 
 
-def with_changes(**changes) -> dict:
-    data = tiny_dict()
+def with_changes(data: dict, **changes) -> dict:
+    data = copy.deepcopy(data)
     for key, value in changes.items():
         if key in data["linear_attn_config"] and key not in data:
             data["linear_attn_config"][key] = value
@@ -41,8 +43,8 @@ def test_tiny_yaml_is_the_contract(tiny_config: KimiK3Config) -> None:
     assert [c.is_moe_layer(i) for i in range(4)] == [False, True, True, True]
 
 
-def test_full_yaml_is_the_released_layout() -> None:
-    c = load_model_config(FULL_YAML)
+def test_full_yaml_is_the_released_layout(full_config: KimiK3Config) -> None:
+    c = full_config
     kinds = [c.is_kda_layer(i) for i in range(c.num_hidden_layers)]
     assert kinds.count(True) == 69 and kinds.count(False) == 24
     assert not kinds[91] and not kinds[92]  # layers 92 and 93 (1-based) are both MLA
@@ -51,9 +53,9 @@ def test_full_yaml_is_the_released_layout() -> None:
     assert KimiK3Config().to_dict()["linear_attn_config"] == c.linear_attn_config
 
 
-def test_released_multimodal_json_reads_its_text_config(tmp_path) -> None:
+def test_released_multimodal_json_reads_its_text_config(tmp_path, tiny_dict: dict) -> None:
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({"model_type": "kimi_k3", "text_config": tiny_dict(), "vision_config": {}}))
+    path.write_text(json.dumps({"model_type": "kimi_k3", "text_config": tiny_dict, "vision_config": {}}))
     assert load_model_config(path).hidden_size == 64
 
 
@@ -73,17 +75,17 @@ def test_released_multimodal_json_reads_its_text_config(tmp_path) -> None:
         ({"topk_method": "greedy"}, r"topk_method='greedy'"),
     ],
 )
-def test_bad_config_names_key_and_fix(tmp_path, changes: dict, message: str) -> None:
+def test_bad_config_names_key_and_fix(tmp_path, tiny_dict: dict, changes: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        KimiK3Config(**with_changes(**changes))
+        KimiK3Config(**with_changes(tiny_dict, **changes))
     path = tmp_path / "bad.yaml"
-    path.write_text(yaml.safe_dump(with_changes(**changes)))
+    path.write_text(yaml.safe_dump(with_changes(tiny_dict, **changes)))
     with pytest.raises(ValueError, match=f"model config {path}: .*" + message):
         load_model_config(path)
 
 
-def test_yaml_unknown_key_suggests_nearest(tmp_path) -> None:
-    data = tiny_dict()
+def test_yaml_unknown_key_suggests_nearest(tmp_path, tiny_dict: dict) -> None:
+    data = tiny_dict
     data["num_expert"] = data.pop("num_experts")
     path = tmp_path / "typo.yaml"
     path.write_text(yaml.safe_dump(data))
@@ -97,3 +99,11 @@ def test_missing_file_and_bad_extension(tmp_path) -> None:
     (tmp_path / "c.toml").write_text("x = 1")
     with pytest.raises(ValueError, match=r"use a \.yaml, \.yml or \.json file"):
         load_model_config(tmp_path / "c.toml")
+
+
+def test_key_names_are_vllms(vllm_config_keys: set[str]) -> None:
+    ours = set(inspect.signature(KimiK3Config.__init__).parameters) - {"self", "kwargs"}
+    theirs = vllm_config_keys
+    assert ours <= theirs, f"not a released key: {sorted(ours - theirs)}"
+    # what we do not take: the model_type switch and rotary settings (K3's MLA uses no rotation)
+    assert theirs - ours == {"model_type", "rope_parameters"}

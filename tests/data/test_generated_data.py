@@ -1,0 +1,65 @@
+"""The shipped SFT file: regenerated rows are identical, all three domains and efforts are there,
+thinking grows with effort, sequences fit the tiny model, and every row passes validation."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+from data_recipes.agent_tasks import FAMILIES
+from data_recipes.agent_tasks.generate import DEFAULT_OUTPUT, DEFAULT_PER_FAMILY, generate_trajectory
+from posttrain.data.sample import DOMAINS, EFFORTS
+from posttrain.data.trajectory import clean_record, validate_trajectory
+
+
+def test_regenerating_rows_gives_the_shipped_lines(shipped):
+    lines = DEFAULT_OUTPUT.read_text().splitlines()
+    assert len(lines) == len(FAMILIES) * DEFAULT_PER_FAMILY
+    # Rows depend only on (seed, family, index): one row per family and effort covers every code path.
+    for number, family in enumerate(FAMILIES):
+        for index in (0, 1, 2):
+            row = number * DEFAULT_PER_FAMILY + index
+            assert json.dumps(generate_trajectory(family, index, seed=0), ensure_ascii=False) == lines[row]
+
+
+def test_domains_efforts_and_size(shipped):
+    assert {r["domain"] for r in shipped} == set(DOMAINS)
+    assert {r["effort"] for r in shipped} == set(EFFORTS)
+    assert {r["task"]["family"] for r in shipped} == set(FAMILIES)
+    assert len({r["uid"] for r in shipped}) == len(shipped)
+    assert DEFAULT_OUTPUT.stat().st_size < 2_000_000
+
+
+def test_every_row_is_valid_and_short(renderer, shipped):
+    lengths = []
+    for record in shipped:
+        assert validate_trajectory(clean_record(record), renderer, max_length=512).ok
+        lengths.append(len(renderer.render(record["messages"], record["tools"], record["effort"])[0]))
+    assert sum(n < 256 for n in lengths) / len(lengths) >= 0.9
+
+
+def test_thinking_grows_with_effort_in_every_domain(renderer, shipped):
+    for domain in DOMAINS:
+        mean_thinking = {}
+        for effort in EFFORTS:
+            counts = [
+                sum(len(renderer.encode(m.get("reasoning_content") or "")) for m in r["messages"])
+                for r in shipped
+                if r["domain"] == domain and r["effort"] == effort
+            ]
+            mean_thinking[effort] = statistics.mean(counts)
+        assert mean_thinking["low"] < mean_thinking["high"] < mean_thinking["max"], (domain, mean_thinking)
+
+
+def test_tool_results_come_from_the_tools(shipped):
+    """Each tool result answers a call of the turn before it, and calls are K3-numbered."""
+    for record in shipped:
+        count, open_calls = 0, set()
+        for message in record["messages"]:
+            for call in message.get("tool_calls", []):
+                assert call["id"] == f"functions.{call['function']['name']}:{count}"
+                open_calls.add(call["id"])
+                count += 1
+            if message["role"] == "tool":
+                assert message["tool_call_id"] in open_calls
+                assert not message["content"].startswith("error")

@@ -1,0 +1,137 @@
+"""Task families: prompts carry hidden verification data that never reaches the prompt, verifiers
+reject wrong final states, tools really run (calculator, documents, sandboxed files and Python)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+import data_recipes  # noqa: F401  (registers the shipped families and the calculator tool)
+from data_recipes.agent_tasks import FAMILIES
+from data_recipes.agent_tasks.tools import calculate
+from posttrain.data.sample import DOMAINS, EFFORTS
+from posttrain.data.tasks import TASK_FAMILIES, Episode, FinalState
+
+
+def test_every_shipped_family_is_registered_and_covers_the_domains():
+    assert set(FAMILIES) <= set(TASK_FAMILIES)
+    assert {TASK_FAMILIES.get(name).domain for name in FAMILIES} == set(DOMAINS)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_prompt_contract_and_hidden_data(name):
+    family = TASK_FAMILIES.get(name)()
+    for index, effort in enumerate(EFFORTS):
+        sample = family.make_prompt(random.Random(f"contract:{index}"), effort)
+        assert (sample.domain, sample.effort, sample.task["family"]) == (family.domain, effort, name)
+        assert [m["role"] for m in sample.messages] == ["system", "user"]
+        assert sample.tools == family.tools and sample.tokens == []
+        prompt = json.dumps(sample.messages)
+        for test in sample.task.get("tests", []):
+            assert test not in prompt
+        if "path" in sample.task:
+            assert f"{sample.task['answer']}." not in prompt and f" {sample.task['answer']} " not in prompt
+    again = family.make_prompt(random.Random("contract:0"), "low")
+    assert again == family.make_prompt(random.Random("contract:0"), "low")
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_wrong_final_states_score_zero(name):
+    family = TASK_FAMILIES.get(name)()
+    sample = family.make_prompt(random.Random("wrong"), "high")
+    assert family.verify(sample, FinalState(answer="I do not know.")) == 0.0
+    if "path" in sample.task:
+        assert family.verify(sample, FinalState(files={sample.task["path"]: "0"})) == 0.0
+        right = FinalState(files={sample.task["path"]: sample.task["answer"] + "\n"})
+        assert family.verify(sample, right) == 1.0
+    elif "answer" in sample.task:
+        assert family.verify(sample, FinalState(answer=f" {sample.task['answer'].upper()}.")) == 1.0
+
+
+def test_coding_verifier_runs_hidden_tests_in_a_sandbox():
+    family = TASK_FAMILIES.get("coding/write_function")()
+    sample = next(
+        s
+        for s in (family.make_prompt(random.Random(f"scale:{i}"), "low") for i in range(200))
+        if s.task["function"] == "scale"
+    )
+    k, c = sample.task["values"]["k"], sample.task["values"]["c"]
+    right = f"```python\ndef scale(x):\n    return {k} * x + {c}\n```"
+    assert family.verify(sample, FinalState(answer=right)) == 1.0
+    assert family.verify(sample, FinalState(answer=right.replace("+", "-"))) == 0.0
+    assert family.verify(sample, FinalState(answer="```python\nraise SystemExit(0)\n```")) == 0.0
+    assert (
+        family.verify(sample, FinalState(answer=right.replace("```python\n", "").replace("```", ""))) == 1.0
+    )
+
+
+def test_calculator_is_exact_and_refuses_code():
+    assert calculate("17*23+5") == "396"
+    assert calculate("84/4") == "21"
+    assert calculate("1/3") == "0.333333"
+    assert calculate("2**64") == str(2**64)
+    assert calculate("-(3 - 10) % 4") == "3"
+    for bad, message in (
+        ("__import__('os').system('true')", "only numbers"),
+        ("1/0", "division by zero"),
+        ("2**1000", "exponent"),
+        ("3 +", "cannot parse"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            calculate(bad)
+
+
+def test_episode_runs_tools_and_reports_errors_as_results():
+    family = TASK_FAMILIES.get("agent/staff_office")()
+    sample = family.make_prompt(random.Random("episode"), "high")
+    with family.open_sandbox() as sandbox:
+        episode = Episode(family, sample, sandbox)
+        turn = episode.assistant(
+            "try things",
+            calls=[
+                ("search", {"query": "Dana Ruiz"}),
+                ("teleport", {}),
+                ("write_file", {"path": "../escape.txt", "content": "x"}),
+                ("write_file", {"path": "notes/a.txt", "content": "Oslo"}),
+            ],
+        )
+        turn["tool_calls"].append(
+            {
+                "id": "functions.search:4",
+                "type": "function",
+                "function": {"name": "search", "arguments": "{bad"},
+            }
+        )
+        results = [m["content"] for m in episode.step(turn)]
+        assert results[0] == "staff.txt: Dana Ruiz works in the Logistics team at the Oslo office."
+        assert results[1].startswith("error: unknown tool 'teleport'")
+        assert results[2].startswith("error:")
+        assert results[3] == "wrote 4 characters to notes/a.txt"
+        assert results[4].startswith("error: arguments are not valid JSON")
+        assert episode.results() == results
+        assert [m["tool_call_id"] for m in episode.messages[-5:]] == [
+            f"functions.{n}:{i}"
+            for i, n in enumerate(["search", "teleport", "write_file", "write_file", "search"])
+        ]
+        assert not episode.done
+        episode.step(episode.assistant("done", content="Oslo"))
+        state = episode.final_state()
+    assert episode.done and state.files == {"notes/a.txt": "Oslo"}
+    assert state.answer == "Oslo" and state.tool_calls == 5
+    with pytest.raises(RuntimeError, match="already ended"):
+        episode.step({"role": "assistant", "content": "more"})
+
+
+def test_a_resumed_episode_continues_the_call_numbering():
+    family = TASK_FAMILIES.get("general/arithmetic")()
+    sample = family.make_prompt(random.Random("resume"), "low")
+    with family.open_sandbox() as sandbox:
+        assert sandbox is None
+        first = Episode(family, sample, sandbox)
+        first.step(first.assistant("compute", calls=[("calculator", {"expression": "1+1"})]))
+        sample.messages = first.messages
+        resumed = Episode(family, sample, sandbox)
+    call = resumed.assistant("again", calls=[("calculator", {"expression": "2+2"})])["tool_calls"][0]
+    assert call["id"] == "functions.calculator:1"

@@ -1,0 +1,216 @@
+"""The `sft` stage kind run for real on the tiny K3: it learns, saves a loadable model, resumes bit
+for bit, and fails clearly on NaN losses and bad data. Runs are a few steps on a small slice of the
+shipped trajectories, with one torch thread (the machine is shared; threads fighting cost more)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from pydantic import ValidationError
+from safetensors.torch import load_file
+
+from posttrain.checkpoint import CheckpointManager
+from posttrain.data.chat import CHAT_TEMPLATE
+from posttrain.data.mixture import DATA_RECIPES, MixtureSource, Recipe
+from posttrain.data.trajectory import BadTrajectoryError
+from posttrain.metrics import MetricsLogger, read_metrics
+from posttrain.model import KimiK3ForCausalLM, load_model_config
+from posttrain.qat import QATConfig
+from posttrain.stages import STAGE_KINDS, StageContext
+from posttrain.trainers.common import NonFiniteLossError, WarmupCosine
+from posttrain.trainers.sft import SFTConfig
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "stages" / "models" / "tiny.yaml"
+SHIPPED = REPO / "data_recipes" / "data" / "agent_sft.jsonl"
+BAD_ROW_INDEX = 24
+
+
+class FakeCrash(RuntimeError):
+    """Stands in for a kill: raised by the progress hook right after step `at` was checkpointed."""
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def small_recipe(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    """A recipe over 3 shipped trajectories per task family plus, at row 24, one whose tool-call
+    arguments are not JSON. Returns (recipe name, file)."""
+    rows = [json.loads(line) for line in SHIPPED.read_text().splitlines()]
+    by_family: dict[str, list[dict]] = {}
+    for row in rows:
+        by_family.setdefault(row["task"]["family"], []).append(row)
+    chosen = [row for family in sorted(by_family) for row in by_family[family][:3]]
+    assert len(chosen) == BAD_ROW_INDEX
+    bad = json.loads(json.dumps(by_family["general/arithmetic"][5]))
+    bad["uid"] = "bad-arguments"
+    bad["messages"][2]["tool_calls"][0]["function"]["arguments"] = "{expression: 8*16"
+    path = tmp_path_factory.mktemp("sft-data") / "small.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in [*chosen, bad]))
+    name = f"test-sft-small-{path.parent.name}"
+    DATA_RECIPES.register(name)(lambda: Recipe(sources=(MixtureSource(str(path)),), eval_fraction=0.25))
+    return name, path
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A seeded tiny K3 saved with save_pretrained (a need's model dir)."""
+    torch.manual_seed(3)
+    model = KimiK3ForCausalLM(load_model_config(TINY))
+    path = tmp_path_factory.mktemp("tiny-k3")
+    model.save_pretrained(str(path))
+    return path
+
+
+def make_ctx(stage_dir: Path, body: dict, *, model: Path = TINY, crash_at: int | None = None) -> StageContext:
+    """What orchestration.runner builds for a stage: seeded RNGs, metrics, checkpoints, output dir."""
+    stage_dir.mkdir(parents=True, exist_ok=True)
+    output = stage_dir / ".model-tmp"
+    output.mkdir(exist_ok=True)
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+    metrics = MetricsLogger(stage_dir, tensorboard=False)
+
+    def progress(step: int, total: int | None, shown: dict) -> None:
+        if step == crash_at:
+            raise FakeCrash(f"killed after step {step}")
+
+    return StageContext(
+        stage_id="sft", kind="sft", config=STAGE_KINDS.get("sft").config.model_validate(body), seed=0,
+        inputs={}, model=model, qat=QATConfig(scheme="k3"), matrix={}, resources={"cpus": 1.0},
+        run_dir=stage_dir.parent, stage_dir=stage_dir, output_dir=output, metrics=metrics,
+        checkpoints=CheckpointManager(stage_dir / "checkpoints", on_restore=metrics.rewind),
+        log=logging.getLogger(f"test-sft-{stage_dir.name}"), progress_sink=progress,
+    )
+
+
+def body(recipe: str, **train) -> dict:
+    return {
+        "data": {"recipes": {recipe: 1.0}},
+        "train": {"steps": 4, "micro_batch_tokens": 512, "lr": 5e-3, "warmup_steps": 1, **train},
+        "checkpoint_every": 2,
+        "eval": {"tool_prompts": 0},
+    }
+
+
+def run(ctx: StageContext) -> dict[str, float]:
+    try:
+        return dict(STAGE_KINDS.get("sft").run(ctx))
+    finally:
+        ctx.metrics.close()
+
+
+def test_sft_learns_and_saves_a_loadable_model(tmp_path, small_recipe):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    name, _ = small_recipe
+    cfg = body(name, steps=8)
+    cfg["eval"] = {"tool_prompts": 2, "max_new_tokens": 8, "max_turns": 2}
+    ctx = make_ctx(tmp_path / "sft", cfg)
+    final = run(ctx)
+
+    assert final["eval_loss_after"] < final["eval_loss_before"] - 0.3
+    for when in ("before", "after"):
+        assert 0.0 <= final[f"tool_success_{when}"] <= 1.0
+    assert final["data/kept"] == 24 and final["data/skipped/malformed_tool_call_json"] == 1
+    logged = {r["step"]: r for r in read_metrics(ctx.stage_dir / "metrics.jsonl") if "loss" in r}
+    assert sorted(logged) == list(range(1, 9))
+    assert all(math.isfinite(r["grad_norm"]) and r["tokens_per_s"] > 0 for r in logged.values())
+    assert logged[1]["lr"] == pytest.approx(5e-3 / 2) and logged[2]["lr"] == pytest.approx(5e-3)
+
+    model = AutoModelForCausalLM.from_pretrained(str(ctx.output_dir))
+    assert type(model).__name__ == "KimiK3ForCausalLM"
+    assert any(float(b.abs().max()) > 0 for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
+    tokenizer = AutoTokenizer.from_pretrained(str(ctx.output_dir))
+    assert tokenizer.chat_template == CHAT_TEMPLATE
+    stops = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|tool_calls_section_end|>"])
+    assert sorted(model.generation_config.eos_token_id) == sorted(stops)
+
+
+def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(tmp_path, small_recipe):
+    name, _ = small_recipe
+    cfg = body(name, steps=4, grad_accum=2, micro_batch_tokens=256)
+    cfg["data"]["max_length"] = 256
+    straight = make_ctx(tmp_path / "straight", cfg)
+    run(straight)
+
+    crashed = make_ctx(tmp_path / "resumed", cfg, crash_at=3)
+    with pytest.raises(FakeCrash):
+        run(crashed)
+    assert crashed.checkpoints.latest_step() == 2
+    resumed = make_ctx(tmp_path / "resumed", cfg)
+    final = run(resumed)
+
+    expected = load_file(str(straight.output_dir / "model.safetensors"))
+    got = load_file(str(resumed.output_dir / "model.safetensors"))
+    assert sorted(got) == sorted(expected)
+    different = [name for name in expected if not torch.equal(expected[name], got[name])]
+    assert different == []
+    assert [r["step"] for r in read_metrics(resumed.stage_dir / "metrics.jsonl") if "loss" in r] == [1, 2, 3, 4]
+    assert final["eval_loss_before"] == read_metrics(straight.stage_dir / "metrics.jsonl")[0]["eval_loss_before"]
+
+
+def test_nan_loss_names_the_step_and_the_fix(tmp_path, small_recipe, tiny_model_dir):
+    broken = tmp_path / "nan-model"
+    model = KimiK3ForCausalLM.from_pretrained(str(tiny_model_dir))
+    with torch.no_grad():
+        model.lm_head.weight[5] = float("nan")
+    model.save_pretrained(str(broken))
+    ctx = make_ctx(tmp_path / "sft", body(small_recipe[0], steps=2), model=broken)
+    with pytest.raises(NonFiniteLossError, match=r"loss is nan at optimizer step 1 .*train\.lr"):
+        run(ctx)
+
+
+def test_strict_data_fails_naming_file_row_and_reason(tmp_path, small_recipe):
+    name, path = small_recipe
+    cfg = body(name)
+    cfg["data"]["strict"] = True
+    with pytest.raises(BadTrajectoryError) as error:
+        run(make_ctx(tmp_path / "sft", cfg))
+    assert f"{path} row {BAD_ROW_INDEX}: malformed_tool_call_json" in str(error.value)
+
+
+def test_lora_trains_only_the_adapters(tmp_path, small_recipe, tiny_model_dir):
+    cfg = body(small_recipe[0], steps=2)
+    cfg["lora"] = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "o_proj"]}
+    ctx = make_ctx(tmp_path / "sft", cfg, model=tiny_model_dir)
+    run(ctx)
+    before = load_file(str(tiny_model_dir / "model.safetensors"))
+    after = load_file(str(ctx.output_dir / "model.safetensors"))
+    changed = {n for n in before if not torch.equal(before[n], after[n])}
+    targeted = {n for n in before if n.endswith(("q_proj.weight", "o_proj.weight"))}
+    assert targeted and changed - targeted <= {n for n in before if n.endswith("e_score_correction_bias")}
+    assert targeted <= changed
+
+
+def test_config_errors_name_the_key():
+    good = {"train": {"steps": 1}}
+    SFTConfig.model_validate(good)
+    with pytest.raises(ValidationError, match="train.stpes"):
+        SFTConfig.model_validate({"train": {"steps": 1, "stpes": 2}})
+    with pytest.raises(ValidationError, match="data.max_length .*train.micro_batch_tokens"):
+        SFTConfig.model_validate({"train": {"steps": 1, "micro_batch_tokens": 128}, "data": {"max_length": 256}})
+    with pytest.raises(ValidationError, match="accelerate.deepspeed_config: /nowhere/ds.json does not exist"):
+        SFTConfig.model_validate({**good, "accelerate": {"deepspeed_config": "/nowhere/ds.json"}})
+
+
+def test_warmup_then_cosine_schedule():
+    schedule = WarmupCosine(warmup=4, total=14, min_ratio=0.1)
+    assert [schedule(s) for s in range(4)] == pytest.approx([0.2, 0.4, 0.6, 0.8])
+    assert schedule(4) == pytest.approx(1.0)
+    assert schedule(9) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert schedule(14) == pytest.approx(0.1) and schedule(20) == pytest.approx(0.1)
