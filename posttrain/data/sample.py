@@ -99,7 +99,8 @@ class Sample:
         n = len(self.tokens)
         for name in ("loss_mask", "rollout_logprobs", "policy_version"):
             if len(getattr(self, name)) != n:
-                raise ValueError(f"sample {self.uid}: {name} has {len(getattr(self, name))} entries, tokens {n}")
+                count = len(getattr(self, name))
+                raise ValueError(f"sample {self.uid}: {name} has {count} entries, tokens {n}")
         for name in ("token_rewards", "teacher_logprobs"):
             value = getattr(self, name)
             if value is not None and len(value) != n:

@@ -36,8 +36,6 @@ from posttrain.envs.sandbox import Sandbox
 from posttrain.envs.tools import Tool, call_tool
 from posttrain.registry import Registry
 
-# Tools that act inside a sandbox; an episode of a family offering none of them needs no sandbox.
-SANDBOXED_TOOLS = frozenset({"run_python", "shell", "read_file", "write_file"})
 MAX_TOOL_RESULT_CHARS = 400
 
 
@@ -72,7 +70,7 @@ class TaskFamily(ABC):
 
     def open_sandbox(self) -> contextlib.AbstractContextManager[Sandbox | None]:
         """A fresh sandbox for one episode, or a null context when no offered tool needs one."""
-        if SANDBOXED_TOOLS.isdisjoint(self.make_toolset()):
+        if not any(tool.needs_sandbox for tool in self.make_toolset().values()):
             return contextlib.nullcontext()
         return Sandbox(memory_mb=512, cpu_seconds=30, max_processes=64, network=False)
 
@@ -127,7 +125,9 @@ class Episode:
         self.toolset = family.make_toolset()
         self.messages: list[dict[str, Any]] = [dict(message) for message in sample.messages]
         # A resumed episode (a paused partial rollout) keeps counting from the calls it already made.
-        self.tool_calls = sum(len(m.get("tool_calls") or []) for m in self.messages if m["role"] == "assistant")
+        self.tool_calls = sum(
+            len(m.get("tool_calls") or []) for m in self.messages if m["role"] == "assistant"
+        )
         self.done = False
 
     def assistant(
@@ -180,11 +180,11 @@ class Episode:
         )
         files = {}
         if self.sandbox is not None:
-            workspace = self.sandbox.workspace
+            # Never read the workspace with ordinary path calls: they follow symlinks an agent
+            # may plant to host files, and this process is root.
             files = {
-                str(path.relative_to(workspace)): path.read_text(errors="replace")
-                for path in sorted(workspace.rglob("*"))
-                if path.is_file()
+                path: content.decode(errors="replace")
+                for path, content in sorted(self.sandbox.workspace_files().items())
             }
         return FinalState(answer=answer, files=files, tool_calls=self.tool_calls)
 

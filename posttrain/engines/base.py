@@ -34,7 +34,7 @@ class SamplingConfig:
 
     max_tokens: tokens generated in the current assistant turn at most; a paused sample counts
       the tokens it already generated in this turn (the trailing run of generated tokens).
-    temperature: 0 means greedy.
+    temperature: 0 means greedy (top_p / top_k are then irrelevant).
     top_p / top_k: nucleus and top-k truncation (1.0 / 0 = off).
     stop_token_ids: end the turn with finish_reason "stop" (end-of-turn ids).
     tool_call_token_ids: end the turn with finish_reason "tool_call" (tool-calls-end ids); the
@@ -42,7 +42,8 @@ class SamplingConfig:
     seed: base seed of the per-(seed, uid, position) random stream.
     logprobs: "raw" records the model's log-prob of each sampled token at temperature 1 (what
       `Engine.score` returns and what the trainer recomputes); "processed" records the log-prob
-      under the distribution actually sampled from (temperature, top-k, top-p applied).
+      under the distribution actually sampled from (temperature, top-k, top-p applied). Greedy
+      records the model's log-prob in both modes.
     """
 
     max_tokens: int
@@ -82,8 +83,9 @@ class SamplingConfig:
 
     @property
     def is_plain(self) -> bool:
-        """True when sampling uses the unmodified model distribution (raw == processed)."""
-        return self.temperature == 1.0 and self.top_p == 1.0 and self.top_k == 0
+        """True when raw and processed log-probs are the same numbers: sampling from the unmodified
+        model distribution, or greedy (which records the model's log-prob in both modes)."""
+        return self.temperature == 0.0 or (self.temperature == 1.0 and self.top_p == 1.0 and self.top_k == 0)
 
     def finish_reason_for(self, token_id: int) -> Literal["stop", "tool_call"] | None:
         if token_id in self.tool_call_token_ids:

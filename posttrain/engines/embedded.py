@@ -70,20 +70,19 @@ def sample_tokens(
 
     Gumbel-max over the processed log-probs is an exact draw from the processed distribution and
     turns the per-row noise into the token deterministically. Log-probs are "raw" (temperature 1,
-    untruncated) or "processed" per `sampling.logprobs`; greedy's processed log-prob is 0.
+    untruncated) or "processed" per `sampling.logprobs`; greedy (temperature 0, no noise needed)
+    records the model's log-prob in both modes, as vLLM does.
     """
     raw = torch.log_softmax(logits, dim=-1)
     if sampling.temperature == 0:
         tokens = logits.argmax(dim=-1)
-        processed = torch.zeros(logits.shape[0])
-        chosen_processed = processed
-    else:
-        processed_all = torch.log_softmax(
-            truncate_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p), dim=-1
-        )
-        assert noise is not None
-        tokens = (processed_all + noise).argmax(dim=-1)
-        chosen_processed = processed_all.gather(-1, tokens[:, None]).squeeze(-1)
+        return tokens, raw.gather(-1, tokens[:, None]).squeeze(-1)
+    processed_all = torch.log_softmax(
+        truncate_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p), dim=-1
+    )
+    assert noise is not None
+    tokens = (processed_all + noise).argmax(dim=-1)
+    chosen_processed = processed_all.gather(-1, tokens[:, None]).squeeze(-1)
     chosen_raw = raw.gather(-1, tokens[:, None]).squeeze(-1)
     return tokens, chosen_raw if sampling.logprobs == "raw" else chosen_processed
 

@@ -115,6 +115,24 @@ def test_packed_documents_equal_separate_calls(fn):
         assert rel_rms(actual[f"d{name}"], expected) < 1e-5, name
 
 
+def test_prefill_then_decode_equals_one_pass():
+    """The cached-generation pattern: chunk_kda over a prompt, then fused_recurrent_kda one token at
+    a time from its final state, gives the outputs and state of one pass over everything."""
+    inputs = make_inputs(B=2, T=23, H=2, K=32, V=24, seed=17)
+    args = [inputs[n].detach() for n in NAMES[:5]]
+    o_full, state_full = naive_recurrent_kda(*args, output_final_state=True)
+    outputs, state = [], None
+    o, state = chunk_kda(*(x[:, :20] for x in args), output_final_state=True)
+    outputs.append(o)
+    for t in range(20, 23):
+        o, state = fused_recurrent_kda(
+            *(x[:, t : t + 1] for x in args), initial_state=state, output_final_state=True
+        )
+        outputs.append(o)
+    assert rel_rms(torch.cat(outputs, 1), o_full) < 1e-5
+    assert rel_rms(state, state_full) < 1e-5
+
+
 def test_chunk_outputs_are_causal():
     """A prefix gives the prefix's outputs: later tokens in the same tile leak nothing."""
     inputs = make_inputs(B=1, T=40, H=2, K=16, V=16, seed=7)

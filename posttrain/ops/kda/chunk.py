@@ -8,9 +8,10 @@ chunk and delta_i = beta_i * (v_i - k_i^T S_{i-1}) the error each token writes,
     o_i           = (scale q_i * exp(G_i)) S0 + sum_{j <= i} scale <q_i exp(G_i - G_j), k_j> delta_j
     S_C           = Diag(exp(G_C)) S0 + sum_j (k_j exp(G_C - G_j)) delta_j^T
 
-Solving once per chunk, delta = u - w S0 with u, w independent of S0, so the chunk-to-chunk
-recurrence is the affine map S_C = M S0 + N and the only sequential loop is one batched matmul per
-chunk. Everything else is dense batched matmuls, differentiated by torch autograd.
+Solving that system once per chunk gives delta = u - w S0 with u, w independent of S0, so the only
+sequential work is S_C = Diag(exp(G_C)) S0 + k_end^T (u - w S0): two small matmuls per chunk, with a
+hand-written backward (`_StateScan`). Everything else is dense batched matmuls over all chunks,
+differentiated by torch autograd.
 
 On CUDA with flash-linear-attention installed, `backend="auto"` hands the call to fla's Triton
 kernel instead (same layout and semantics; see `_fla_chunk_kda`).
@@ -31,10 +32,11 @@ from posttrain.ops.kda.inputs import check_kda_inputs
 
 # K3's gate (`kda_gate`) never decays a channel by more than e^-5 per token.
 GATE_LOWER_BOUND = -5.0
-# The dense tiles hold exp(G_i - G_j) split as exp(G_i + c) * exp(-G_j - c). The bounded gate keeps
-# a 16-token chunk's cumulative log-decay G in [-80, 0]; with the constant c = 40 both factors stay
-# in [e^-40, e^40], far from float32's e^88 overflow even in the masked (acausal) half of a tile.
-# c is a constant, not a token's G, so no rounding can leak a later token's gate into an output.
+# The dense tiles hold exp(G_i - G_j) split as exp(G_i + c) * exp(-G_j - c). The bounded gate
+# (g >= -5 per token) keeps a 16-token chunk's cumulative log-decay G in [-80, 0]; with c = 40 both
+# factors stay in [e^-40, e^40], far from float32's e^88 overflow even in the masked (acausal) half
+# of a tile. c is a constant, not a token's G, so rounding cannot leak a later token's gate into an
+# earlier output. Steeper gates shrink the tile to keep G >= -80 (`_tile_size`).
 MAX_CHUNK_LOG_DECAY = 80.0
 
 
@@ -56,14 +58,16 @@ def chunk_kda(
     Args:
         q, k: [B, T, H, K] (the K3 layer L2-normalises them).
         v: [B, T, H, V].
-        g: [B, T, H, K] natural-log decay in [-5, 0] (`kda_gate`'s range).
+        g: [B, T, H, K] natural-log decay in [-5, 0] (`kda_gate`'s range). The torch path also takes
+            steeper gates down to -80 (with smaller tiles); fla's kernel is told g >= -5.
         beta: [B, T, H].
         scale: query scale, default K ** -0.5.
         initial_state: [N, H, K, V]; N = B, or the number of documents with cu_seqlens.
         output_final_state: also return the state after each sequence's last token.
         cu_seqlens: LongTensor [N+1] of document boundaries in a packed row (B == 1); the state
             restarts from initial_state[n] (or zeros) at each document.
-        chunk_size: tokens per tile; capped so a tile's cumulative log-decay stays >= -80.
+        chunk_size: tokens per tile of the torch path; capped so a tile's cumulative log-decay
+            stays >= -80 (16 for K3's gate).
         backend: "auto" (fla's kernel for CUDA inputs when fla imports, else torch), "torch", "fla".
 
     Returns:
@@ -251,9 +255,7 @@ class _StateScan(torch.autograd.Function):
         final_states = torch.empty_like(h0)
         # Per-tile views made once, and results written in place: at 16-token tiles the loop's cost
         # is per-op overhead, not arithmetic.
-        decay_n, k_n, w_n, u_n, S_n, delta_n = (
-            x.unbind(0) for x in (chunk_decay, k_to_end, w, u, S_in, delta)
-        )
+        decay_n, k_n, w_n, S_n, delta_n = (x.unbind(0) for x in (chunk_decay, k_to_end, w, S_in, delta))
         for s, (first, last) in enumerate(segments):
             if first == last:
                 final_states[s] = h0[s]
