@@ -433,13 +433,14 @@ def _check_qat(
         else:
             config(**qat)
     except ValidationError as exc:
-        for issue in pydantic_issues(exc, config, inst.display, _shift(inst.lines), overridden):
+        for issue in pydantic_issues(exc, config, inst.display, _shift(inst.lines), _shift(overridden)):
             issues.append(
                 Issue(
                     issue.file,
                     issue.message,
-                    key=key_path(("qat", issue.key)),
-                    line=issue.line or line_of(inst.lines, ("qat",)),
+                    key=key_path(("qat", issue.key)) if issue.key else "qat",
+                    line=issue.line
+                    or (line_of(inst.lines, ("qat",)) if issue.file == inst.display else None),
                     hint=issue.hint,
                 )
             )
@@ -460,9 +461,10 @@ def qat_config_class() -> Any:
     return QATConfig
 
 
-def _shift(lines: dict[KeyPath, int]) -> dict[KeyPath, int]:
-    """Lines of the keys under `qat`, re-rooted so QATConfig's error locations find them."""
-    return {path[1:]: line for path, line in lines.items() if path[:1] == ("qat",)}
+def _shift(located: dict[Any, Any]) -> dict[Any, Any]:
+    """Lines (or overrides) of the keys under `qat`, re-rooted so QATConfig's error locations find
+    them."""
+    return {path[1:]: where for path, where in located.items() if path[:1] == ("qat",)}
 
 
 def config_hash(stage: Stage) -> str:

@@ -180,7 +180,6 @@ def _context(
     directory = stage_dir(run_dir, stage.id)
 
     def restored(step: int) -> None:
-        metrics.rewind(step)
         manifest["resumed_from_step"] = step
         if step:
             log.info("stage %s resumes from checkpoint step %d", stage.id, step)
@@ -202,7 +201,9 @@ def _context(
         stage_dir=directory,
         output_dir=output,
         metrics=metrics,
-        checkpoints=CheckpointManager(directory / "checkpoints", keep=3, log=log, on_restore=restored),
+        checkpoints=CheckpointManager(
+            directory / "checkpoints", keep=3, log=log, metrics=metrics, on_restore=restored
+        ),
         log=log,
         progress_sink=_ProgressFile(directory / PROGRESS),
     )

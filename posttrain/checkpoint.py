@@ -25,9 +25,12 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from posttrain.data.sample import Sample
+
+if TYPE_CHECKING:
+    from posttrain.metrics import MetricsLogger
 
 LOG = logging.getLogger("posttrain.checkpoint")
 MANIFEST = "checkpoint.json"
@@ -169,8 +172,11 @@ def _check_plain(value: Any, where: str) -> None:
 class CheckpointManager:
     """Atomic save / verified load of training state under `directory`, keeping the last `keep`.
 
-    `on_restore(step)` is called after every `load` (step 0 when nothing was restored) so the
-    stage's metrics can be rewound to the restored step.
+    metrics: the stage's MetricsLogger. Each checkpoint records how many metric records had been
+      logged when it was saved, and `load` cuts metrics.jsonl back to that (to nothing when there
+      is no checkpoint), so a resumed stage's metrics equal an uninterrupted run's. Log a step's
+      metrics before saving its checkpoint.
+    on_restore(step): called after every `load` (step 0 when nothing was restored).
     """
 
     def __init__(
@@ -178,6 +184,7 @@ class CheckpointManager:
         directory: Path,
         keep: int = 3,
         log: logging.Logger | None = None,
+        metrics: MetricsLogger | None = None,
         on_restore: Callable[[int], None] | None = None,
     ) -> None:
         if keep < 1:
@@ -185,6 +192,7 @@ class CheckpointManager:
         self.directory = Path(directory)
         self.keep = keep
         self.log = log or LOG
+        self.metrics = metrics
         self.on_restore = on_restore
         self.directory.mkdir(parents=True, exist_ok=True)
         for leftover in self.directory.glob(".tmp-*"):
@@ -256,7 +264,13 @@ class CheckpointManager:
         for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
             fsync_file(path)
             files[str(path.relative_to(tmp))] = sha256_file(path)
-        manifest = {"format": 1, "step": step, "time": time.time(), "files": files}
+        manifest = {
+            "format": 1,
+            "step": step,
+            "time": time.time(),
+            "files": files,
+            "metrics_records": self.metrics.records if self.metrics is not None else None,
+        }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
         fsync_file(tmp / MANIFEST)
         fsync_dir(tmp)
@@ -289,6 +303,8 @@ class CheckpointManager:
 
         path = self._newest_valid()
         if path is None:
+            if self.metrics is not None:
+                self.metrics.truncate(0)
             if self.on_restore is not None:
                 self.on_restore(0)
             return None
@@ -305,7 +321,10 @@ class CheckpointManager:
         for queue in sorted(path.glob("samples-*.jsonl")):
             lines = queue.read_text(encoding="utf-8").splitlines()
             samples[queue.stem.removeprefix("samples-")] = [Sample.from_json(line) for line in lines if line]
-        step = json.loads((path / MANIFEST).read_text(encoding="utf-8"))["step"]
+        manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+        step = manifest["step"]
+        if self.metrics is not None and manifest.get("metrics_records") is not None:
+            self.metrics.truncate(manifest["metrics_records"])
         if self.on_restore is not None:
             self.on_restore(step)
         return Checkpoint(step=step, path=path, extra=extra, samples=samples)

@@ -1,9 +1,10 @@
 """Per-stage training metrics: one JSON line per logged step plus TensorBoard events.
 
 metrics.jsonl is the record reports and tests read (plain text, survives anything); TensorBoard
-is for looking at a live run. After a resume the stage replays steps it had logged past its last
-checkpoint, so `rewind(step)` drops those lines and starts the next event file with TensorBoard's
-`purge_step`, which hides the abandoned events: each step appears once.
+is for looking at a live run. A checkpoint remembers how many records had been logged when it was
+saved; after a resume the stage replays what it logged past that checkpoint, so `truncate(records)`
+drops those lines and starts the next event file with TensorBoard's `purge_step`, which hides the
+abandoned events: each record appears once, exactly as in an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class MetricsLogger:
         self._writer: Any = None
         self._purge_step: int | None = None
         self.last: dict[str, float] = {}
+        self.records = len(read_metrics(self.path))
 
     def log(self, step: int, metrics: Mapping[str, Any] | None = None, /, **more: Any) -> None:
         values = {name: float(value) for name, value in {**(metrics or {}), **more}.items()}
@@ -41,6 +43,7 @@ class MetricsLogger:
         record = {"step": int(step), "time": round(time.time(), 3), **values}
         with open(self.path, "a", encoding="utf-8") as handle:
             handle.write(json.dumps(record) + "\n")
+        self.records += 1
         self.last.update(values)
         if self.tensorboard:
             writer = self._tensorboard()
@@ -48,16 +51,18 @@ class MetricsLogger:
                 if math.isfinite(value):
                     writer.add_scalar(name, value, int(step))
 
-    def rewind(self, step: int) -> None:
-        """Forget everything logged after `step` (the step a resumed stage continues from)."""
-        records = [r for r in read_metrics(self.path) if r["step"] <= step]
+    def truncate(self, records: int) -> None:
+        """Keep the first `records` records (what was logged when the restored checkpoint was
+        saved) and forget the rest."""
+        kept = read_metrics(self.path)[:records]
         if self.path.exists():
-            atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in records))
+            atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+        self.records = len(kept)
         self.last = {}
-        for record in records:
+        for record in kept:
             self.last.update({k: v for k, v in record.items() if k not in ("step", "time")})
         self.close()
-        self._purge_step = step + 1
+        self._purge_step = kept[-1]["step"] + 1 if kept else 0
 
     def flush(self) -> None:
         if self._writer is not None:

@@ -61,8 +61,9 @@ class StageContext:
       when `run` returns, the orchestrator fsyncs it, hashes it and renames it to
       DIR/<stage_id>/model atomically. It must not be empty.
     metrics: MetricsLogger for metrics.jsonl + TensorBoard: `ctx.metrics.log(step, loss=...)`.
-    checkpoints: CheckpointManager under DIR/<stage_id>/checkpoints; its `load` also rewinds
-      metrics.jsonl to the restored step.
+    checkpoints: CheckpointManager under DIR/<stage_id>/checkpoints (keeps the last 3; set
+      `ctx.checkpoints.keep` to change it). Its `load` also cuts metrics.jsonl back to what had
+      been logged when the restored checkpoint was saved, so log a step's metrics before saving.
     log: logger writing to DIR/run.log (prefixed with the stage id) and the stage's stage.log.
     """
 

@@ -166,7 +166,8 @@ class VLLMEngine(Engine):
             engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(sample.tokens)), params)
             live[request_id] = (sample, [0])
         if pause_when is not None and live and pause_when(samples):
-            return self._pause(live)
+            self._pause(live)
+            return samples
         while live:
             for output in engine.step():
                 if output.request_id not in live:
@@ -184,14 +185,14 @@ class VLLMEngine(Engine):
                     sample.finish_reason = finish_reason_from(sampling, completion.finish_reason, last)
                     del live[output.request_id]
             if pause_when is not None and live and pause_when(samples):
-                return self._pause(live)
+                self._pause(live)
+                break
         return samples
 
-    def _pause(self, live: dict[str, tuple[Sample, list[int]]]) -> list[Sample]:
+    def _pause(self, live: dict[str, tuple[Sample, list[int]]]) -> None:
         self.llm.llm_engine.abort_request(list(live))
         for sample, _ in live.values():
             sample.finish_reason = "paused"
-        return [sample for sample, _ in live.values()]
 
     def score(self, samples: list[Sample]) -> list[list[float]]:
         from vllm.inputs import TokensPrompt
@@ -227,6 +228,7 @@ class VLLMEngine(Engine):
         self.policy_version += 1
 
     def close(self) -> None:
-        llm = getattr(self, "llm", None)
+        """Shut the engine core down (frees the model and KV cache); the engine is unusable after."""
+        llm = self.__dict__.pop("llm", None)
         if llm is not None:
-            del self.llm
+            llm.llm_engine.engine_core.shutdown()

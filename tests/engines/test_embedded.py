@@ -11,6 +11,7 @@ import torch
 from posttrain.data.sample import Sample
 from posttrain.engines import EmbeddedEngine, SamplingConfig
 from posttrain.engines.base import tokens_already_generated
+from posttrain.engines.testing import reference_logprobs
 from posttrain.model import KimiK3ForCausalLM, load_model_config
 from posttrain.qat import QATConfig, apply_qat
 
@@ -49,10 +50,7 @@ def prompts() -> list[Sample]:
 
 
 def forward_logprobs(model: torch.nn.Module, tokens: list[int]) -> list[float]:
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([tokens])).logits[0].float()
-    picked = torch.log_softmax(logits[:-1], dim=-1).gather(-1, torch.tensor(tokens[1:])[:, None])
-    return [0.0] + picked.squeeze(-1).tolist()
+    return reference_logprobs(model, tokens).tolist()
 
 
 def test_score_equals_forward_log_softmax(model):

@@ -3,12 +3,14 @@ and how much of max_tokens a paused sample has spent."""
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
 import torch
 
 from posttrain.data.sample import Sample
+from posttrain.engines import ENGINES, Engine
 from posttrain.engines.base import (
     SamplingConfig,
     sampling_key,
@@ -105,3 +107,10 @@ def test_score_alignment_puts_zero_first_and_rejects_gaps():
     assert score_from_prompt_logprobs([4, 5, 6], [None, -1.5, -0.5]) == [0.0, -1.5, -0.5]
     with pytest.raises(ValueError, match="position 2"):
         score_from_prompt_logprobs([4, 5, 6], [None, -1.5, None])
+
+
+def test_every_registered_engine_implements_the_interface():
+    names = [name for name, _ in ENGINES.items()]
+    assert {"embedded", "vllm", "vllm_server", "trl_vllm"} <= set(names)
+    for name, engine_class in ENGINES.items():
+        assert issubclass(engine_class, Engine) and not inspect.isabstract(engine_class), name

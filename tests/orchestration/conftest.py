@@ -1,5 +1,5 @@
-"""Fixtures for the orchestration tests: stage files in a temp dir, and the CLI run in-process
-(fast, for errors and plans) or as a real subprocess (for kills and Ray)."""
+"""Fixture for the orchestration tests: stage files written into a temp dir. (The in-process CLI
+fixture `posttrain` is in tests/conftest.py; the subprocess launcher in orchestration_support.)"""
 
 from __future__ import annotations
 
@@ -9,8 +9,6 @@ from pathlib import Path
 
 import pytest
 from orchestration_support import TOY_STAGES, TOY_TRAINING
-
-from posttrain.cli import main
 
 
 @pytest.fixture
@@ -26,17 +24,3 @@ def write(tmp_path: Path) -> Callable[..., Path]:
         return path
 
     return write_file
-
-
-@pytest.fixture
-def posttrain(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> Callable[..., tuple]:
-    """posttrain("plan", path, ...) -> (exit code, stdout, stderr), run in this process."""
-    monkeypatch.setenv("COLUMNS", "250")  # rich would otherwise truncate table cells at 80
-
-    def run(*argv: object) -> tuple[int, str, str]:
-        capsys.readouterr()
-        code = main([str(a) for a in argv])
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return run

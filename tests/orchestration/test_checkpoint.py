@@ -192,15 +192,30 @@ def test_checkpoint_manifest_lists_every_file_with_its_hash(tmp_path: Path) -> N
     assert all(len(h) == 64 for h in manifest["files"].values())
 
 
-def test_metrics_rewind_drops_steps_after_the_restored_one(tmp_path: Path) -> None:
+def test_load_cuts_metrics_back_to_what_was_logged_at_the_checkpoint(tmp_path: Path) -> None:
+    model, _, _ = make_state(0)
     metrics = MetricsLogger(tmp_path, tensorboard=False)
+    manager = CheckpointManager(tmp_path / "ckpt", metrics=metrics)
+    metrics.log(0, {"eval_loss_before": 2.0})
     for step in range(1, 6):
         metrics.log(step, {"response_length/low": step * 10.0}, loss=1.0 / step)
+        if step == 3:
+            manager.save(step, model=model)
+    metrics.log(5, eval_loss_after=0.5)
     with open(tmp_path / "metrics.jsonl", "a") as handle:
         handle.write('{"step": 6, "lo')  # the process was killed mid-line
-    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4, 5]
-    metrics.rewind(3)
-    metrics.log(4, loss=0.2)
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1, 2, 3, 4, 5, 5]
+
+    resumed = MetricsLogger(tmp_path, tensorboard=False)
+    assert CheckpointManager(tmp_path / "ckpt", metrics=resumed).load(model=model).step == 3
+    resumed.log(4, loss=0.25)
     records = read_metrics(tmp_path / "metrics.jsonl")
-    assert [r["step"] for r in records] == [1, 2, 3, 4]
-    assert records[2]["response_length/low"] == 30.0 and records[3]["loss"] == 0.2
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
+    assert records[0] == {**records[0], "eval_loss_before": 2.0}
+    assert records[3]["response_length/low"] == 30.0 and records[4]["loss"] == 0.25
+
+    (tmp_path / "ckpt" / "latest").unlink()
+    for path in (tmp_path / "ckpt").glob("step-*/checkpoint.json"):
+        path.unlink()
+    CheckpointManager(tmp_path / "ckpt", metrics=resumed).load(model=model)
+    assert read_metrics(tmp_path / "metrics.jsonl") == [], "a stage that starts over starts its metrics over"

@@ -140,3 +140,14 @@ def test_failed_stage_blocks_dependants_and_resumes_after_the_fix(write, posttra
     assert posttrain("run", dag, "--run-dir", run, "f.fail=false")[0] == 0
     assert manifest(run, "a")["started"] == a_started
     assert value(run, "g") == 3 and manifest(run, "f")["attempts"] == 1
+
+
+def test_independent_stages_run_concurrently_up_to_max_parallel(write, posttrain, tmp_path: Path) -> None:
+    toy = 'kind: toy-sum\nplugins: ["{toy}"]\n'
+    write("sft.yaml", toy)
+    meeting = tmp_path / "meeting"
+    dag = write("rl.yaml", toy, f"needs: [sft.yaml]\nmatrix: {{effort: [low, max]}}\nrendezvous: {meeting}\n")
+    code, out, err = posttrain("run", dag, "--run-dir", tmp_path / "run", "--max-parallel", "2")
+    assert code == 0, out + err
+    assert sorted(p.name for p in meeting.iterdir()) == ["rl-low", "rl-max"]
+    assert int((tmp_path / "run" / "rl-max" / "model" / "value.txt").read_text()) == 2

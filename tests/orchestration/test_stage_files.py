@@ -147,6 +147,27 @@ def test_missing_model_preset_and_duplicate_key(write, posttrain, tmp_path: Path
     )
 
 
+def test_qat_block_is_checked_by_the_qat_config(write, posttrain, tmp_path: Path) -> None:
+    path = write(
+        "a.yaml",
+        HEADER,
+        """
+    qat:
+      scheme: k4
+      blok_size: 32
+    """,
+    )
+    assert_user_error(
+        posttrain("run", path, "--run-dir", tmp_path / "run"),
+        "a.yaml:4: qat.scheme: Input should be 'k3' or 'none' (got 'k4')",
+        "a.yaml:5: qat.blok_size: unknown key (did you mean 'block_size'?)",
+    )
+    assert_user_error(
+        posttrain("plan", write("b.yaml", HEADER, "qat: {scheme: k3}\n"), "qat.scheme=mxfp2"),
+        "command line override 'qat.scheme=mxfp2': qat.scheme: Input should be 'k3' or 'none'",
+    )
+
+
 def test_model_names_a_need_or_a_preset(write, tmp_path: Path) -> None:
     write("base.yaml", HEADER)
     ok = load_pipeline(write("a.yaml", HEADER, "needs: [base.yaml]\nmodel: base\n"))

@@ -2,10 +2,15 @@
 exactly as a user's own stage kinds are.
 
 `toy-sum` writes value.txt = its `value` plus the values of its inputs, so a test can tell from
-the output which inputs a stage saw; it logs a few curves so reports have something to plot.
+the output which inputs a stage saw; it logs a few curves so reports have something to plot. With
+`rendezvous`, it waits until `parties` stages have arrived there: stages that only finish when run
+at the same time, which is how a test sees --max-parallel without timing anything.
 """
 
 from __future__ import annotations
+
+import time
+from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
@@ -23,11 +28,15 @@ class ToySum(BaseModel):
     value: int = 1
     fail: bool = False
     train: Train = Train()
+    rendezvous: str | None = None
+    parties: int = 2
 
 
 @stage_kind("toy-sum", config=ToySum)
 def run_toy_sum(ctx: StageContext) -> dict[str, float]:
     """Add `value` to the sum of the inputs' values."""
+    if ctx.config.rendezvous:
+        meet(Path(ctx.config.rendezvous), ctx.stage_id, ctx.config.parties)
     total = ctx.config.value + sum(int((path / "value.txt").read_text()) for path in ctx.inputs.values())
     effort = {"low": 1, "high": 2, "max": 3}.get(ctx.matrix.get("effort"), 1)
     for step in range(1, ctx.config.train.steps + 1):
@@ -39,3 +48,15 @@ def run_toy_sum(ctx: StageContext) -> dict[str, float]:
         raise RuntimeError("toy stage asked to fail")
     (ctx.output_dir / "value.txt").write_text(str(total))
     return {"total": float(total), "loss": 1.0 / ctx.config.train.steps}
+
+
+def meet(directory: Path, name: str, parties: int) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / name).touch()
+    deadline = time.monotonic() + 120
+    while len(list(directory.iterdir())) < parties:
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"only {len(list(directory.iterdir()))} of {parties} stages reached {directory}"
+            )
+        time.sleep(0.05)

@@ -1,0 +1,484 @@
+"""RL environments, one per domain: where prompts come from, how an episode is played, how it is scored.
+
+An environment draws prompts from the registered task families of its domain (posttrain.data.tasks;
+the shipped ones live in data_recipes/agent_tasks), plays episodes against an `Engine` and scores
+them with the family's hidden verifier (or a generative reward model where configured). The
+episode loop is the same for every domain and for every caller (RL rollouts, the budget's cold
+start, evaluation, MOPD):
+
+    engine generates one assistant turn -> it ends on a tool call, an end of turn or the length cap
+    -> the turn is parsed (ChatRenderer.parse_assistant) and its tool calls run for real (in a
+    sandbox where the tool needs one) -> the tool messages are rendered and appended to the tokens
+    (render_tool_results, loss mask 0) -> the engine continues from exactly those tokens.
+
+Tokens are only ever appended, never re-rendered (the exact-prefix rule), so what the trainer scores
+is what the engine sampled. Harness diversity: each prompt gets a system prompt and a set of extra
+tools drawn from a configured pool, so a specialist is not tied to one protocol.
+
+Domains differ in what the verifier sees: general scores the final answer (exact, normalised
+match); agent scores the final state of the sandbox (the files written), which the policy never
+sees; coding runs hidden unit tests on each submitted answer in a separate, fresh sandbox and
+allows a limited number of submissions, answering a failed one with "tests failed, k left", never
+with the tests.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Literal, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from posttrain.checkpoint import remove_tree
+from posttrain.data.chat import ChatRenderer
+from posttrain.data.sample import Sample
+from posttrain.data.tasks import TASK_FAMILIES, Episode, FinalState, TaskFamily
+from posttrain.engines.base import Engine, SamplingConfig
+from posttrain.envs.env_sandboxes import SandboxPool
+from posttrain.envs.sandbox import Sandbox
+from posttrain.envs.tools import TOOLS, Tool, make_tools
+from posttrain.registry import Registry
+
+# Sample.metrics keys an environment maintains (JSON-safe floats, so they survive a checkpoint).
+TASK_REWARD = "task_reward"
+EPISODE_DONE = "episode_done"
+SUBMISSIONS = "submissions"
+TRUNCATED = "truncated"
+# A turn that ended with one of these answered; a "tool_call" turn continues the episode.
+ANSWERED = ("stop", "length")
+SANDBOX_LIMITS: dict[str, Any] = {"memory_mb": 512, "cpu_seconds": 30, "max_processes": 64, "network": False}
+SUBMISSION_FEEDBACK = (
+    "The hidden tests failed. {left} submission{s} left: fix the code and reply with the complete function."
+)
+
+
+class Judge(Protocol):
+    """A generative reward model (rewards.genrm.GenRM): judgements whose `.reward` is a float, or
+    None when the judge's output did not parse; `counts` tallies judged / unparsable / over_cap."""
+
+    counts: Mapping[str, int]
+
+    def score_samples(self, samples: Sequence[Sample]) -> list[Any]: ...
+
+
+class HarnessConfig(BaseModel):
+    """Harness diversity: the system prompt and extra tools of each prompt, drawn from pools."""
+
+    model_config = ConfigDict(extra="forbid")
+    system_prompts: list[str] = Field(
+        default_factory=list, description="pool of system prompts; empty: each task family's own rotation"
+    )
+    tool_sets: list[list[str]] = Field(
+        default_factory=lambda: [[]],
+        description="pool of extra registered tools offered beside the family's own, one set per prompt",
+    )
+
+    @field_validator("tool_sets")
+    @classmethod
+    def _known_tools(cls, tool_sets: list[list[str]]) -> list[list[str]]:
+        if not tool_sets:
+            raise ValueError("harness.tool_sets needs at least one set; [[]] offers no extra tool")
+        for tool_set in tool_sets:
+            for name in tool_set:
+                if name not in TOOLS:
+                    raise ValueError(f"harness.tool_sets: unknown tool {name!r} (registered: {', '.join(TOOLS)})")
+                try:
+                    make_tools([name])
+                except TypeError as error:
+                    raise ValueError(
+                        f"harness.tool_sets: tool {name!r} needs settings of its own ({error}); "
+                        "offer it through a task family instead"
+                    ) from None
+        return tool_sets
+
+
+class EnvironmentConfig(BaseModel):
+    """How one domain's episodes are played and scored."""
+
+    model_config = ConfigDict(extra="forbid")
+    families: list[str] = Field(
+        default_factory=list, description="task families to draw prompts from; empty: every registered one of the domain"
+    )
+    max_turns: int = Field(4, gt=0, description="assistant turns per episode")
+    max_tokens_per_turn: int = Field(96, gt=0, description="generated tokens per assistant turn")
+    max_submissions: int = Field(1, gt=0, description="coding: answers run against the hidden tests per episode")
+    reward: Literal["verifier", "genrm"] = Field(
+        "verifier", description="verifier: the task family's hidden verifier; genrm: the stage's judge model"
+    )
+    verify_workers: int = Field(4, gt=0, description="coding: hidden-test runs in parallel (each in its own sandbox)")
+    harness: HarnessConfig = Field(default_factory=HarnessConfig)
+
+
+@dataclass
+class _Play:
+    """One episode in flight."""
+
+    sample: Sample
+    family: TaskFamily
+    episode: Episode
+    sandbox: Sandbox | None = None
+    done: bool = False
+
+
+def trailing_generated(sample: Sample) -> int:
+    """Length of the trailing run of policy-generated tokens: the current assistant turn so far."""
+    count = 0
+    for position in range(len(sample.tokens) - 1, sample.prompt_length - 1, -1):
+        if not sample.loss_mask[position]:
+            break
+        count += 1
+    return count
+
+
+class Environment:
+    """The episode loop and prompt source of one domain (subclasses say how episodes are scored).
+
+    renderer: the policy's ChatRenderer. sandbox_dir: where pooled sandboxes write snapshots of
+    paused episodes (default: a temporary directory). judge: required when config.reward is
+    "genrm".
+    """
+
+    domain: ClassVar[str]
+    submits: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        renderer: ChatRenderer,
+        config: EnvironmentConfig | None = None,
+        *,
+        sandbox_dir: Path | None = None,
+        judge: Judge | None = None,
+    ) -> None:
+        self.renderer = renderer
+        self.config = config or EnvironmentConfig()
+        if self.config.reward == "genrm" and judge is None:
+            raise ValueError(
+                f"the {self.domain} environment has reward: genrm but no judge; add a `genrm:` block "
+                "(judge model and rubric) to the stage file, or set reward: verifier"
+            )
+        if self.config.max_submissions > 1 and not self.submits:
+            raise ValueError(
+                f"max_submissions is {self.config.max_submissions}, but only the coding environment runs "
+                f"submissions against hidden tests; the {self.domain} environment scores its final state once"
+            )
+        self.judge = judge
+        self._families: dict[str, TaskFamily] = {}
+        for name in self.family_names:
+            family = TASK_FAMILIES.get(name)()
+            if family.domain != self.domain:
+                raise ValueError(
+                    f"task family {name!r} belongs to domain {family.domain!r}, not {self.domain!r}; "
+                    f"list it under the {family.domain} environment"
+                )
+            self._families[name] = family
+        self.sandboxes = SandboxPool(
+            sandbox_dir or Path(tempfile.mkdtemp(prefix=f"rl-{self.domain}-sandboxes-")), **SANDBOX_LIMITS
+        )
+
+    @property
+    def family_names(self) -> list[str]:
+        if self.config.families:
+            return list(self.config.families)
+        names = [name for name, family in TASK_FAMILIES.items() if family.domain == self.domain]
+        if not names:
+            raise ValueError(
+                f"no task family of domain {self.domain!r} is registered; list the families under "
+                f"environments.{self.domain}.families or install a plug-in that registers some"
+            )
+        return names
+
+    # Prompts ---------------------------------------------------------------------------------
+
+    def prompts(self, split: str, count: int, seed: int, exclude: Sequence[Sample] = ()) -> list[Sample]:
+        """`count` distinct prompts, families in turn, harness applied; a pure function of
+        (domain, split, count, seed, exclude). Questions of `exclude` (e.g. the held-out set when
+        drawing training prompts) never appear."""
+        rng = random.Random(f"rl-prompts:{self.domain}:{split}:{seed}")
+        seen = {_question(p) for p in exclude}
+        out: list[Sample] = []
+        names = self.family_names
+        for attempt in range(count * 50):
+            if len(out) == count:
+                break
+            prompt = self._families[names[attempt % len(names)]].make_prompt(rng, "high")
+            if _question(prompt) in seen:
+                continue
+            seen.add(_question(prompt))
+            self._apply_harness(prompt, rng)
+            out.append(prompt)
+        if len(out) < count:
+            raise ValueError(
+                f"{self.domain}: only {len(out)} distinct {split} prompts could be drawn from {names}, "
+                f"{count} were asked for; lower the prompt count"
+            )
+        return out
+
+    def _apply_harness(self, prompt: Sample, rng: random.Random) -> None:
+        harness = self.config.harness
+        if harness.system_prompts:
+            system = {"role": "system", "content": rng.choice(harness.system_prompts)}
+            if prompt.messages and prompt.messages[0]["role"] == "system":
+                prompt.messages[0] = system
+            else:
+                prompt.messages.insert(0, system)
+        offered = {tool["function"]["name"] for tool in prompt.tools}
+        extra = [name for name in rng.choice(harness.tool_sets) if name not in offered]
+        prompt.tools += [tool.schema for tool in make_tools(extra).values()]
+
+    def start(self, prompt: Sample, *, uid: str, group: str, effort: str) -> Sample:
+        """A fresh trajectory of `prompt`: its messages rendered with the effort marker, ending in
+        the assistant header. task["prompt_uid"] names the prompt (budget b0 is per prompt)."""
+        sample = Sample(
+            uid=uid,
+            domain=self.domain,
+            effort=effort,
+            group=group,
+            messages=copy.deepcopy(prompt.messages),
+            tools=copy.deepcopy(prompt.tools),
+            task={**copy.deepcopy(prompt.task), "prompt_uid": prompt.uid},
+        )
+        ids = self.renderer.render_prompt(sample.messages, sample.tools, effort)
+        sample.append(ids, generated=False)
+        sample.prompt_length = len(ids)
+        return sample
+
+    # The episode loop ------------------------------------------------------------------------
+
+    def play(
+        self,
+        engine: Engine,
+        samples: list[Sample],
+        sampling: SamplingConfig,
+        should_pause: Callable[[int], bool] | None = None,
+    ) -> None:
+        """Play each sample's episode until it ends or generation pauses.
+
+        samples: fresh trajectories (`start`), paused ones (finish_reason "paused": they continue
+          from their tokens, their sandbox restored from `sandbox_snapshot`), or ones whose last turn
+          was generated elsewhere and not yet acted on (finish_reason "stop"/"tool_call"/"length").
+        should_pause(ended) -> bool: asked between decoding steps and between turns with the number
+          of episodes ended so far in this call (turns that just answered count as ended). Once it
+          says yes, every episode still going is paused: finish_reason "paused", its sandbox written
+          to a snapshot (`sample.sandbox_snapshot`) and given back to the pool.
+        Ended episodes get sample.reward (the task reward; None when a judge could not score it)
+        and metrics task_reward, episode_done, submissions, truncated.
+        """
+        plays = [self._open(sample) for sample in samples]
+        try:
+            ended = 0
+            pending = [p for p in plays if p.sample.finish_reason in ("stop", "tool_call", "length")]
+            going = [p for p in plays if p not in pending]
+            going += self._act(pending)
+            ended += len(pending) - sum(not p.done for p in pending)
+            if should_pause is not None and should_pause(ended):
+                self._pause(going)
+                going = []
+            while going:
+                batch = [p.sample for p in going]
+                pause_when = None
+                if should_pause is not None:
+                    before = ended
+                    pause_when = lambda rows: should_pause(before + sum(r.finish_reason in ANSWERED for r in rows))
+                engine.generate(batch, sampling, pause_when=pause_when)
+                turned = [p for p in going if p.sample.finish_reason != "paused"]
+                going = self._act(turned)
+                ended += len(turned) - len(going)
+                if going and should_pause is not None and should_pause(ended):
+                    self._pause(going)
+                    going = []
+            self._score([p for p in plays if p.done])
+            for play in plays:
+                if play.sample.finish_reason == "paused":
+                    self._park(play)
+        finally:
+            for play in plays:
+                if play.sandbox is not None:
+                    self.sandboxes.release(play.sandbox)
+                    play.sandbox = None
+
+    def _open(self, sample: Sample) -> _Play:
+        if sample.metrics.get(EPISODE_DONE):
+            raise ValueError(f"sample {sample.uid}: its episode already ended; play a fresh or paused one")
+        if not sample.tokens:
+            raise ValueError(f"sample {sample.uid} has no tokens; make it with Environment.start")
+        family = self._families.get(sample.task.get("family", ""))
+        if family is None:
+            raise ValueError(
+                f"sample {sample.uid}: task family {sample.task.get('family')!r} is not one of the "
+                f"{self.domain} environment's ({', '.join(self._families)})"
+            )
+        episode = Episode(family, sample, None)
+        extra = [t["function"]["name"] for t in sample.tools if t["function"]["name"] not in episode.toolset]
+        episode.toolset = {**episode.toolset, **make_tools(extra)}
+        play = _Play(sample, family, episode)
+        if sample.sandbox_snapshot:
+            play.sandbox = episode.sandbox = self.sandboxes.acquire(sample.sandbox_snapshot)
+            # The live copy is consumed; a checkpoint taken while the episode was paused has its own.
+            remove_tree(Path(sample.sandbox_snapshot))
+            sample.sandbox_snapshot = None
+        return play
+
+    def _act(self, plays: list[_Play]) -> list[_Play]:
+        """Act on each play's just-generated turn; returns the plays that continue (their tool
+        results or feedback appended, ending in the next assistant header)."""
+        going, answers = [], []
+        for play in plays:
+            sample = play.sample
+            turn = sample.tokens[len(sample.tokens) - trailing_generated(sample) :]
+            message = self.renderer.parse_assistant(turn)
+            calls = message.get("tool_calls") or []
+            if any(self._needs_sandbox(play, call) for call in calls) and play.sandbox is None:
+                play.sandbox = play.episode.sandbox = self.sandboxes.acquire()
+            results = play.episode.step(message)
+            sample.messages = play.episode.messages
+            turns = sum(m["role"] == "assistant" for m in sample.messages)
+            if sample.finish_reason == "length":
+                sample.metrics[TRUNCATED] = 1.0
+            if results and sample.finish_reason == "tool_call" and turns < self.config.max_turns:
+                sample.append(self.renderer.render_tool_results(results), generated=False)
+                going.append(play)
+            elif not calls and self.submits and self.config.reward == "verifier":
+                answers.append(play)
+            else:
+                play.done = True
+        for play in self._submit(answers):
+            going.append(play)
+        for play in plays:
+            if play.done:
+                play.sample.metrics[EPISODE_DONE] = 1.0
+        return going
+
+    def _needs_sandbox(self, play: _Play, call: Mapping[str, Any]) -> bool:
+        tool: Tool | None = play.episode.toolset.get(call.get("function", {}).get("name", ""))
+        return tool is not None and tool.needs_sandbox
+
+    def _submit(self, answers: list[_Play]) -> list[_Play]:
+        """Coding: run the hidden tests on each answer; failed ones with submissions left get
+        feedback and continue. Returns those."""
+        if not answers:
+            return []
+        with ThreadPoolExecutor(max_workers=self.config.verify_workers) as pool:
+            verdicts = list(pool.map(lambda p: p.family.verify(p.sample, self._final_state(p)), answers))
+        going = []
+        for play, verdict in zip(answers, verdicts, strict=True):
+            sample = play.sample
+            sample.metrics[SUBMISSIONS] = sample.metrics.get(SUBMISSIONS, 0.0) + 1
+            sample.metrics[TASK_REWARD] = float(verdict)
+            left = self.config.max_submissions - int(sample.metrics[SUBMISSIONS])
+            turns = sum(m["role"] == "assistant" for m in sample.messages)
+            if verdict < 1.0 and left > 0 and turns < self.config.max_turns and sample.finish_reason == "stop":
+                feedback = {"role": "user", "content": SUBMISSION_FEEDBACK.format(left=left, s="" if left == 1 else "s")}
+                play.episode.messages.append(feedback)
+                play.episode.done = False
+                sample.append(self.renderer.render_tool_results([feedback]), generated=False)
+                going.append(play)
+            else:
+                play.done = True
+        return going
+
+    def _pause(self, plays: list[_Play]) -> None:
+        for play in plays:
+            play.sample.finish_reason = "paused"
+
+    def _park(self, play: _Play) -> None:
+        """A paused episode keeps its sandbox's files as a snapshot; the sandbox goes back."""
+        if play.sandbox is not None:
+            play.sample.sandbox_snapshot = play.sandbox.snapshot()
+            self.sandboxes.release(play.sandbox)
+            play.sandbox = None
+
+    # Scoring ---------------------------------------------------------------------------------
+
+    def _final_state(self, play: _Play) -> FinalState:
+        answer = next((m.get("content") or "" for m in reversed(play.episode.messages) if m["role"] == "assistant"), "")
+        return FinalState(answer=answer, tool_calls=play.episode.tool_calls)
+
+    def _score(self, plays: list[_Play]) -> None:
+        if not plays:
+            return
+        if self.config.reward == "genrm":
+            assert self.judge is not None
+            judgements = self.judge.score_samples([p.sample for p in plays])
+            rewards = [j.reward for j in judgements]
+        else:
+            rewards = [self._verify(p) for p in plays]
+        for play, reward in zip(plays, rewards, strict=True):
+            play.sample.reward = reward
+            if reward is not None:
+                play.sample.metrics[TASK_REWARD] = float(reward)
+
+    def _verify(self, play: _Play) -> float:
+        return float(play.family.verify(play.sample, self._final_state(play)))
+
+    def close(self) -> None:
+        self.sandboxes.close()
+
+    def __enter__(self) -> Environment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+ENVIRONMENTS: Registry[type[Environment]] = Registry("environment")
+
+
+@ENVIRONMENTS.register("general")
+class GeneralEnvironment(Environment):
+    """Reasoning and knowledge questions, scored by exact (normalised) match of the final answer."""
+
+    domain = "general"
+
+
+@ENVIRONMENTS.register("agent")
+class AgentEnvironment(Environment):
+    """Multi-turn tool use (search the shipped documents, compute, write a file) in a persistent
+    sandbox, scored on the sandbox's final files by the family's hidden verifier."""
+
+    domain = "agent"
+
+    def _final_state(self, play: _Play) -> FinalState:
+        state = super()._final_state(play)
+        if play.sandbox is not None:
+            # workspace_files never follows a symlink the agent planted (host reads run as root).
+            files = play.sandbox.workspace_files()
+            state.files = {path: data.decode("utf-8", errors="replace") for path, data in files.items()}
+        return state
+
+
+@ENVIRONMENTS.register("coding")
+class CodingEnvironment(Environment):
+    """Write or fix code; each answer is a submission run against hidden unit tests in a fresh
+    sandbox of its own (the policy's sandbox never holds the tests), at most max_submissions per
+    episode. The episode's reward is its last submission's."""
+
+    domain = "coding"
+    submits = True
+
+    def _verify(self, play: _Play) -> float:
+        # Submissions were verified as they were made; an episode that never answered scores 0.
+        return play.sample.metrics.get(TASK_REWARD, 0.0)
+
+
+def make_environment(
+    domain: str,
+    renderer: ChatRenderer,
+    config: EnvironmentConfig | None = None,
+    *,
+    sandbox_dir: Path | None = None,
+    judge: Judge | None = None,
+) -> Environment:
+    """The registered environment of `domain`."""
+    return ENVIRONMENTS.get(domain)(renderer, config, sandbox_dir=sandbox_dir, judge=judge)
+
+
+def _question(prompt: Sample) -> str:
+    """What makes two prompts the same task: everything but the system prompt and tools."""
+    return json.dumps([m for m in prompt.messages if m["role"] != "system"], sort_keys=True)

@@ -1,0 +1,61 @@
+"""The `posttrain` front end: commands, flags and exit codes (0 ok, 2 user error), with messages
+that name the mistake and the fix."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_console_script_points_at_main() -> None:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert project["project"]["scripts"]["posttrain"] == "posttrain.cli:main"
+
+
+@pytest.mark.parametrize("argv", [[], ["--help"], ["-h"]])
+def test_usage(posttrain, argv: list[str]) -> None:
+    code, out, _ = posttrain(*argv)
+    assert code == 0
+    assert "posttrain run FILE" in out and "posttrain plan FILE" in out and "posttrain status DIR" in out
+
+
+def test_unknown_command_suggests_the_nearest(posttrain) -> None:
+    code, _, err = posttrain("rnu", "stages/mopd.yaml")
+    assert code == 2 and "unknown command 'rnu'; did you mean 'run'?" in err
+
+
+def test_bad_flags_are_usage_errors(posttrain, tmp_path: Path) -> None:
+    code, _, err = posttrain("run", tmp_path / "a.yaml", "--executor", "slurm")
+    assert code == 2 and "invalid choice: 'slurm'" in err
+
+
+def test_missing_stage_file_and_run_dir(posttrain, tmp_path: Path) -> None:
+    (tmp_path / "mopd.yaml").write_text("kind: x\n")
+    code, _, err = posttrain("plan", tmp_path / "mpod.yaml")
+    assert code == 2 and "mpod.yaml: stage file does not exist (did you mean 'mopd.yaml'?)" in err
+    code, _, err = posttrain("status", tmp_path / "runs" / "nope")
+    assert code == 2 and "run dir does not exist" in err
+
+
+def test_stage_flags_name_real_stages(posttrain, tmp_path: Path) -> None:
+    stage = tmp_path / "sft.yaml"
+    stage.write_text("kind: x\n")
+    code, _, err = posttrain("run", stage, "--only", "stf", "--run-dir", tmp_path / "run")
+    assert code == 2 and "--only stf: no such stage" in err and "did you mean 'sft'?" in err
+    code, _, err = posttrain("run", stage, "--max-parallel", "0", "--run-dir", tmp_path / "run")
+    assert code == 2 and "--max-parallel 0: must be at least 1" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_default_run_dir_is_runs_slash_file_stem(
+    posttrain, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "stages").mkdir()
+    (tmp_path / "stages" / "sft.yaml").write_text("kind: x\n")
+    monkeypatch.chdir(tmp_path)
+    code, out, _ = posttrain("plan", "stages/sft.yaml")
+    assert code == 0 and f"run dir {Path('runs') / 'sft'}: 1 pending" in out
