@@ -1,10 +1,11 @@
 """Executors: run the stages of a pipeline in dependency order, locally or on a Ray cluster.
 
-Both share one driver loop; they differ only in how a stage is started and watched. Local: each
-stage is its own process, forked from a server process that has torch and the plug-ins imported,
-up to `max_parallel` at a time; a stage process kills itself when the driver dies, so `kill -9`
-of `posttrain run` stops everything and the rerun resumes. Ray: each stage is a Ray task on a fresh worker process with the
-stage file's cpus/gpus as its resource request; the run dir must be on storage every node sees.
+Both share one driver loop; they differ only in how a stage is started and watched.
+Local: each stage is its own process, forked from a server process that has torch and the
+plug-ins imported, up to `max_parallel` at a time; a stage process kills itself when the driver
+dies, so `kill -9` of `posttrain run` stops everything and the rerun resumes.
+Ray: each stage is a Ray task on a fresh worker process with the stage file's cpus/gpus as its
+resource request; the run dir must be on storage every node sees.
 
 Whether a stage runs is decided when its needs have finished, from the manifests as they are
 then: a rerun need that produced the same weights (same hash) leaves its dependants done.
@@ -24,8 +25,15 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from orchestration.pipeline import Pipeline
-from orchestration.rundir import read_manifest, read_progress, stage_dir, stage_state, write_manifest
-from orchestration.runner import STAGE_LOG, exit_with_driver, run_stage, write_request
+from orchestration.rundir import (
+    is_running,
+    read_manifest,
+    read_progress,
+    stage_dir,
+    stage_state,
+    write_manifest,
+)
+from orchestration.runner import EXIT_BUSY, STAGE_LOG, exit_with_driver, run_stage, write_request
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 POLL_S = 0.2
@@ -134,7 +142,12 @@ def _settle(run_dir: Path, stage_id: str, code: int) -> str:
     manifest = read_manifest(directory) or {}
     if code == 0 and manifest.get("status") == "done":
         return "done"
-    if manifest.get("status") in ("running", "pending", None):
+    # EXIT_BUSY: another process holds the stage; its manifest is its own to write.
+    if (
+        code != EXIT_BUSY
+        and not is_running(directory)
+        and manifest.get("status") in ("running", "pending", None)
+    ):
         manifest.update(
             stage=stage_id,
             status="failed",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -61,13 +61,6 @@ class Stage:
     description: str = ""
     config_hash: str = ""
     registered: bool = False
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1, sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> Stage:
-        return cls(**json.loads(text))
 
 
 @dataclass

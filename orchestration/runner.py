@@ -1,11 +1,13 @@
 """Run one stage in the current process: the worker behind the local and the Ray executors.
 
 The driver writes DIR/<stage>/stage.json (the validated stage, its inputs' hashes, whether to
-start over) and starts a process or a Ray task calling `run_stage`. `python -m orchestration.runner
-DIR STAGE` runs one prepared stage in the foreground (to debug a failed stage under pdb). The worker takes the stage lock, decides between resuming and starting over (a
-changed config or input discards the old checkpoints), seeds every RNG, calls the kind's `run`,
-and renames the finished model into place before marking the manifest done. Every step is safe to
-kill: the next attempt repeats it.
+start over) and starts a process or a Ray task calling `run_stage`. The worker takes the stage
+lock, decides between resuming and starting over (a changed config or input discards the old
+checkpoints), seeds every RNG, calls the kind's `run`, and renames the finished model into place
+before marking the manifest done. Every step is safe to kill: the next attempt repeats it.
+
+`python -m orchestration.runner DIR STAGE` runs one prepared stage in the foreground (to debug a
+failed stage, e.g. under pdb).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import socket
 import sys
 import threading
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +62,7 @@ def write_request(pipeline: Pipeline, run_dir: Path, stage_id: str, restart: boo
     directory = stage_dir(run_dir, stage_id)
     directory.mkdir(parents=True, exist_ok=True)
     request = {
-        "stage": json.loads(stage.to_json()),
+        "stage": asdict(stage),
         "inputs": input_hashes(pipeline, run_dir, stage),
         "restart": restart,
     }
@@ -138,7 +141,7 @@ def _run_locked(
         final = {name: float(value) for name, value in dict(result or {}).items()}
         if not any(output.iterdir()):
             raise RuntimeError(
-                f"stage kind {stage.kind!r} wrote nothing to ctx.output_dir; a stage must save its model there"
+                f"stage kind {stage.kind!r} wrote nothing to ctx.output_dir; a stage saves its model there"
             )
         model = _commit(output, directory / MODEL_DIR)
         files, digest = hash_tree(model)

@@ -32,8 +32,8 @@ LogprobsMode = Literal["raw", "processed"]
 class SamplingConfig:
     """How to sample one assistant turn.
 
-    max_tokens: tokens generated in the current assistant turn at most; a paused sample counts
-      the tokens it already generated in this turn (the trailing run of generated tokens).
+    max_tokens: tokens generated in the current assistant turn at most; a paused or aborted
+      sample counts the tokens it already generated in this turn (the trailing generated run).
     temperature: 0 means greedy (top_p / top_k are then irrelevant).
     top_p / top_k: nucleus and top-k truncation (1.0 / 0 = off).
     stop_token_ids: end the turn with finish_reason "stop" (end-of-turn ids).
@@ -150,12 +150,14 @@ def check_prompt(sample: Sample) -> None:
 
 
 def tokens_already_generated(sample: Sample) -> int:
-    """Tokens this turn already produced: the trailing generated run of a paused sample, else 0.
+    """Tokens this turn already produced: the trailing generated run of a paused (or aborted)
+    sample, else 0.
 
     A fresh turn (after a prompt or tool results, which are not generated) starts at 0; a paused
-    sample resumes with its budget partly spent, so pause/resume honours the same max_tokens.
+    sample, or one a failed server left unfinished, resumes with its budget partly spent, so
+    pause/resume and retries honour the same max_tokens.
     """
-    if sample.finish_reason != "paused":
+    if sample.finish_reason not in ("paused", "aborted"):
         return 0
     count = 0
     for position in range(len(sample.tokens) - 1, sample.prompt_length - 1, -1):

@@ -88,7 +88,9 @@ class HarnessConfig(BaseModel):
         for tool_set in tool_sets:
             for name in tool_set:
                 if name not in TOOLS:
-                    raise ValueError(f"harness.tool_sets: unknown tool {name!r} (registered: {', '.join(TOOLS)})")
+                    raise ValueError(
+                        f"harness.tool_sets: unknown tool {name!r} (registered: {', '.join(TOOLS)})"
+                    )
                 try:
                     make_tools([name])
                 except TypeError as error:
@@ -104,19 +106,24 @@ class EnvironmentConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     families: list[str] = Field(
-        default_factory=list, description="task families to draw prompts from; empty: every registered one of the domain"
+        default_factory=list,
+        description="task families to draw prompts from; empty: every registered one of the domain",
     )
     max_turns: int = Field(4, gt=0, description="assistant turns per episode")
     max_tokens_per_turn: int = Field(96, gt=0, description="generated tokens per assistant turn")
-    max_submissions: int = Field(1, gt=0, description="coding: answers run against the hidden tests per episode")
+    max_submissions: int = Field(
+        1, gt=0, description="coding: answers run against the hidden tests per episode"
+    )
     reward: Literal["verifier", "genrm"] = Field(
         "verifier", description="verifier: the task family's hidden verifier; genrm: the stage's judge model"
     )
-    verify_workers: int = Field(4, gt=0, description="coding: hidden-test runs in parallel (each in its own sandbox)")
+    verify_workers: int = Field(
+        4, gt=0, description="coding: hidden-test runs in parallel (each in its own sandbox)"
+    )
     harness: HarnessConfig = Field(default_factory=HarnessConfig)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Play:
     """One episode in flight."""
 
@@ -281,12 +288,8 @@ class Environment:
                 self._pause(going)
                 going = []
             while going:
-                batch = [p.sample for p in going]
-                pause_when = None
-                if should_pause is not None:
-                    before = ended
-                    pause_when = lambda rows: should_pause(before + sum(r.finish_reason in ANSWERED for r in rows))
-                engine.generate(batch, sampling, pause_when=pause_when)
+                pause_when = None if should_pause is None else _pause_rule(should_pause, ended)
+                engine.generate([p.sample for p in going], sampling, pause_when=pause_when)
                 turned = [p for p in going if p.sample.finish_reason != "paused"]
                 going = self._act(turned)
                 ended += len(turned) - len(going)
@@ -373,8 +376,16 @@ class Environment:
             sample.metrics[TASK_REWARD] = float(verdict)
             left = self.config.max_submissions - int(sample.metrics[SUBMISSIONS])
             turns = sum(m["role"] == "assistant" for m in sample.messages)
-            if verdict < 1.0 and left > 0 and turns < self.config.max_turns and sample.finish_reason == "stop":
-                feedback = {"role": "user", "content": SUBMISSION_FEEDBACK.format(left=left, s="" if left == 1 else "s")}
+            if (
+                verdict < 1.0
+                and left > 0
+                and turns < self.config.max_turns
+                and sample.finish_reason == "stop"
+            ):
+                feedback = {
+                    "role": "user",
+                    "content": SUBMISSION_FEEDBACK.format(left=left, s="" if left == 1 else "s"),
+                }
                 play.episode.messages.append(feedback)
                 play.episode.done = False
                 sample.append(self.renderer.render_tool_results([feedback]), generated=False)
@@ -397,7 +408,9 @@ class Environment:
     # Scoring ---------------------------------------------------------------------------------
 
     def _final_state(self, play: _Play) -> FinalState:
-        answer = next((m.get("content") or "" for m in reversed(play.episode.messages) if m["role"] == "assistant"), "")
+        answer = next(
+            (m.get("content") or "" for m in reversed(play.episode.messages) if m["role"] == "assistant"), ""
+        )
         return FinalState(answer=answer, tool_calls=play.episode.tool_calls)
 
     def _score(self, plays: list[_Play]) -> None:
@@ -477,6 +490,11 @@ def make_environment(
 ) -> Environment:
     """The registered environment of `domain`."""
     return ENVIRONMENTS.get(domain)(renderer, config, sandbox_dir=sandbox_dir, judge=judge)
+
+
+def _pause_rule(should_pause: Callable[[int], bool], ended: int) -> Callable[[list[Sample]], bool]:
+    """The engine's pause_when for one generate call: rows that answered in it count as ended."""
+    return lambda rows: should_pause(ended + sum(row.finish_reason in ANSWERED for row in rows))
 
 
 def _question(prompt: Sample) -> str:

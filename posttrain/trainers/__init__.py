@@ -4,6 +4,6 @@ Importing this package registers them in posttrain.stages.STAGE_KINDS; `common` 
 loops share (model loading, optimiser, schedule, accelerate setup, exact-resume checkpoints).
 """
 
-from posttrain.trainers import sft
+from posttrain.trainers import rl, sft
 
-__all__ = ["sft"]
+__all__ = ["rl", "sft"]

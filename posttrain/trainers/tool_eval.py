@@ -42,9 +42,21 @@ class ToolEvalResult:
 
 
 def tool_task_prompts(records: list[dict[str, Any]], limit: int) -> list[dict[str, Any]]:
-    """The first `limit` records whose task names a registered task family (others cannot be verified)."""
-    known = [r for r in records if str(r.get("task", {}).get("family", "")) in TASK_FAMILIES]
-    return known[:limit]
+    """Up to `limit` records whose task names a registered task family (others cannot be
+    verified), taken round-robin over the families in order of appearance, so a small eval still
+    covers every kind of task."""
+    by_family: dict[str, list[dict[str, Any]]] = {}
+    for record in records:
+        family = str(record.get("task", {}).get("family", ""))
+        if family in TASK_FAMILIES:
+            by_family.setdefault(family, []).append(record)
+    chosen: list[dict[str, Any]] = []
+    queues = list(by_family.values())
+    while len(chosen) < limit and any(queues):
+        for queue in queues:
+            if queue and len(chosen) < limit:
+                chosen.append(queue.pop(0))
+    return chosen
 
 
 def tool_task_success(

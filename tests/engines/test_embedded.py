@@ -149,6 +149,11 @@ def test_update_weights_switches_to_the_new_models_logprobs(model, tmp_path):
     assert generated.policy_version == [-1, -1, -1, 1, 1]
 
     model.save_pretrained(tmp_path / "ckpt")
+    loaded = EmbeddedEngine.from_pretrained(tmp_path / "ckpt")
+    for sample, score in zip(prompts(), loaded.score(prompts()), strict=True):
+        torch.testing.assert_close(
+            torch.tensor(score), torch.tensor(forward_logprobs(model, sample.tokens)), atol=1e-5, rtol=0
+        )
     engine.update_weights(tmp_path / "ckpt")
     assert engine.policy_version == 2
     for sample, score in zip(prompts(), engine.score(prompts()), strict=True):

@@ -99,6 +99,8 @@ def test_tokens_already_generated_counts_only_the_paused_turn():
     sample.append([6, 7, 8], generated=True, logprobs=[-1.0] * 3)
     sample.finish_reason = "paused"
     assert tokens_already_generated(sample) == 3
+    sample.finish_reason = "aborted"  # a failed server left the turn unfinished
+    assert tokens_already_generated(sample) == 3
     sample.finish_reason = "tool_call"
     assert tokens_already_generated(sample) == 0
 

@@ -93,7 +93,7 @@ def make_ctx(stage_dir: Path, body: dict, *, model: Path = TINY, crash_at: int |
         stage_id="sft", kind="sft", config=STAGE_KINDS.get("sft").config.model_validate(body), seed=0,
         inputs={}, model=model, qat=QATConfig(scheme="k3"), matrix={}, resources={"cpus": 1.0},
         run_dir=stage_dir.parent, stage_dir=stage_dir, output_dir=output, metrics=metrics,
-        checkpoints=CheckpointManager(stage_dir / "checkpoints", on_restore=metrics.rewind),
+        checkpoints=CheckpointManager(stage_dir / "checkpoints", metrics=metrics),
         log=logging.getLogger(f"test-sft-{stage_dir.name}"), progress_sink=progress,
     )
 

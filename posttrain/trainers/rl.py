@@ -1,0 +1,435 @@
+"""The `rl` stage kind: one RL specialist (a domain x a reasoning effort) trained from the SFT model.
+
+Nine stages (stages/rl.yaml: general, agent, coding x low, high, max) run this loop (K3 spec
+section 2.2):
+
+1. Prompts of the domain's task families (posttrain.envs.environments), a fixed training pool and
+   a held-out set shared by the three efforts; the effort is a conditioning input (the renderer's
+   effort marker in the system header), not a different model or prompt.
+2. Budget: the SFT policy samples every training prompt n times once; b0(x) is a quantile of the
+   successful samples' token usage, cached on disk for all nine runs (rewards.budget.BudgetCache).
+   A trajectory over tau(effort, step) * b0(x) tokens gets reward -1, tau annealed per effort.
+3. Each iteration: new prompt groups start beside the partial rollouts queued by the previous one
+   (posttrain.trainers.rollout), episodes run against real tools and sandboxes, generation pauses
+   once a fraction lambda has ended; complete groups are scored (hidden verifier or GenRM, then
+   the budget), get group-relative advantages, and one optimizer step of the per-token policy loss
+   (truncated IS against the behaviour log-probs, per-token log-ratio penalty, loss on
+   policy-generated tokens only), followed by router balancing.
+4. The policy sampled is the policy trained: the embedded engine shares the trained module, QAT
+   hooks included, and its policy version advances with every optimizer step.
+5. Held-out accuracy and response length before (the SFT model) and after, in eval.json.
+
+Checkpoints hold weights, optimizer, schedule, RNGs, the policy version, the pre-training eval and
+the rollout queue with its sandbox snapshots, so a killed stage resumes bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from posttrain.algos import group_advantages, mismatch_stats, policy_loss, staleness_stats, token_advantages
+from posttrain.algos.policy_loss import PolicyLossConfig
+from posttrain.checkpoint import atomic_write_text, remove_tree
+from posttrain.data.chat import ChatRenderer, load_tokenizer
+from posttrain.data.sample import DOMAINS, EFFORTS, Sample
+from posttrain.engines import EmbeddedEngine, SamplingConfig
+from posttrain.engines.embedded import left_pad, positions_from_mask
+from posttrain.envs.env_budget import BudgetConfig, base_budgets, model_digest
+from posttrain.envs.env_eval import EvalConfig, evaluate
+from posttrain.envs.environments import Environment, EnvironmentConfig, Judge, make_environment
+from posttrain.stages import StageContext, stage_kind
+from posttrain.trainers.common import (
+    AccelerateConfig,
+    OptimConfig,
+    TrainState,
+    base_without_peft,
+    load_policy,
+    save_final_model,
+)
+from posttrain.trainers.rollout import PartialRolloutConfig, RolloutQueue
+from rewards.budget import sample_budget_reward, tau_at
+from rewards.genrm import GenRM, GenRMConfig
+
+Effort = Literal["low", "high", "max"]
+EVAL_FILE = "eval.json"
+
+
+class RLTrainConfig(OptimConfig):
+    """One optimizer step per iteration over the iteration's complete groups."""
+
+    steps: int = Field(gt=0, description="iterations = optimizer steps")
+    micro_batch_size: int = Field(16, gt=0, description="trajectories per forward/backward")
+
+
+class RolloutConfig(BaseModel):
+    """Which prompts, how many samples, how they are sampled, and partial rollouts."""
+
+    model_config = ConfigDict(extra="forbid")
+    prompts: int = Field(16, gt=0, description="training prompt pool (drawn in turn, reshuffled each epoch)")
+    groups_per_step: int = Field(4, gt=0, description="new prompt groups started each iteration")
+    group_size: int = Field(4, ge=2, description="trajectories per prompt (advantages are group-relative)")
+    temperature: float = Field(
+        1.0, gt=0, description="1.0 keeps behaviour log-probs those of the policy trained"
+    )
+    partial: PartialRolloutConfig = Field(default_factory=PartialRolloutConfig)
+
+
+class AdvantageConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    scale_by_std: bool = True
+    leave_one_out: bool = False
+
+
+class JudgeConfig(GenRMConfig):
+    """rewards.genrm.GenRMConfig plus the judge model: a need's stage id (e.g. sft) or a model dir."""
+
+    judge: str = "sft"
+
+
+class RLConfig(BaseModel):
+    """Keys of an `rl` stage file besides the generic ones (docs/rl.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+    domain: str | None = Field(None, description="null: the matrix value `domain`")
+    effort: Effort | None = Field(None, description="null: the matrix value `effort`")
+    init: str = Field(
+        "sft", description="the need whose model the specialist starts from (and the cold start)"
+    )
+    train: RLTrainConfig
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    environments: dict[str, EnvironmentConfig] = Field(
+        default_factory=dict, description="domain -> environment settings (the stage uses its domain's)"
+    )
+    budget: BudgetConfig = Field(default_factory=BudgetConfig)
+    loss: PolicyLossConfig = Field(default_factory=PolicyLossConfig)
+    advantages: AdvantageConfig = Field(default_factory=AdvantageConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    genrm: JudgeConfig | None = Field(None, description="the judge, for environments with reward: genrm")
+    accelerate: AccelerateConfig = Field(default_factory=AccelerateConfig)
+    tokenizer: str | None = Field(None, description="tokenizer dir; null: the init model's")
+    checkpoint_every: int = Field(1, gt=0, description="iterations between checkpoints")
+
+
+# Setup -----------------------------------------------------------------------------------------
+
+
+def _route(cfg: RLConfig, ctx: StageContext) -> tuple[str, str]:
+    domain = cfg.domain or ctx.matrix.get("domain")
+    effort = cfg.effort or ctx.matrix.get("effort")
+    if domain is None or effort is None:
+        raise ValueError(
+            f"stage {ctx.stage_id}: set `domain` and `effort` in the stage file (or a matrix over them), "
+            f"e.g. domain: general, effort: high (domains {', '.join(DOMAINS)}; efforts {', '.join(EFFORTS)})"
+        )
+    if effort not in EFFORTS:
+        raise ValueError(f"stage {ctx.stage_id}: effort {effort!r} is not one of {', '.join(EFFORTS)}")
+    return str(domain), str(effort)
+
+
+def _init_dir(cfg: RLConfig, ctx: StageContext) -> Path:
+    if ctx.model is not None and Path(ctx.model).is_dir():
+        return Path(ctx.model)
+    if cfg.init not in ctx.inputs:
+        raise ValueError(
+            f"stage {ctx.stage_id}: init {cfg.init!r} is not a need of this stage (needs: "
+            f"{', '.join(ctx.inputs) or 'none'}); add it to `needs` or set `init` to one of them"
+        )
+    return ctx.inputs[cfg.init]
+
+
+def _judge(cfg: JudgeConfig, ctx: StageContext) -> GenRM:
+    """GenRM over an embedded engine serving the judge model, greedy, output capped."""
+    path = ctx.inputs.get(cfg.judge) or Path(cfg.judge)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"stage {ctx.stage_id}: genrm.judge {cfg.judge!r} is neither a need of this stage nor a model dir"
+        )
+    tokenizer = load_tokenizer(path if (path / "tokenizer_config.json").is_file() else None)
+    renderer = ChatRenderer(tokenizer)
+    engine = EmbeddedEngine.from_pretrained(path, pad_token_id=renderer.pad_id)
+    sampling = SamplingConfig(
+        max_tokens=cfg.max_judge_tokens,
+        temperature=0.0,
+        stop_token_ids=(renderer.end_of_turn_id,),
+        tool_call_token_ids=(renderer.tool_calls_end_id,),
+    )
+    return GenRM(
+        engine,
+        tokenizer,
+        GenRMConfig(**cfg.model_dump(exclude={"judge"})),
+        render_prompt=renderer.render_prompt,
+        sampling=sampling,
+        decode_output=lambda ids: renderer.parse_assistant(ids)["content"],
+    )
+
+
+# The loop --------------------------------------------------------------------------------------
+
+
+@stage_kind("rl", config=RLConfig)
+def run_rl(ctx: StageContext) -> dict[str, float]:
+    """An RL specialist for one domain and reasoning effort (budget reward, partial rollouts)."""
+    cfg: RLConfig = ctx.config
+    domain, effort = _route(cfg, ctx)
+    init = _init_dir(cfg, ctx)
+    tokenizer = load_tokenizer(
+        cfg.tokenizer or (init if (init / "tokenizer_config.json").is_file() else None)
+    )
+    renderer = ChatRenderer(tokenizer)
+    policy = load_policy(ctx, len(tokenizer), model_path=init)
+    state = TrainState.create(ctx, policy.model, cfg.train, cfg.accelerate, cfg.train.steps)
+    engine = EmbeddedEngine(base_without_peft(state.unwrapped), pad_token_id=renderer.pad_id)
+    judge: Judge | None = None
+    env_cfg = cfg.environments.get(domain, EnvironmentConfig())
+    if env_cfg.reward == "genrm":
+        if cfg.genrm is None:
+            raise ValueError(
+                f"stage {ctx.stage_id}: environments.{domain}.reward is genrm; add a `genrm:` block"
+            )
+        judge = _judge(cfg.genrm, ctx)
+    sandbox_dir = ctx.stage_dir / "sandboxes"
+    remove_tree(sandbox_dir)
+    sampling = SamplingConfig(
+        max_tokens=env_cfg.max_tokens_per_turn,
+        temperature=cfg.rollout.temperature,
+        stop_token_ids=(renderer.end_of_turn_id,),
+        tool_call_token_ids=(renderer.tool_calls_end_id,),
+        seed=ctx.seed,
+    )
+    with make_environment(domain, renderer, env_cfg, sandbox_dir=sandbox_dir, judge=judge) as env:
+        held_out = env.prompts("eval", cfg.eval.prompts, cfg.eval.seed)
+        train_prompts = env.prompts("train", cfg.rollout.prompts, ctx.seed, exclude=held_out)
+        ctx.log.info(
+            "RL %s/%s from %s: %d training prompts, %d held out",
+            domain,
+            effort,
+            init,
+            len(train_prompts),
+            len(held_out),
+        )
+        # Before restoring: the policy still holds the init weights, the cold-start policy.
+        budgets, budget_metrics = base_budgets(
+            env,
+            engine,
+            train_prompts,
+            cfg.budget,
+            seed=ctx.seed,
+            policy_id=model_digest(init),
+            cache_dir=Path(cfg.budget.cache_dir) if cfg.budget.cache_dir else ctx.run_dir / "budget_cache",
+        )
+        ctx.log.info("budget: %s", _shown(budget_metrics))
+        queue = RolloutQueue(env, engine, sampling, cfg.rollout.partial)
+        checkpoint = state.restore()
+        if checkpoint is not None:
+            step, before = checkpoint.step, dict(checkpoint.extra["before"])
+            engine.policy_version = int(checkpoint.extra["policy_version"])
+            queue.restore(checkpoint)
+        else:
+            step, before = 0, evaluate(env, engine, held_out, effort, cfg.eval, ctx.seed, "before")
+            ctx.metrics.log(0, {**before, **budget_metrics})
+            ctx.log.info("before training (the %s model): %s", cfg.init, _shown(before))
+        last: dict[str, float] = {}
+        while step < cfg.train.steps:
+            step += 1
+            groups = _new_groups(env, train_prompts, step, cfg.rollout, effort, ctx.seed)
+            rollout = queue.step([s for group in groups for s in group])
+            last = {
+                **rollout.metrics,
+                **_train_step(state, engine, rollout.samples, budgets, cfg, step, renderer),
+            }
+            if judge is not None:
+                last.update({f"genrm/{k}": float(v) for k, v in judge.counts.items()})
+            ctx.metrics.log(step, last)
+            if step % cfg.checkpoint_every == 0 or step == cfg.train.steps:
+                ctx.checkpoints.save(
+                    step,
+                    model=state.unwrapped,
+                    optimizer=state.optimizer,
+                    scheduler=state.scheduler,
+                    extra={"before": before, "policy_version": engine.policy_version},
+                    samples=queue.samples(),
+                    write_files=queue.write_files,
+                )
+            ctx.progress(
+                step,
+                cfg.train.steps,
+                reward=last.get("reward_mean", 0.0),
+                acc=last.get("task_reward_mean", 0.0),
+            )
+        last["rollout/discarded"] = float(queue.clear())
+        after = evaluate(env, engine, held_out, effort, cfg.eval, ctx.seed, "after")
+    ctx.metrics.log(step, after)
+    ctx.log.info("after training: %s", _shown(after))
+    report = {
+        "stage": ctx.stage_id,
+        "domain": domain,
+        "effort": effort,
+        "prompts": len(held_out),
+        "accuracy": after["accuracy_after"],
+        "mean_response_tokens": after["mean_response_tokens_after"],
+        "sft": {
+            "accuracy": before["accuracy_before"],
+            "mean_response_tokens": before["mean_response_tokens_before"],
+        },
+        "before": before,
+        "after": after,
+    }
+    atomic_write_text(ctx.stage_dir / EVAL_FILE, json.dumps(report, indent=1, sort_keys=True))
+    save_final_model(state.unwrapped, tokenizer, ctx.output_dir, renderer.stop_token_ids)
+    return {
+        **before,
+        **after,
+        **budget_metrics,
+        "steps": float(step),
+        **{k: v for k, v in last.items() if k in ("reward_mean", "task_reward_mean", "over_budget_fraction")},
+    }
+
+
+def _new_groups(
+    env: Environment, prompts: list[Sample], step: int, cfg: RolloutConfig, effort: str, seed: int
+) -> list[list[Sample]]:
+    """The groups iteration `step` starts: prompts in a seeded order, reshuffled each epoch."""
+    groups = []
+    for j in range(cfg.groups_per_step):
+        index = (step - 1) * cfg.groups_per_step + j
+        epoch, position = divmod(index, len(prompts))
+        order = list(range(len(prompts)))
+        random.Random(f"rl-order:{seed}:{epoch}").shuffle(order)
+        prompt = prompts[order[position]]
+        group = f"{prompt.uid}@{step}"
+        groups.append(
+            [env.start(prompt, uid=f"{group}/{k}", group=group, effort=effort) for k in range(cfg.group_size)]
+        )
+    return groups
+
+
+def _rewards(
+    samples: list[Sample], budgets: dict[str, float], cfg: RLConfig, step: int, renderer: ChatRenderer
+) -> tuple[list[Sample], torch.Tensor, dict[str, float]]:
+    """Budget-adjusted rewards of the scored samples (a judge's unparsable verdicts are left out)."""
+    markers = (renderer.token_ids["think_begin"], renderer.token_ids["think_end"])
+    scored = [s for s in samples if s.reward is not None]
+    rewards, usages, over = [], [], 0
+    for sample in scored:
+        outcome = sample_budget_reward(
+            sample,
+            float(sample.reward),
+            budgets[sample.task["prompt_uid"]],
+            cfg.budget,
+            step,
+            cfg.train.steps,
+            markers,
+        )
+        rewards.append(outcome.reward)
+        usages.append(outcome.usage)
+        over += outcome.over_budget
+    n = max(len(scored), 1)
+    effort = scored[0].effort if scored else "high"
+    metrics = {
+        "reward_mean": sum(rewards) / n,
+        "task_reward_mean": sum(float(s.reward) for s in scored) / n,
+        "over_budget_fraction": over / n,
+        "usage_mean": sum(usages) / n,
+        "tau": tau_at(cfg.budget, effort, step, cfg.train.steps),
+        "response_tokens_mean": sum(s.num_generated for s in scored) / n,
+        "unscored": float(len(samples) - len(scored)),
+    }
+    return scored, torch.tensor(rewards, dtype=torch.float32), metrics
+
+
+def _train_step(
+    state: TrainState,
+    engine: EmbeddedEngine,
+    samples: list[Sample],
+    budgets: dict[str, float],
+    cfg: RLConfig,
+    step: int,
+    renderer: ChatRenderer,
+) -> dict[str, float]:
+    """Score, advantage and one optimizer step over the iteration's complete groups."""
+    started = time.perf_counter()
+    scored, rewards, metrics = _rewards(samples, budgets, cfg, step, renderer)
+    if not scored:
+        return {**metrics, "skipped": 1.0}
+    advantages = group_advantages(
+        rewards,
+        [s.group for s in scored],
+        scale_by_std=cfg.advantages.scale_by_std,
+        leave_one_out=cfg.advantages.leave_one_out,
+    )
+    loss_cfg = cfg.loss.model_copy(update={"reduction": "sum"})
+    total = sum(s.num_generated for s in scored)
+    device = state.accelerator.device
+    stats: dict[str, float] = {}
+    size = cfg.train.micro_batch_size
+    for start in range(0, len(scored), size):
+        chunk = scored[start : start + size]
+        ids, mask = left_pad([s.tokens for s in chunk], renderer.pad_id)
+        logits = state.model(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            position_ids=positions_from_mask(mask).to(device),
+        ).logits.float()
+        logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None].to(device)).squeeze(-1)
+        trained, behaviour, versions = _aligned(chunk, ids.shape[1])
+        out = policy_loss(
+            logp,
+            behaviour.to(device),
+            token_advantages(advantages[start : start + size], trained).to(device),
+            trained.to(device),
+            config=loss_cfg,
+        )
+        state.check_finite(
+            out.loss, step, detail=f" (trajectories {', '.join(s.uid for s in chunk[:4])} ...)"
+        )
+        state.backward(out.loss / max(total, 1))
+        weight = float(out.num_tokens) / max(total, 1)
+        chunk_stats = {
+            **out.stats,
+            **mismatch_stats(logp.detach().cpu(), behaviour, trained, loss_cfg.tis_cap),
+        }
+        chunk_stats.update(staleness_stats(versions, engine.policy_version, trained))
+        for key, value in chunk_stats.items():
+            if key == "num_tokens":
+                continue
+            stats[key] = (
+                max(stats.get(key, 0.0), value)
+                if key.endswith("_max")
+                else stats.get(key, 0.0) + weight * value
+            )
+    metrics.update(stats)
+    metrics.update(state.optimizer_step(step))
+    engine.policy_version += 1
+    metrics.update(
+        trained_tokens=float(total),
+        train_s=time.perf_counter() - started,
+        policy_version=float(engine.policy_version),
+    )
+    return metrics
+
+
+def _aligned(chunk: list[Sample], width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-target-position tensors [B, width - 1] under left padding: 1 where the target token was
+    generated by the policy, its behaviour log-prob, and the policy version that sampled it."""
+    trained = torch.zeros(len(chunk), width - 1)
+    behaviour = torch.zeros(len(chunk), width - 1)
+    versions = torch.zeros(len(chunk), width - 1, dtype=torch.long)
+    for row, sample in enumerate(chunk):
+        n = len(sample.tokens)
+        offset = width - n - 1
+        mask = [m if i >= sample.prompt_length else 0 for i, m in enumerate(sample.loss_mask)]
+        trained[row, offset + 1 :] = torch.tensor(mask[1:], dtype=torch.float32)
+        behaviour[row, offset + 1 :] = torch.tensor(sample.rollout_logprobs[1:], dtype=torch.float32)
+        versions[row, offset + 1 :] = torch.tensor([max(v, 0) for v in sample.policy_version[1:]])
+    return trained, behaviour, versions
+
+
+def _shown(metrics: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, float))

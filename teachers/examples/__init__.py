@@ -1,0 +1,1 @@
+"""Worked examples of custom teacher domains (not registered unless listed under `plugins:`)."""

@@ -1,0 +1,198 @@
+"""The RL environments played for real: shipped task families, real tools and sandboxes, the tiny K3
+through the embedded engine. Scripted assistant turns (a family's own demonstration, or a wrong
+answer) stand in for a trained policy where a test needs a particular turn; they are appended
+exactly as an engine appends what it generated, and the environment acts on them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from posttrain.data.chat import ChatRenderer, load_tokenizer
+from posttrain.data.sample import Sample
+from posttrain.data.tasks import TASK_FAMILIES, Episode
+from posttrain.engines import EmbeddedEngine, SamplingConfig
+from posttrain.envs.environments import (
+    EPISODE_DONE,
+    SUBMISSIONS,
+    SUBMISSION_FEEDBACK,
+    EnvironmentConfig,
+    HarnessConfig,
+    make_environment,
+)
+from posttrain.model import KimiK3ForCausalLM, load_model_config
+from posttrain.qat import QATConfig, apply_qat
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def renderer() -> ChatRenderer:
+    return ChatRenderer(load_tokenizer())
+
+
+@pytest.fixture(scope="module")
+def engine(renderer) -> EmbeddedEngine:
+    torch.manual_seed(0)
+    model = KimiK3ForCausalLM(load_model_config(REPO / "stages" / "models" / "tiny.yaml"))
+    apply_qat(model, QATConfig(scheme="k3"))
+    return EmbeddedEngine(model, pad_token_id=renderer.pad_id)
+
+
+def sampling(renderer: ChatRenderer, max_tokens: int = 6) -> SamplingConfig:
+    return SamplingConfig(
+        max_tokens=max_tokens,
+        stop_token_ids=(renderer.end_of_turn_id,),
+        tool_call_token_ids=(renderer.tool_calls_end_id,),
+        seed=0,
+    )
+
+
+def scripted(sample: Sample, renderer: ChatRenderer, message: dict, finish: str) -> list[int]:
+    """Append an assistant turn as if the engine had generated it; returns its ids."""
+    ids = renderer.render_assistant(message)
+    sample.append(ids, generated=True, logprobs=[-1.0] * len(ids), version=0)
+    sample.finish_reason = finish
+    return ids
+
+
+def first_turn(sample: Sample) -> dict:
+    """The family's own first assistant turn for this prompt (its scripted demonstration)."""
+    family = TASK_FAMILIES.get(sample.task["family"])()
+    return next(family.demonstration(sample, Episode(family, sample, None)))
+
+
+def test_tool_calls_run_for_real_and_results_are_appended_never_rerendered(tmp_path, renderer, engine):
+    cfg = EnvironmentConfig(families=["agent/order_total"], max_turns=2)
+    with make_environment("agent", renderer, cfg, sandbox_dir=tmp_path) as env:
+        prompt = env.prompts("train", 1, seed=3)[0]
+        sample = env.start(prompt, uid="t/0", group="t", effort="high")
+        assert sample.tokens == renderer.render_prompt(prompt.messages, prompt.tools, "high")
+        turn = scripted(sample, renderer, first_turn(sample), "tool_call")
+        before = list(sample.tokens)
+        env.play(engine, [sample], sampling(renderer))
+
+    tool_messages = [m for m in sample.messages if m["role"] == "tool"]
+    assert [m["tool_call_id"] for m in tool_messages] == ["functions.search:0", "functions.search:1"]
+    product = sample.task["values"]["product"]
+    assert f"{product}: price" in tool_messages[0]["content"]  # the shipped catalog, searched for real
+    appended = renderer.render_tool_results(tool_messages)
+    assert sample.tokens[: len(before)] == before
+    assert sample.tokens[len(before) : len(before) + len(appended)] == appended
+    assert sample.loss_mask[len(before) : len(before) + len(appended)] == [0] * len(appended)
+    # The engine sampled the second turn right after the appended assistant header.
+    second = sample.response_length - len(turn) - len(appended)
+    assert 1 <= second <= 6 and sample.loss_mask[-second:] == [1] * second
+    assert sample.metrics[EPISODE_DONE] == 1.0 and sample.reward == 0.0
+    assert sample.finish_reason in ("stop", "length", "tool_call")
+
+
+def test_agent_is_scored_on_the_sandbox_files_it_wrote(tmp_path, renderer, engine):
+    cfg = EnvironmentConfig(families=["agent/staff_office"], max_turns=1)
+    with make_environment("agent", renderer, cfg, sandbox_dir=tmp_path) as env:
+        prompts = env.prompts("train", 2, seed=0)
+        samples = [env.start(p, uid=f"w/{i}", group=f"w{i}", effort="low") for i, p in enumerate(prompts)]
+        right, wrong = samples
+        for sample, content in ((right, right.task["answer"]), (wrong, "Atlantis")):
+            call = {"path": sample.task["path"], "content": content}
+            message = {
+                "role": "assistant",
+                "reasoning_content": "Save it.",
+                "content": "",
+                "tool_calls": [
+                    {
+                        "id": "functions.write_file:0",
+                        "type": "function",
+                        "function": {"name": "write_file", "arguments": json.dumps(call)},
+                    }
+                ],
+            }
+            scripted(sample, renderer, message, "tool_call")
+        env.play(engine, samples, sampling(renderer))
+        assert env.sandboxes.lent == 0 and env.sandboxes.created == 2
+    assert (right.reward, wrong.reward) == (1.0, 0.0)
+    # max_turns 1: the write ended the episode, no tool result was appended to the tokens.
+    assert right.tokens[-1] == renderer.tool_calls_end_id
+
+
+def test_hidden_tests_never_reach_the_prompt(tmp_path, renderer):
+    with make_environment("coding", renderer, EnvironmentConfig(), sandbox_dir=tmp_path) as env:
+        prompts = env.prompts("eval", 12, seed=0)
+        for prompt in prompts:
+            text = renderer.decode(env.start(prompt, uid="h", group="h", effort="max").tokens)
+            assert prompt.task["tests"]
+            assert "assert" not in text
+
+
+def test_coding_submissions_are_limited_and_failures_get_feedback_without_tests(tmp_path, renderer, engine):
+    cfg = EnvironmentConfig(families=["coding/write_function"], max_submissions=2, max_turns=3)
+    with make_environment("coding", renderer, cfg, sandbox_dir=tmp_path) as env:
+        wrong, right = (
+            env.start(p, uid=f"c/{i}", group=f"c{i}", effort="low")
+            for i, p in enumerate(env.prompts("train", 2, seed=1))
+        )
+        name = wrong.task["function"]
+        scripted(
+            wrong,
+            renderer,
+            {"role": "assistant", "content": f"```python\ndef {name}(x):\n    return None\n```"},
+            "stop",
+        )
+        scripted(right, renderer, first_turn(right), "stop")
+        env.play(engine, [wrong, right], sampling(renderer))
+
+    assert right.reward == 1.0 and right.metrics[SUBMISSIONS] == 1.0
+    assert wrong.reward == 0.0 and wrong.metrics[SUBMISSIONS] == 2.0
+    feedback = [m["content"] for m in wrong.messages if m["role"] == "user"][-1]
+    assert feedback == SUBMISSION_FEEDBACK.format(left=1, s="")
+    text = renderer.decode(wrong.tokens)
+    assert feedback in text
+    assert not any(test in text for test in wrong.task["tests"])
+
+
+def test_harness_rotates_system_prompts_and_tool_sets_per_prompt(tmp_path, renderer):
+    harness = HarnessConfig(system_prompts=["Be brief.", "Think, then act."], tool_sets=[[], ["read_file"]])
+    cfg = EnvironmentConfig(harness=harness)
+    with make_environment("agent", renderer, cfg, sandbox_dir=tmp_path) as env:
+        prompts = env.prompts("train", 24, seed=0)
+        again = env.prompts("train", 24, seed=0)
+    assert [p.messages for p in prompts] == [p.messages for p in again]
+    assert {p.messages[0]["content"] for p in prompts} == {"Be brief.", "Think, then act."}
+    tool_sets = {tuple(t["function"]["name"] for t in p.tools) for p in prompts}
+    assert tool_sets == {
+        ("search", "calculator", "write_file"),
+        ("search", "calculator", "write_file", "read_file"),
+    }
+    with pytest.raises(ValueError, match="unknown tool 'teleport'"):
+        HarnessConfig(tool_sets=[["teleport"]])
+
+
+def test_eval_prompts_are_excluded_from_training_prompts(tmp_path, renderer):
+    with make_environment("general", renderer, EnvironmentConfig(), sandbox_dir=tmp_path) as env:
+        held_out = env.prompts("eval", 20, seed=0)
+        train = env.prompts("train", 40, seed=0, exclude=held_out)
+    questions = {p.messages[-1]["content"] for p in held_out}
+    assert not questions & {p.messages[-1]["content"] for p in train}
+    assert {p.task["family"] for p in train} == {"general/arithmetic", "general/elements", "general/ordering"}
+
+
+def test_configuration_errors_name_the_fix(tmp_path, renderer):
+    with pytest.raises(ValueError, match="only the coding environment"):
+        make_environment("general", renderer, EnvironmentConfig(max_submissions=3), sandbox_dir=tmp_path)
+    with pytest.raises(ValueError, match="add a `genrm:` block"):
+        make_environment("general", renderer, EnvironmentConfig(reward="genrm"), sandbox_dir=tmp_path)
+    with pytest.raises(ValueError, match="belongs to domain 'coding'"):
+        make_environment(
+            "agent", renderer, EnvironmentConfig(families=["coding/fix_function"]), sandbox_dir=tmp_path
+        )
