@@ -1,13 +1,12 @@
 """Memory, FLOP, bandwidth and time arithmetic for full K3: every number docs/scaling.md quotes.
 
-Why this exists: the scale path (ZeRO-3 / FSDP2 trainers, vLLM engines as Ray actors, expert
-parallelism) cannot run on the machines this repo is tested on, so it is planned on paper. The plan
-is only as good as its numbers, so they are computed here from the model config (the same
-`load_model_config` the code uses, cross-checked against `count_parameters`) and from a short list of
-assumptions named below; change a config key or an assumption and rerun to update the doc.
+Why: the scale path (ZeRO-3 / FSDP2 trainers, vLLM engines as Ray actors, expert parallelism) cannot
+run on the machines this repo is tested on, so it is planned on paper, from numbers computed here out
+of the model config (`load_model_config`, cross-checked against `count_parameters`) and the
+assumptions in `Hardware`, `Assumptions` and `ClusterPlan`. Change one and rerun to update the doc.
 
-Usage: python bench/scaling_arithmetic.py [--config stages/models/k3-full.yaml]
-Units: bytes and FLOP in decimal SI (1 GB = 1e9 B, 1 TB = 1e12 B); "B params" = 1e9 parameters.
+Usage: PYTHONPATH=. python bench/scaling_arithmetic.py [--config stages/models/k3-full.yaml]
+Units: decimal SI (1 GB = 1e9 B); a multiply-add is 2 FLOP.
 """
 
 from __future__ import annotations
@@ -20,83 +19,77 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 FULL_CONFIG = REPO / "stages" / "models" / "k3-full.yaml"
 
-# Storage formats, in bits per element (OCP MX v1.0: one E8M0 scale byte per block of 32).
-MXFP4_BITS = 4 + 8 / 32  # routed-expert weights as served and as synced in packed form
-MXFP8_BITS = 8 + 8 / 32  # routed-expert input activations (what an MXFP8 dispatch would send)
+# Bits per element; OCP MX v1.0 adds one E8M0 scale byte per block of 32 elements.
+MXFP4_BITS = 4 + 8 / 32  # routed-expert weights, as released and served
+MXFP8_BITS = 8 + 8 / 32  # routed-expert input activations (an MXFP8 dispatch)
 BF16_BYTES = 2
 FP32_BYTES = 4
-# Trainer state per parameter, every piece sharded over the N ranks. Both add up to 16 bytes.
+# Trainer state per parameter, all of it sharded over the N ranks; both layouts total 16 bytes.
 ZERO3_BYTES = {"bf16 weight": 2, "bf16 grad": 2, "fp32 master": 4, "fp32 Adam m": 4, "fp32 Adam v": 4}
 FSDP2_BYTES = {"fp32 weight shard": 4, "fp32 grad shard": 4, "fp32 Adam m": 4, "fp32 Adam v": 4}
 TRAIN_STATE_BYTES = sum(ZERO3_BYTES.values())
-OFFLOADED_STATE_BYTES = ZERO3_BYTES["fp32 master"] + ZERO3_BYTES["fp32 Adam m"] + ZERO3_BYTES["fp32 Adam v"]
+# With the optimizer offloaded to host RAM, only bf16 weight + grad shards stay on the GPU.
+OFFLOADED_BYTES = ZERO3_BYTES["fp32 master"] + ZERO3_BYTES["fp32 Adam m"] + ZERO3_BYTES["fp32 Adam v"]
 
 
 @dataclass(frozen=True)
 class Hardware:
-    """One GPU and its links. The H200 figures marked 'measured' were measured on the lent machine."""
+    """One GPU kind. For H200: bf16_flops (dense bf16 matmul) and hbm_bandwidth (device copy) were
+    measured on the lent H200 (../shared/ENVIRONMENT.md); hbm_bytes is nominal; network_bandwidth
+    (per GPU, between nodes) assumes one 400 Gb/s NIC per GPU at line rate."""
 
     name: str
-    bf16_flops: float  # dense bf16 matmul, FLOP/s
+    bf16_flops: float  # FLOP/s
     hbm_bytes: float
     hbm_bandwidth: float  # B/s
-    network_bandwidth: float  # B/s per GPU between nodes
+    network_bandwidth: float  # B/s
     gpus_per_node: int
 
 
 H200 = Hardware(
-    name="H200",
-    bf16_flops=790e12,  # measured: bf16 matmul (docs: ../shared/ENVIRONMENT.md)
-    hbm_bytes=141e9,  # nominal HBM3e capacity
-    hbm_bandwidth=4.3e12,  # measured: device-to-device copy
-    network_bandwidth=50e9,  # assumed: one 400 Gb/s NIC per GPU at line rate
-    gpus_per_node=8,
+    "H200", bf16_flops=790e12, hbm_bytes=141e9, hbm_bandwidth=4.3e12, network_bandwidth=50e9, gpus_per_node=8
 )
 
 
 @dataclass(frozen=True)
 class Assumptions:
-    """Efficiencies and workloads that are chosen, not measured: each one is stated in the doc."""
+    """Efficiencies and workloads that are chosen, not measured (the K3 sources give no
+    post-training token counts)."""
 
-    train_mfu: float = 0.30  # model FLOP utilisation of a training step (6 x active FLOP/token)
-    prefill_mfu: float = 0.40  # teacher scoring (prefill only)
-    decode_flop_efficiency: float = 0.40  # share of bf16 peak a decode step reaches when compute-bound
-    decode_bandwidth_efficiency: float = 0.60  # share of HBM bandwidth when memory-bound
-    trainer_reserve_bytes: float = 40e9  # per trainer GPU: activations, gathered layers, NCCL buffers
-    serving_memory_fraction: float = 0.90  # of HBM an engine may use (weights + KDA state + MLA cache)
-    kda_chunk: int = 64  # fla's chunk_kda chunk (our torch path uses 16)
-    engine_tp: int = 8  # tensor parallel for attention / shared experts inside one node
-    # workloads (the K3 sources give no post-training token counts)
+    train_mfu: float = 0.30  # of bf16 peak, counting 6 x active FLOP/token + attention
+    prefill_mfu: float = 0.40  # teacher scoring
+    decode_flop_efficiency: float = 0.40  # of bf16 peak when a decode step is compute-bound
+    decode_bandwidth_efficiency: float = 0.60  # of HBM bandwidth when it is memory-bound
+    trainer_reserve_bytes: float = 40e9  # per trainer GPU beyond sharded state
+    serving_memory_fraction: float = 0.90  # of HBM an engine fills with weights + cache
+    kda_chunk: int = 64  # fla's chunk_kda (our torch chunk_kda uses 16)
+    engine_tp: int = 8  # attention / shared experts tensor-parallel inside one node
+    micro_batch_tokens: int = 16384  # tokens per trainer GPU per micro-batch
     sft_tokens: float = 10e9
     sft_seq_len: int = 32768
     rl_iterations: int = 200
     rl_trajectories: int = 4096  # 512 prompts x 8 samples per iteration
-    rl_tokens_per_trajectory: tuple[tuple[str, int], ...] = (("low", 8192), ("high", 32768), ("max", 65536))
+    rl_lengths: tuple[tuple[str, int], ...] = (("low", 8192), ("high", 32768), ("max", 65536))
     mopd_iterations: int = 300
-    mopd_tokens_per_trajectory: int = 32768
+    mopd_length: int = 32768
 
 
 @dataclass(frozen=True)
 class ClusterPlan:
-    """How a cluster's GPUs are split between trainer and engines (one engine = `replica_gpus`)."""
-
     gpus: int
     trainer_gpus: int
-    rollout_gpus: int
-    replica_gpus: int
-    teacher_replica_gpus: int
+    engine_gpus: int  # one rollout engine (expert parallel over all of them)
+    teacher_gpus: int  # one MOPD teacher engine
 
 
-PLAN_1024 = ClusterPlan(
-    gpus=1024, trainer_gpus=512, rollout_gpus=512, replica_gpus=32, teacher_replica_gpus=16
-)
+PLAN_1024 = ClusterPlan(gpus=1024, trainer_gpus=512, engine_gpus=64, teacher_gpus=16)
 
 
 # -- parameters --------------------------------------------------------------------------------
 
 
 def layer_counts(cfg) -> dict[str, int]:
-    """{"kda": KDA layers, "mla": MLA layers, "moe": LatentMoE layers, "dense": dense-MLP layers}."""
+    """{"kda", "mla", "moe", "dense"}: how many decoder layers of each kind."""
     L = cfg.num_hidden_layers
     kda = sum(cfg.is_kda_layer(i) for i in range(L))
     moe = sum(cfg.is_moe_layer(i) for i in range(L))
@@ -104,10 +97,9 @@ def layer_counts(cfg) -> dict[str, int]:
 
 
 def kda_layer_parameters(cfg) -> int:
-    """One KimiK3DeltaAttention: q/k/v, their short convs, forget low-rank pair, A_log, dt_bias,
-    beta, output gate, o_norm, o_proj."""
-    D = cfg.hidden_size
-    lac = cfg.linear_attn_config
+    """One KDA layer: q/k/v projections and short convs, forget pair f_a/f_b, A_log, dt_bias, b_proj,
+    output gate (full rank or a low-rank pair), o_norm, o_proj."""
+    D, lac = cfg.hidden_size, cfg.linear_attn_config
     H, K, W = lac["num_heads"], lac["head_dim"], lac["short_conv_kernel_size"]
     P = H * K
     gate = D * P if lac.get("use_full_rank_gate", True) else D * K + K * P
@@ -115,10 +107,9 @@ def kda_layer_parameters(cfg) -> int:
 
 
 def mla_layer_parameters(cfg) -> int:
-    """One KimiK3MLAAttention: low-rank q (or full q_proj), kv latent + shared key part, kv_b, gate, o."""
-    D, H = cfg.hidden_size, cfg.num_attention_heads
+    """One MLA layer: q (low rank + norm, or full), kv latent + shared key part + norm, kv_b, gate, o."""
+    D, H, rq, rkv = cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank
     qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-    rq, rkv = cfg.q_lora_rank, cfg.kv_lora_rank
     q = D * H * qk if rq is None else D * rq + rq + rq * H * qk
     kv = D * (rkv + cfg.qk_rope_head_dim) + rkv + rkv * H * (cfg.qk_nope_head_dim + cfg.v_head_dim)
     gate = D * H * cfg.v_head_dim if cfg.mla_use_output_gate else 0
@@ -126,7 +117,7 @@ def mla_layer_parameters(cfg) -> int:
 
 
 def expert_width(cfg) -> int:
-    """The width routed experts run at: the latent width (LatentMoE) or hidden_size."""
+    """The width routed experts run at: the LatentMoE latent, or hidden_size without one."""
     return cfg.routed_expert_hidden_size or cfg.hidden_size
 
 
@@ -135,104 +126,105 @@ def expert_parameters(cfg) -> int:
     return 3 * cfg.moe_intermediate_size * expert_width(cfg)
 
 
-def moe_block_nonexpert_parameters(cfg) -> int:
-    """One LatentMoE block without its routed experts: router, latent down/up (+ norm), shared experts."""
-    D, Dl = cfg.hidden_size, cfg.routed_expert_hidden_size
-    latent = 0 if Dl is None else 2 * D * Dl + (Dl if cfg.latent_moe_use_norm else 0)
-    shared = 3 * D * cfg.moe_intermediate_size * (cfg.num_shared_experts or 0)
-    return cfg.num_experts * D + latent + shared
+def latent_parameters(cfg) -> int:
+    """One layer's routed_expert_down_proj + up_proj (+ routed_expert_norm)."""
+    Dl = cfg.routed_expert_hidden_size
+    return 0 if Dl is None else 2 * cfg.hidden_size * Dl + (Dl if cfg.latent_moe_use_norm else 0)
+
+
+def shared_expert_parameters(cfg) -> int:
+    return 3 * cfg.hidden_size * cfg.moe_intermediate_size * (cfg.num_shared_experts or 0)
 
 
 def component_parameters(cfg) -> dict[str, int]:
-    """Parameters of KimiK3ForCausalLM(cfg) by component; the values sum to count_parameters' total."""
-    D, V, L = cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers
+    """Parameters of KimiK3ForCausalLM(cfg) by component; they sum to count_parameters' total."""
+    D, V, L, E = cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers, cfg.num_experts
     n = layer_counts(cfg)
-    D_l = cfg.routed_expert_hidden_size
-    attn_res = cfg.attn_res_block_size is not None
-    # input/post-attention norms, plus two (norm, query) pairs per layer with attention residuals
-    per_layer_norms = 2 * D + (4 * D if attn_res else 0)
-    final = D + (2 * D if attn_res else 0)
+    res = cfg.attn_res_block_size is not None
     return {
         "embed_tokens": V * D,
         "lm_head": 0 if cfg.tie_word_embeddings else V * D,
         "kda_attention": n["kda"] * kda_layer_parameters(cfg),
         "mla_attention": n["mla"] * mla_layer_parameters(cfg),
         "dense_mlp": n["dense"] * 3 * D * cfg.intermediate_size,
-        "router": n["moe"] * cfg.num_experts * D,
-        "latent_projections": n["moe"]
-        * (0 if D_l is None else 2 * D * D_l + (D_l if cfg.latent_moe_use_norm else 0)),
-        "routed_experts": n["moe"] * cfg.num_experts * expert_parameters(cfg),
-        "shared_experts": n["moe"] * 3 * D * cfg.moe_intermediate_size * (cfg.num_shared_experts or 0),
-        "norms_and_attn_res": L * per_layer_norms + final,
+        "router": n["moe"] * E * D,
+        "latent_projections": n["moe"] * latent_parameters(cfg),
+        "routed_experts": n["moe"] * E * expert_parameters(cfg),
+        "shared_experts": n["moe"] * shared_expert_parameters(cfg),
+        # per layer: input/post-attention norms, + two (res_norm, res_proj) pairs; final norm (+ pair)
+        "norms_and_attn_res": L * (2 * D + (4 * D if res else 0)) + D + (2 * D if res else 0),
     }
 
 
-def active_parameters(cfg, components: dict[str, int]) -> int:
+def active_parameters(cfg) -> int:
     """Parameters one token touches: all but the embedding lookup and the unpicked routed experts."""
+    comps = component_parameters(cfg)
     E, k = cfg.num_experts, cfg.num_experts_per_token
-    embedding = 0 if cfg.tie_word_embeddings else components["embed_tokens"]
-    idle = components["routed_experts"] * (E - k) // E
-    return sum(components.values()) - embedding - idle
+    embedding = 0 if cfg.tie_word_embeddings else comps["embed_tokens"]
+    return sum(comps.values()) - embedding - comps["routed_experts"] * (E - k) // E
+
+
+def total_parameters(cfg) -> int:
+    return sum(component_parameters(cfg).values())
 
 
 # -- memory ------------------------------------------------------------------------------------
 
 
-def serving_weight_bytes(cfg, components: dict[str, int]) -> dict[str, float]:
+def serving_weight_bytes(cfg) -> dict[str, float]:
     """The released storage: routed experts MXFP4, everything else bf16, router bias fp32 (a buffer)."""
-    routed = components["routed_experts"]
-    rest = sum(components.values()) - routed
+    comps = component_parameters(cfg)
+    routed = comps["routed_experts"]
     return {
-        "routed experts, MXFP4": routed * MXFP4_BITS / 8,
-        "everything else, bf16": rest * BF16_BYTES,
-        "router bias buffers, fp32": layer_counts(cfg)["moe"] * cfg.num_experts * FP32_BYTES,
+        "routed": routed * MXFP4_BITS / 8,
+        "rest": (sum(comps.values()) - routed) * BF16_BYTES,
+        "router_bias": layer_counts(cfg)["moe"] * cfg.num_experts * FP32_BYTES,
     }
 
 
-def trainer_bytes_per_gpu(
-    total_parameters: int, gpus: int, bytes_per_parameter: float = TRAIN_STATE_BYTES
-) -> float:
-    """Persistent trainer state per GPU when all of it is sharded over `gpus` ranks (ZeRO-3 / FSDP2)."""
-    return total_parameters * bytes_per_parameter / gpus
+def trainer_bytes_per_gpu(parameters: float, gpus: int, per_param: float = TRAIN_STATE_BYTES) -> float:
+    """Persistent trainer state per GPU when all of it is sharded over `gpus` ranks."""
+    return parameters * per_param / gpus
 
 
-def min_trainer_gpus(total_parameters: int, hw: Hardware, reserve_bytes: float) -> int:
-    """Fewest GPUs, in whole nodes, whose HBM minus `reserve_bytes` each holds the sharded state."""
-    gpus = math.ceil(total_parameters * TRAIN_STATE_BYTES / (hw.hbm_bytes - reserve_bytes))
+def min_trainer_gpus(parameters: float, hw: Hardware, reserve_bytes: float) -> int:
+    """Fewest GPUs, in whole nodes, each holding its 16 B/param shard within HBM - reserve_bytes."""
+    gpus = math.ceil(parameters * TRAIN_STATE_BYTES / (hw.hbm_bytes - reserve_bytes))
     return math.ceil(gpus / hw.gpus_per_node) * hw.gpus_per_node
 
 
-def largest_layer_parameters(cfg, expert_parallel: int) -> int:
-    """Parameters of the largest decoder layer one rank gathers under ZeRO-3 / FSDP2 (the wrap unit is
+def largest_layer_parameters(cfg, expert_parallel: int) -> float:
+    """Parameters a rank gathers for the largest decoder layer (the ZeRO-3 / FSDP2 unit is
     KimiK3DecoderLayer) when routed experts are split over `expert_parallel` ranks."""
-    attention = max(kda_layer_parameters(cfg) if layer_counts(cfg)["kda"] else 0, mla_layer_parameters(cfg))
-    experts = cfg.num_experts * expert_parameters(cfg) / expert_parallel
-    return int(attention + moe_block_nonexpert_parameters(cfg) + experts)
+    n = layer_counts(cfg)
+    kda = kda_layer_parameters(cfg) if n["kda"] else 0
+    attention = max(kda, mla_layer_parameters(cfg) if n["mla"] else 0)
+    moe_rest = cfg.num_experts * cfg.hidden_size + latent_parameters(cfg) + shared_expert_parameters(cfg)
+    return attention + moe_rest + cfg.num_experts * expert_parameters(cfg) / expert_parallel
 
 
 def checkpointed_activation_bytes_per_token(cfg) -> int:
-    """bf16 activations kept per token with activation checkpointing at every decoder layer: each
-    layer's residual input, plus the attention-residual sources (embedding + completed block sums)."""
-    L = cfg.num_hidden_layers
-    sources = 0 if cfg.attn_res_block_size is None else math.ceil(L / cfg.attn_res_block_size)
-    return (L + sources) * cfg.hidden_size * BF16_BYTES
+    """bf16 activations kept per token with a checkpoint at every decoder layer: each layer's residual
+    input plus the attention-residual sources (embedding and completed block sums, kept once)."""
+    L, bs = cfg.num_hidden_layers, cfg.attn_res_block_size
+    return (L + (0 if bs is None else math.ceil(L / bs))) * cfg.hidden_size * BF16_BYTES
 
 
 def moe_routed_activation_bytes_per_token(cfg) -> int:
-    """bf16 routed-expert intermediates of one MoE layer per token (k copies of the latent input, gate
-    and up outputs, SiTU output): what one layer's recompute + backward holds."""
+    """bf16 routed intermediates of one MoE layer per token (k latent inputs, gate and up outputs,
+    SiTU output): what that layer's recompute + backward holds."""
     return cfg.num_experts_per_token * (expert_width(cfg) + 3 * cfg.moe_intermediate_size) * BF16_BYTES
 
 
 def kda_chunk_state_bytes_per_token(cfg, chunk: int) -> float:
-    """fp32 chunk-boundary states [T/C, H, K, V] of one KDA layer, per token, if kept for backward."""
+    """One KDA layer's fp32 chunk-boundary states [T/C, H, K, V], per token, if kept for backward."""
     lac = cfg.linear_attn_config
     return lac["num_heads"] * lac["head_dim"] ** 2 * FP32_BYTES / chunk
 
 
 def kda_state_bytes(cfg) -> int:
-    """One sequence, one KDA layer: recurrent state [H, K, V] fp32 + conv state [3P, W-1] bf16. Fixed
-    size whatever the context length."""
+    """One sequence, one KDA layer: recurrent state [H, K, V] fp32 + conv state [3HK, W-1] bf16, the
+    layout of KimiK3Cache. Fixed, whatever the context length."""
     lac = cfg.linear_attn_config
     H, K, W = lac["num_heads"], lac["head_dim"], lac["short_conv_kernel_size"]
     return H * K * K * FP32_BYTES + 3 * H * K * (W - 1) * BF16_BYTES
@@ -244,13 +236,13 @@ def mla_cache_bytes_per_token(cfg) -> int:
 
 
 def per_head_kv_bytes_per_token(cfg) -> int:
-    """What one token would cost one layer if keys and values were cached per head (no latent)."""
-    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-    return cfg.num_attention_heads * (qk + cfg.v_head_dim) * BF16_BYTES
+    """One token, one layer, if keys and values were cached per head (what the latent avoids)."""
+    dims = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim
+    return cfg.num_attention_heads * dims * BF16_BYTES
 
 
-def sequence_cache_bytes(cfg, context: int) -> int:
-    """Serving state of one sequence of `context` tokens: fixed KDA state + growing MLA latent cache."""
+def sequence_cache_bytes(cfg, context: float) -> float:
+    """Serving state of one sequence: fixed KDA state + MLA latent cache growing with `context`."""
     n = layer_counts(cfg)
     return n["kda"] * kda_state_bytes(cfg) + n["mla"] * context * mla_cache_bytes_per_token(cfg)
 
@@ -259,387 +251,337 @@ def sequence_cache_bytes(cfg, context: int) -> int:
 
 
 def mla_attention_flops(cfg, keys: float) -> float:
-    """Forward FLOP of one query token's scores and weighted values against `keys` keys, all MLA layers."""
+    """Forward FLOP of one query's scores and weighted values over `keys` keys, all MLA layers."""
     qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
     return layer_counts(cfg)["mla"] * 2 * cfg.num_attention_heads * (qk + cfg.v_head_dim) * keys
 
 
 def mla_absorbed_decode_flops(cfg, keys: float) -> float:
-    """Decode-time MLA with kv_b absorbed into q and o (what MLA decode kernels do): every head scores
-    and reads the latent + shared key part directly."""
+    """Decode MLA with kv_b absorbed into q and o (as MLA decode kernels run it): each head scores the
+    latent + shared key part and reads the latent back."""
     R = cfg.kv_lora_rank
     return layer_counts(cfg)["mla"] * 2 * cfg.num_attention_heads * (2 * R + cfg.qk_rope_head_dim) * keys
 
 
 def kda_flops_per_token(cfg, chunk: int) -> float:
-    """Forward FLOP of the KDA recurrence per token, all KDA layers, chunked form (estimate): state
-    read, correction and write (3 K x V products per head) plus in-chunk work ~ C (K + V) per head."""
+    """Forward FLOP of the KDA recurrence per token, all KDA layers (estimate): per head 3 K x V
+    state products (read, correction, write) + ~C (K + V) in-chunk work."""
     lac = cfg.linear_attn_config
     H, K = lac["num_heads"], lac["head_dim"]
     return layer_counts(cfg)["kda"] * 2 * H * (3 * K * K + chunk * 2 * K)
 
 
-def train_flops_per_token(cfg, active: int, seq_len: int, chunk: int) -> float:
-    """Forward + backward (3x forward) of the matmuls (2 x active) and of attention over a causal
-    sequence (mean key count seq_len / 2)."""
-    return 3 * (2 * active + mla_attention_flops(cfg, seq_len / 2) + kda_flops_per_token(cfg, chunk))
+def train_flops_per_token(cfg, seq_len: int, chunk: int) -> float:
+    """3 x forward (backward = 2 x forward): matmuls 2 x active, causal attention (seq_len / 2 keys
+    on average), KDA recurrence."""
+    return 3 * prefill_flops_per_token(cfg, seq_len, chunk)
 
 
-def prefill_flops_per_token(cfg, active: int, seq_len: int, chunk: int) -> float:
-    """Forward only: teacher scoring of a trajectory of seq_len tokens."""
-    return 2 * active + mla_attention_flops(cfg, seq_len / 2) + kda_flops_per_token(cfg, chunk)
+def prefill_flops_per_token(cfg, seq_len: int, chunk: int) -> float:
+    """Forward only, over a sequence of seq_len tokens (teacher scoring)."""
+    attention = mla_attention_flops(cfg, seq_len / 2) + kda_flops_per_token(cfg, chunk)
+    return 2 * active_parameters(cfg) + attention
 
 
-def decode_flops_per_token(cfg, active: int, context: float) -> float:
-    """One generated token at `context` tokens of history."""
-    return 2 * active + mla_absorbed_decode_flops(cfg, context) + kda_flops_per_token(cfg, chunk=0)
+def decode_flops_per_token(cfg, context: float) -> float:
+    """One generated token with `context` tokens of history."""
+    return 2 * active_parameters(cfg) + mla_absorbed_decode_flops(cfg, context) + kda_flops_per_token(cfg, 0)
 
 
-# -- expert parallel and communication ---------------------------------------------------------
+# -- expert parallel, communication, time ------------------------------------------------------
 
 
 def expert_slots_per_rank(num_experts: int, ranks: int) -> int:
-    """Routed experts each rank hosts per layer (whole experts; a remainder leaves spare slots)."""
-    return math.ceil(num_experts / ranks)
-
-
-def moonep_duplicate_bound(num_experts: int, ranks: int) -> int:
-    """MoonEP's bound: at most E/R duplicate experts per rank make every rank's load exactly S x K."""
+    """Whole routed experts per rank per layer; MoonEP's bound allows as many duplicates again."""
     return math.ceil(num_experts / ranks)
 
 
 def experts_touched_fraction(num_experts: int, top_k: int, tokens: int) -> float:
-    """Expected share of a layer's experts that at least one of `tokens` picks, under uniform routing
-    (what Quantile Balancing drives loads toward)."""
+    """Expected share of a layer's experts picked by at least one of `tokens`, routing uniform (what
+    Quantile Balancing drives loads toward)."""
     return 1.0 - (1.0 - top_k / num_experts) ** tokens
 
 
 def dispatch_combine_bytes_per_token(cfg) -> float:
     """One token, one MoE layer: k latent vectors out in MXFP8, k latent results back in bf16."""
-    k, Dl = cfg.num_experts_per_token, expert_width(cfg)
-    return k * Dl * (MXFP8_BITS / 8 + BF16_BYTES)
-
-
-# -- time --------------------------------------------------------------------------------------
+    return cfg.num_experts_per_token * expert_width(cfg) * (MXFP8_BITS / 8 + BF16_BYTES)
 
 
 def compute_seconds(flop: float, gpus: int, hw: Hardware, efficiency: float) -> float:
     return flop / (gpus * hw.bf16_flops * efficiency)
 
 
-def transfer_seconds(num_bytes: float, streams: int, bandwidth: float) -> float:
-    """`num_bytes` moved over `streams` links of `bandwidth` B/s each, in parallel."""
-    return num_bytes / (streams * bandwidth)
+def transfer_seconds(num_bytes: float, links: int, bandwidth: float) -> float:
+    """`num_bytes` over `links` parallel links of `bandwidth` B/s each."""
+    return num_bytes / (links * bandwidth)
+
+
+def engine_weight_bytes(cfg, engine_gpus: int, tp: int) -> float:
+    """One engine's weights: routed experts once (expert parallel), the rest once per TP group."""
+    w = serving_weight_bytes(cfg)
+    return w["routed"] + (w["rest"] + w["router_bias"]) * (engine_gpus // tp)
+
+
+def max_decode_batch(cfg, hw: Hardware, a: Assumptions, engine_gpus: int, context: int) -> int:
+    """Sequences of `context` tokens one engine's HBM holds after its weights."""
+    weights = engine_weight_bytes(cfg, engine_gpus, a.engine_tp)
+    free = engine_gpus * hw.hbm_bytes * a.serving_memory_fraction - weights
+    return max(0, int(free // sequence_cache_bytes(cfg, context)))
 
 
 @dataclass(frozen=True)
 class DecodeStep:
     batch: int
-    flop_seconds: float
-    memory_seconds: float
-    all_to_all_seconds: float
+    flop_s: float
+    memory_s: float
+    all_to_all_s: float
 
     @property
     def seconds(self) -> float:
-        # compute and memory overlap (roofline); the all-to-all is counted as not overlapped
-        return max(self.flop_seconds, self.memory_seconds) + self.all_to_all_seconds
-
-
-def replica_weight_bytes(cfg, components: dict[str, int], replica_gpus: int, tp: int) -> float:
-    """Weights of one engine spanning `replica_gpus`: routed experts once (expert parallel), the rest
-    once per tensor-parallel group of `tp` GPUs."""
-    served = serving_weight_bytes(cfg, components)
-    routed = served["routed experts, MXFP4"]
-    return routed + (sum(served.values()) - routed) * (replica_gpus // tp)
-
-
-def max_decode_batch(cfg, components, hw: Hardware, a: Assumptions, replica_gpus: int, context: int) -> int:
-    """Sequences of `context` tokens one engine holds in the HBM its weights leave free."""
-    free = replica_gpus * hw.hbm_bytes * a.serving_memory_fraction
-    free -= replica_weight_bytes(cfg, components, replica_gpus, a.engine_tp)
-    return max(0, int(free // sequence_cache_bytes(cfg, context)))
+        # roofline: compute and memory traffic overlap; the all-to-all is counted as not overlapped
+        return max(self.flop_s, self.memory_s) + self.all_to_all_s
 
 
 def decode_step(
-    cfg, components, active: int, hw: Hardware, a: Assumptions, replica_gpus: int, batch: int, context: float
+    cfg, hw: Hardware, a: Assumptions, engine_gpus: int, batch: int, context: float
 ) -> DecodeStep:
-    """One decoding step of `batch` sequences at mean `context` on one engine (roofline estimate)."""
-    served = serving_weight_bytes(cfg, components)
-    routed = served["routed experts, MXFP4"]
+    """One decoding step of `batch` sequences at `context` on one engine: FLOP time, HBM traffic
+    time (weights of touched experts + per-TP-group rest, KDA state read and written, MLA cache read)
+    and all-to-all time (every dispatch priced at the inter-node link)."""
+    w, n = serving_weight_bytes(cfg), layer_counts(cfg)
     touched = experts_touched_fraction(cfg.num_experts, cfg.num_experts_per_token, batch)
-    weights_read = routed * touched + (sum(served.values()) - routed) * (replica_gpus // a.engine_tp)
-    n = layer_counts(cfg)
-    # KDA state is read and written back every step; the MLA latent cache is read
-    state_traffic = batch * (
+    weights = w["routed"] * touched + (w["rest"] + w["router_bias"]) * (engine_gpus // a.engine_tp)
+    state = batch * (
         2 * n["kda"] * kda_state_bytes(cfg) + n["mla"] * context * mla_cache_bytes_per_token(cfg)
     )
-    a2a_per_gpu = (
-        batch
-        / replica_gpus
-        * n["moe"]
-        * dispatch_combine_bytes_per_token(cfg)
-        * (replica_gpus - 1)
-        / replica_gpus
-    )
+    remote = (engine_gpus - 1) / engine_gpus
+    a2a_per_gpu = batch / engine_gpus * n["moe"] * dispatch_combine_bytes_per_token(cfg) * remote
+    bandwidth = engine_gpus * hw.hbm_bandwidth * a.decode_bandwidth_efficiency
+    flop = batch * decode_flops_per_token(cfg, context)
     return DecodeStep(
-        batch=batch,
-        flop_seconds=compute_seconds(
-            batch * decode_flops_per_token(cfg, active, context), replica_gpus, hw, a.decode_flop_efficiency
-        ),
-        memory_seconds=(weights_read + state_traffic)
-        / (replica_gpus * hw.hbm_bandwidth * a.decode_bandwidth_efficiency),
-        all_to_all_seconds=transfer_seconds(a2a_per_gpu, 1, hw.network_bandwidth),
+        batch,
+        compute_seconds(flop, engine_gpus, hw, a.decode_flop_efficiency),
+        (weights + state) / bandwidth,
+        transfer_seconds(a2a_per_gpu, 1, hw.network_bandwidth),
     )
 
 
 def rollout_seconds(
-    cfg, components, active, hw, a, rollout_gpus, replica_gpus, trajectories, length
+    cfg, hw: Hardware, a: Assumptions, gpus: int, engine_gpus: int, trajectories: int, length: int
 ) -> tuple[float, DecodeStep]:
-    """Time to decode `trajectories` of `length` tokens on rollout_gpus / replica_gpus engines, in
-    waves of the largest batch that fits at full length; every step is priced at mean context."""
-    replicas = rollout_gpus // replica_gpus
-    per_replica = math.ceil(trajectories / replicas)
-    batch = min(per_replica, max_decode_batch(cfg, components, hw, a, replica_gpus, length))
+    """Decode `trajectories` of `length` tokens on gpus / engine_gpus engines, in waves of the largest
+    batch that fits at full length; each step priced at the mean context length / 2."""
+    per_engine = math.ceil(trajectories / (gpus // engine_gpus))
+    batch = min(per_engine, max_decode_batch(cfg, hw, a, engine_gpus, length))
     if batch == 0:
-        raise ValueError(f"one {replica_gpus}-GPU engine cannot hold a single {length}-token sequence")
-    step = decode_step(cfg, components, active, hw, a, replica_gpus, batch, length / 2)
-    return math.ceil(per_replica / batch) * length * step.seconds, step
+        raise ValueError(f"a {engine_gpus}-GPU engine cannot hold one {length}-token sequence: use more GPUs")
+    step = decode_step(cfg, hw, a, engine_gpus, batch, length / 2)
+    return math.ceil(per_engine / batch) * length * step.seconds, step
+
+
+def train_seconds(cfg, hw: Hardware, a: Assumptions, gpus: int, tokens: float, seq_len: int) -> float:
+    return compute_seconds(tokens * train_flops_per_token(cfg, seq_len, a.kda_chunk), gpus, hw, a.train_mfu)
+
+
+@dataclass(frozen=True)
+class StageTime:
+    """Seconds per iteration of one stage on a ClusterPlan, and how many iterations it runs."""
+
+    rollout: float
+    teacher: float
+    train: float
+    sync: float
+    iterations: int
+
+    @property
+    def serial(self) -> float:
+        return self.iterations * (self.rollout + self.teacher + self.train + self.sync)
+
+    @property
+    def overlapped(self) -> float:
+        # engines sample the next batch (one policy version behind) while the trainer steps
+        return self.iterations * (max(self.rollout + self.teacher, self.train) + self.sync)
+
+
+def stage_times(cfg, hw: Hardware, a: Assumptions, plan: ClusterPlan) -> dict[str, StageTime]:
+    """SFT (every GPU trains), one RL stage per effort (trainer + rollout engines) and MOPD (trainer,
+    student engines, nine teacher engines). Weight sync: each engine GPU receives its 1/engine_gpus
+    share of the served weights over its own link."""
+    sync = transfer_seconds(sum(serving_weight_bytes(cfg).values()), plan.engine_gpus, hw.network_bandwidth)
+    rollout_gpus = plan.gpus - plan.trainer_gpus
+    times = {"sft": StageTime(0, 0, train_seconds(cfg, hw, a, plan.gpus, a.sft_tokens, a.sft_seq_len), 0, 1)}
+    for effort, length in a.rl_lengths:
+        roll, _ = rollout_seconds(cfg, hw, a, rollout_gpus, plan.engine_gpus, a.rl_trajectories, length)
+        train = train_seconds(cfg, hw, a, plan.trainer_gpus, a.rl_trajectories * length, length)
+        times[f"rl-{effort}"] = StageTime(roll, 0, train, sync, a.rl_iterations)
+    teachers = 9 * plan.teacher_gpus
+    student = (rollout_gpus - teachers) // plan.engine_gpus * plan.engine_gpus
+    if student < plan.engine_gpus:
+        raise ValueError(f"{plan}: no GPUs left for one student engine; lower trainer_gpus or teacher_gpus")
+    tokens = a.rl_trajectories * a.mopd_length
+    roll, _ = rollout_seconds(cfg, hw, a, student, plan.engine_gpus, a.rl_trajectories, a.mopd_length)
+    teach_flop = tokens * prefill_flops_per_token(cfg, a.mopd_length, a.kda_chunk)
+    train = train_seconds(cfg, hw, a, plan.trainer_gpus, tokens, a.mopd_length)
+    teach = compute_seconds(teach_flop, teachers, hw, a.prefill_mfu)
+    times["mopd"] = StageTime(roll, teach, train, sync, a.mopd_iterations)
+    return times
 
 
 # -- report ------------------------------------------------------------------------------------
 
+Rows = list[tuple[object, ...]]  # (label, values...); a label starting with "==" is a section title
 
-def _si(x: float, unit: str = "") -> str:
+
+def _si(x: float, unit: str = "B") -> str:
     for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
         if abs(x) >= factor:
             return f"{x / factor:.3g} {prefix}{unit}"
     return f"{x:.3g} {unit}"
 
 
-def _hours(seconds: float) -> str:
-    return f"{seconds:.3g} s" if seconds < 600 else f"{seconds / 3600:.3g} h"
+def _t(seconds: float) -> str:
+    hours = seconds / 3600
+    return f"{seconds:.3g} s" if seconds < 600 else f"{hours:.3g} h" if hours < 1000 else f"{hours:,.0f} h"
+
+
+def _fl(flop: float) -> str:
+    return _si(flop, "FLOP")
+
+
+def parameter_rows(cfg) -> Rows:
+    comps, n, E, k = component_parameters(cfg), layer_counts(cfg), cfg.num_experts, cfg.num_experts_per_token
+    total, active, w = sum(comps.values()), active_parameters(cfg), serving_weight_bytes(cfg)
+    one, mla_params = expert_parameters(cfg), mla_layer_parameters(cfg)
+    routed = n["moe"] * k * one
+    rows: Rows = [(f"== parameters: {n['kda']} KDA + {n['mla']} MLA, {n['dense']} dense + {n['moe']} MoE",)]
+    rows += [(name, f"{c:>17,d}  {c / total:7.3%}") for name, c in [*comps.items(), ("total", total)]]
+    return rows + [
+        ("active per token", f"{active:>17,d}  {active / total:7.3%}"),
+        ("active: routed experts | the rest", f"{routed:,d}", f"{active - routed:,d}"),
+        ("attention: one KDA layer | one MLA layer", f"{kda_layer_parameters(cfg):,d}", f"{mla_params:,d}"),
+        ("one expert | one layer's experts", f"{one:,d}", f"{E * one:,d}"),
+        ("== weight bytes",),
+        ("experts MXFP4 | rest bf16 | router bias fp32", *(_si(w[key]) for key in w)),
+        ("served total | all bf16 | all fp32", _si(sum(w.values())), _si(2 * total), _si(4 * total)),
+    ]
+
+
+def memory_rows(cfg, hw: Hardware, a: Assumptions, plan: ClusterPlan) -> Rows:
+    total, n, mb = total_parameters(cfg), layer_counts(cfg), a.micro_batch_tokens
+    reserve = a.trainer_reserve_bytes
+    split = " / ".join("+".join(map(str, d.values())) for d in (ZERO3_BYTES, FSDP2_BYTES))
+    rows: Rows = [(f"== trainer state: 16 B/param sharded (ZeRO-3 / FSDP2 bytes: {split})",)]
+    rows.append(("total", _si(total * TRAIN_STATE_BYTES)))
+    for N in (256, 512, 1024):
+        gpu, host = (
+            total * (TRAIN_STATE_BYTES - OFFLOADED_BYTES) / N,
+            total * OFFLOADED_BYTES / (N // hw.gpus_per_node),
+        )
+        rows.append(
+            (f"N={N}: GPU | offload: GPU, host/node", _si(total * 16 / N), f"{_si(gpu)}, {_si(host)}")
+        )
+    rows.append((f"fewest GPUs, {_si(reserve)} reserve", min_trainer_gpus(total, hw, reserve)))
+    for ep in (1, 32, 64):
+        p = largest_layer_parameters(cfg, ep)
+        rows.append((f"largest layer, EP={ep}: params | bf16 | x3", _si(p, ""), _si(2 * p), _si(6 * p)))
+    ckpt, moe = checkpointed_activation_bytes_per_token(cfg), moe_routed_activation_bytes_per_token(cfg)
+    left = hw.hbm_bytes - 16 * total / plan.trainer_gpus - 6 * largest_layer_parameters(cfg, 64) - moe * mb
+    chunk_states = [_si(kda_chunk_state_bytes_per_token(cfg, c)) for c in (64, 16)]
+    rows += [
+        ("== training activations",),
+        ("checkpointed, per token, all layers", _si(ckpt)),
+        (f"one MoE layer: per token | {mb} tokens", _si(moe), _si(moe * mb)),
+        ("KDA chunk states per token per layer, C=64 | 16", *chunk_states),
+        (f"N={plan.trainer_gpus}, EP=64: HBM left for checkpoints", _si(left)),
+    ]
+    for seq in (32768, 131072, 1048576):
+        cp = 2 ** math.ceil(math.log2(max(1.0, ckpt * seq / left)))
+        rows.append((f"one {seq}-token sequence: checkpoints | CP", _si(ckpt * seq), cp))
+    kda_seq, mla_tok = n["kda"] * kda_state_bytes(cfg), n["mla"] * mla_cache_bytes_per_token(cfg)
+    head_kv, latent = per_head_kv_bytes_per_token(cfg), mla_cache_bytes_per_token(cfg)
+    even = kda_seq / mla_tok
+    rows += [
+        ("== serving cache",),
+        ("KDA state per sequence: one layer | all", _si(kda_state_bytes(cfg)), _si(kda_seq)),
+        ("MLA latent per token: one layer | all", _si(latent), _si(mla_tok)),
+        ("per-head K/V per token per layer | ratio", _si(head_kv), f"{head_kv / latent:.3g}x"),
+        ("context where MLA = KDA: capacity | traffic", f"{even:,.0f}", f"{2 * even:,.0f}"),
+    ]
+    for ctx in (32768, 131072, 1048576):
+        all_mla = cfg.num_hidden_layers * ctx * latent
+        rows.append((f"context {ctx}: sequence | all-MLA", _si(sequence_cache_bytes(cfg, ctx)), _si(all_mla)))
+    return rows
+
+
+def flop_and_expert_rows(cfg, a: Assumptions) -> Rows:
+    active, n, E, k = active_parameters(cfg), layer_counts(cfg), cfg.num_experts, cfg.num_experts_per_token
+    rows: Rows = [
+        ("== FLOP per token",),
+        ("2 x active | 6 x active", _fl(2 * active), _fl(6 * active)),
+        (f"KDA recurrence forward, C={a.kda_chunk}", _fl(kda_flops_per_token(cfg, a.kda_chunk))),
+    ]
+    for seq in (8192, 32768, 131072):
+        train, mla = train_flops_per_token(cfg, seq, a.kda_chunk), mla_attention_flops(cfg, seq / 2)
+        rows.append((f"train at {seq} | its MLA attention forward", _fl(train), _fl(mla)))
+    rows += [(f"decode at context {c}", _fl(decode_flops_per_token(cfg, c))) for c in (32768, 1048576)]
+    rows.append((f"== expert parallel: {E} experts, {k} per token",))
+    fp4 = expert_parameters(cfg) * MXFP4_BITS / 8 * n["moe"]
+    for R in (32, 64, 128, 256):
+        s = expert_slots_per_rank(E, R)
+        rows.append(
+            (f"EP={R}: /rank, slots, MXFP4 | +dups", f"{E / R:g}, {s}, {_si(s * fp4)}", _si(2 * s * fp4))
+        )
+    a2a = dispatch_combine_bytes_per_token(cfg)
+    rows += [
+        ("all-to-all per token: MoE layer | all layers", _si(a2a), _si(a2a * n["moe"])),
+        ("same at full width in bf16, per layer", _si(k * cfg.hidden_size * 2 * BF16_BYTES)),
+    ]
+    return rows + [
+        (f"share of experts {b} tokens touch", f"{experts_touched_fraction(E, k, b):.1%}") for b in (8, 64)
+    ]
+
+
+def plan_rows(cfg, hw: Hardware, a: Assumptions, plan: ClusterPlan) -> Rows:
+    total, gpus, length = total_parameters(cfg), plan.gpus - plan.trainer_gpus, dict(a.rl_lengths)["high"]
+    rows: Rows = [(f"== decode engines on {gpus} GPUs, {a.rl_trajectories} x {length} tokens",)]
+    for g in (16, 32, 64, 128, 256):
+        t, s = rollout_seconds(cfg, hw, a, gpus, g, a.rl_trajectories, length)
+        parts = "/".join(f"{x * 1e3:.3g}" for x in (s.flop_s, s.memory_s, s.all_to_all_s))
+        tok_s = f"{a.rl_trajectories * length / t / gpus:.3g}"
+        step = f"{s.seconds * 1e3:.3g} ({parts})"
+        rows.append((f"{g}-GPU: batch | step ms (flop/mem/a2a) | tok/s/GPU", s.batch, step, tok_s))
+    state = 16 * total / plan.trainer_gpus
+    engine = engine_weight_bytes(cfg, plan.engine_gpus, a.engine_tp) / plan.engine_gpus
+    teacher = engine_weight_bytes(cfg, plan.teacher_gpus, a.engine_tp) / plan.teacher_gpus
+    served, bw, E_g = sum(serving_weight_bytes(cfg).values()), hw.network_bandwidth, plan.engine_gpus
+    rows += [
+        (f"== plan: {plan.gpus} {hw.name}, trainer {plan.trainer_gpus}, {E_g}-GPU engines",),
+        ("per GPU: trainer state | engine | teacher", _si(state), _si(engine), _si(teacher)),
+        (f"sync {_si(served)}: 1/{E_g} per GPU | all per GPU", _t(served / (E_g * bw)), _t(served / bw)),
+        (f"sync all bf16 {_si(2 * total)}, all per GPU", _t(2 * total / bw)),
+        ("stage: rollout | teacher | train | sync, iterations", "serial", "overlapped"),
+    ]
+    times = stage_times(cfg, hw, a, plan)
+    for name, st in times.items():
+        parts = " | ".join(_t(x) for x in (st.rollout, st.teacher, st.train, st.sync))
+        rows.append((f"{name}: {parts}, x{st.iterations}", _t(st.serial), _t(st.overlapped)))
+    recipe = [times["sft"], *(times[f"rl-{e}"] for e, _ in a.rl_lengths for _ in range(3)), times["mopd"]]
+    n_min = min_trainer_gpus(total, hw, a.trainer_reserve_bytes)
+    sft_256 = train_seconds(cfg, hw, a, 256, a.sft_tokens, a.sft_seq_len)
+    return rows + [
+        ("SFT, 9 RL in turn, MOPD", _t(sum(t.serial for t in recipe)), _t(sum(t.overlapped for t in recipe))),
+        (f"nine RL at once need >= 9 x ({n_min} + {E_g}) GPUs", 9 * (n_min + E_g)),
+        ("SFT on 256 GPUs (offloaded Adam not timed)", _t(sft_256)),
+    ]
 
 
 def report(
-    cfg,
-    hw: Hardware = H200,
-    a: Assumptions = Assumptions(),
-    plan: ClusterPlan = PLAN_1024,
-    counted: dict[str, int] | None = None,
+    cfg, hw: Hardware = H200, a: Assumptions = Assumptions(), plan: ClusterPlan = PLAN_1024
 ) -> list[str]:
-    """The lines the script prints; `counted` is count_parameters(cfg), checked against the formulas."""
-    out: list[str] = []
-    comps = component_parameters(cfg)
-    total, active = sum(comps.values()), active_parameters(cfg, comps)
-    n = layer_counts(cfg)
-    E, k = cfg.num_experts, cfg.num_experts_per_token
-
-    out.append("== parameters ==")
-    out.append(f"layers: {n['kda']} KDA + {n['mla']} MLA; {n['dense']} dense MLP + {n['moe']} LatentMoE")
-    for name, count in comps.items():
-        out.append(f"  {name:<20} {count:>16,d}  {count / total:7.3%}")
-    out.append(f"  {'total':<20} {total:>16,d}")
-    out.append(f"  {'active per token':<20} {active:>16,d}")
-    if counted is not None:
-        same = counted == {"total": total, "active": active}
-        out.append(
-            f"count_parameters: total {counted['total']:,d}, active {counted['active']:,d}"
-            f" -> {'equal to' if same else 'DIFFERENT FROM'} the formulas"
-        )
-    out.append(
-        f"per layer: KDA attention {kda_layer_parameters(cfg):,d}; MLA attention {mla_layer_parameters(cfg):,d};"
-        f" MoE block without routed experts {moe_block_nonexpert_parameters(cfg):,d};"
-        f" one routed expert {expert_parameters(cfg):,d}; {E} routed experts {E * expert_parameters(cfg):,d}"
-    )
-    active_routed = n["moe"] * k * expert_parameters(cfg)
-    out.append(
-        f"active split: routed experts {active_routed:,d} ({active_routed / active:.1%}),"
-        f" everything else {active - active_routed:,d}"
-    )
-
-    out.append("== weight bytes ==")
-    served = serving_weight_bytes(cfg, comps)
-    for name, b in served.items():
-        out.append(f"  {name:<28} {_si(b, 'B')}")
-    out.append(f"  served total (MXFP4 experts) {_si(sum(served.values()), 'B')}")
-    out.append(f"  all bf16                     {_si(total * BF16_BYTES, 'B')}")
-    out.append(f"  all fp32                     {_si(total * FP32_BYTES, 'B')}")
-
-    out.append("== trainer state (16 B/param sharded: ZeRO-3 2+2+4+4+4, FSDP2 4+4+4+4) ==")
-    out.append(f"  total {_si(total * TRAIN_STATE_BYTES, 'B')}")
-    for gpus in (256, 512, 1024):
-        per_gpu = trainer_bytes_per_gpu(total, gpus)
-        offload_gpu = trainer_bytes_per_gpu(total, gpus, TRAIN_STATE_BYTES - OFFLOADED_STATE_BYTES)
-        offload_host = trainer_bytes_per_gpu(total, gpus // hw.gpus_per_node, OFFLOADED_STATE_BYTES)
-        out.append(
-            f"  N={gpus:<5} {_si(per_gpu, 'B')}/GPU (HBM {_si(hw.hbm_bytes, 'B')});"
-            f" optimizer offloaded: {_si(offload_gpu, 'B')}/GPU + {_si(offload_host, 'B')} host RAM/node"
-        )
-    n_min = min_trainer_gpus(total, hw, a.trainer_reserve_bytes)
-    out.append(f"  fewest GPUs holding it with {_si(a.trainer_reserve_bytes, 'B')} reserve: {n_min}")
-    for ep in (1, 32, 64):
-        layer = largest_layer_parameters(cfg, ep)
-        out.append(
-            f"  largest decoder layer, EP={ep:<3}: {_si(layer)} params = {_si(layer * BF16_BYTES, 'B')} bf16"
-            f" gathered; x3 (current + prefetch + grad) {_si(3 * layer * BF16_BYTES, 'B')}"
-        )
-
-    out.append("== activations (training) ==")
-    ckpt = checkpointed_activation_bytes_per_token(cfg)
-    out.append(
-        f"  checkpointed, all layers: {_si(ckpt, 'B')}/token; 32K-token sequence {_si(ckpt * 32768, 'B')};"
-        f" 128K {_si(ckpt * 131072, 'B')}"
-    )
-    moe_act = moe_routed_activation_bytes_per_token(cfg)
-    out.append(
-        f"  one MoE layer's routed intermediates: {_si(moe_act, 'B')}/token; 16K tokens {_si(moe_act * 16384, 'B')}"
-    )
-    for chunk in (64, 16):
-        out.append(
-            f"  KDA chunk states, C={chunk}: {_si(kda_chunk_state_bytes_per_token(cfg, chunk), 'B')}/token/layer"
-        )
-
-    out.append("== serving cache ==")
-    out.append(
-        f"  KDA: {_si(kda_state_bytes(cfg), 'B')} per sequence per layer (fixed);"
-        f" x{n['kda']} layers = {_si(n['kda'] * kda_state_bytes(cfg), 'B')}"
-    )
-    out.append(
-        f"  MLA: {mla_cache_bytes_per_token(cfg)} B per token per layer (latent + shared key);"
-        f" per-head K/V would be {per_head_kv_bytes_per_token(cfg):,d} B"
-        f" ({per_head_kv_bytes_per_token(cfg) / mla_cache_bytes_per_token(cfg):.3g}x)"
-    )
-    for context in (32768, 131072, 1048576):
-        mla = n["mla"] * context * mla_cache_bytes_per_token(cfg)
-        all_mla = cfg.num_hidden_layers * context * mla_cache_bytes_per_token(cfg)
-        out.append(
-            f"  context {context:>7,d}: per sequence {_si(sequence_cache_bytes(cfg, context), 'B')}"
-            f" (MLA {_si(mla, 'B')}); if all {cfg.num_hidden_layers} layers were MLA {_si(all_mla, 'B')}"
-        )
-
-    out.append("== FLOP per token ==")
-    out.append(f"  6 x active {_si(6 * active, 'FLOP')}; 2 x active {_si(2 * active, 'FLOP')}")
-    out.append(
-        f"  KDA recurrence fwd (C={a.kda_chunk}): {_si(kda_flops_per_token(cfg, a.kda_chunk), 'FLOP')}"
-    )
-    for seq in (8192, 32768, 131072):
-        out.append(
-            f"  train, {seq:>6,d}-token sequences: {_si(train_flops_per_token(cfg, active, seq, a.kda_chunk), 'FLOP')}"
-            f" (MLA attention fwd {_si(mla_attention_flops(cfg, seq / 2), 'FLOP')})"
-        )
-    for ctx in (32768, 1048576):
-        out.append(f"  decode at context {ctx:>9,d}: {_si(decode_flops_per_token(cfg, active, ctx), 'FLOP')}")
-
-    out.append(f"== expert parallel: {E} experts, {k} per token ==")
-    one_expert_fp4 = expert_parameters(cfg) * MXFP4_BITS / 8
-    for ranks in (32, 64, 128, 256):
-        slots = expert_slots_per_rank(E, ranks)
-        dup = moonep_duplicate_bound(E, ranks)
-        out.append(
-            f"  EP={ranks:<4} {E / ranks:g} experts/rank -> {slots} slots, MoonEP adds <= {dup} duplicates;"
-            f" MXFP4 per rank, {n['moe']} layers: {_si(n['moe'] * slots * one_expert_fp4, 'B')}"
-            f" (+ duplicates {_si(n['moe'] * (slots + dup) * one_expert_fp4, 'B')})"
-        )
-    a2a = dispatch_combine_bytes_per_token(cfg)
-    a2a_full = k * cfg.hidden_size * 2 * BF16_BYTES
-    out.append(
-        f"  all-to-all per token per MoE layer: {_si(a2a, 'B')} (MXFP8 out, bf16 back, latent {expert_width(cfg)});"
-        f" bf16 both ways at hidden {cfg.hidden_size}: {_si(a2a_full, 'B')}; x{n['moe']} layers {_si(a2a * n['moe'], 'B')}"
-    )
-    for b in (8, 64, 256):
-        out.append(f"  experts touched per layer by {b} tokens: {experts_touched_fraction(E, k, b):.1%}")
-
-    out.append(
-        f"== plan: {plan.gpus} {hw.name}: trainer {plan.trainer_gpus}, rollouts {plan.rollout_gpus}"
-        f" ({plan.rollout_gpus // plan.replica_gpus} engines x {plan.replica_gpus} GPUs, TP {a.engine_tp}) =="
-    )
-    peak = plan.trainer_gpus * hw.bf16_flops * a.train_mfu
-    out.append(
-        f"  trainer: {_si(trainer_bytes_per_gpu(total, plan.trainer_gpus), 'B')}/GPU state;"
-        f" {_si(peak, 'FLOP')}/s at MFU {a.train_mfu:g}"
-    )
-    engine_w = replica_weight_bytes(cfg, comps, plan.replica_gpus, a.engine_tp)
-    out.append(
-        f"  engine weights: {_si(engine_w, 'B')} over {plan.replica_gpus} GPUs"
-        f" = {_si(engine_w / plan.replica_gpus, 'B')}/GPU"
-    )
-    sft_s = compute_seconds(
-        a.sft_tokens * train_flops_per_token(cfg, active, a.sft_seq_len, a.kda_chunk),
-        plan.gpus,
-        hw,
-        a.train_mfu,
-    )
-    out.append(
-        f"  SFT: {_si(a.sft_tokens)} tokens at {a.sft_seq_len} on all {plan.gpus} GPUs: {_hours(sft_s)}"
-    )
-    sync_bytes = sum(served.values())
-    sync_full = transfer_seconds(sync_bytes, 1, hw.network_bandwidth)
-    sync_sharded = transfer_seconds(sync_bytes, plan.replica_gpus, hw.network_bandwidth)
-    sync_bf16 = transfer_seconds(total * BF16_BYTES, 1, hw.network_bandwidth)
-    rl_total = 0.0
-    for effort, length in a.rl_tokens_per_trajectory:
-        roll_s, step = rollout_seconds(
-            cfg, comps, active, hw, a, plan.rollout_gpus, plan.replica_gpus, a.rl_trajectories, length
-        )
-        tokens = a.rl_trajectories * length
-        train_s = compute_seconds(
-            tokens * train_flops_per_token(cfg, active, length, a.kda_chunk),
-            plan.trainer_gpus,
-            hw,
-            a.train_mfu,
-        )
-        it = roll_s + train_s + sync_sharded
-        rl_total += 3 * a.rl_iterations * it
-        out.append(
-            f"  RL {effort:<4} ({length} tok/traj, {_si(tokens)} tok/iter): decode batch {step.batch}/engine,"
-            f" step {step.seconds * 1e3:.3g} ms (flop {step.flop_seconds * 1e3:.3g}, memory"
-            f" {step.memory_seconds * 1e3:.3g}, all-to-all {step.all_to_all_seconds * 1e3:.3g});"
-            f" {tokens / roll_s / plan.rollout_gpus:.3g} tok/s/GPU"
-        )
-        out.append(
-            f"      per iteration: rollout {_hours(roll_s)} + train {_hours(train_s)} + sync {_hours(sync_sharded)}"
-            f" = {_hours(it)}; {a.rl_iterations} iterations {_hours(a.rl_iterations * it)}"
-        )
-    out.append(f"  nine RL specialists one after another: {_hours(rl_total)}")
-    per_stage = n_min + plan.replica_gpus
-    out.append(
-        f"  nine at once need >= 9 x ({n_min} trainer + {plan.replica_gpus} engine) = {9 * per_stage} GPUs;"
-        f" {plan.gpus} GPUs fit {plan.gpus // per_stage} at a time"
-    )
-
-    length = a.mopd_tokens_per_trajectory
-    teacher_gpus = 9 * plan.teacher_replica_gpus
-    student_gpus = plan.gpus - plan.trainer_gpus - teacher_gpus
-    student_gpus -= student_gpus % plan.replica_gpus
-    tokens = a.rl_trajectories * length
-    roll_s, _ = rollout_seconds(
-        cfg, comps, active, hw, a, student_gpus, plan.replica_gpus, a.rl_trajectories, length
-    )
-    teach_s = compute_seconds(
-        tokens * prefill_flops_per_token(cfg, active, length, a.kda_chunk), teacher_gpus, hw, a.prefill_mfu
-    )
-    train_s = compute_seconds(
-        tokens * train_flops_per_token(cfg, active, length, a.kda_chunk), plan.trainer_gpus, hw, a.train_mfu
-    )
-    it = roll_s + teach_s + train_s + sync_sharded
-    t_w = replica_weight_bytes(cfg, comps, plan.teacher_replica_gpus, a.engine_tp)
-    out.append(
-        f"  MOPD: 9 teachers x {plan.teacher_replica_gpus} GPUs ({_si(t_w / plan.teacher_replica_gpus, 'B')}"
-        f" weights/GPU), student engines {student_gpus} GPUs; per iteration rollout {_hours(roll_s)}"
-        f" + teacher prefill {_hours(teach_s)} + train {_hours(train_s)} + sync {_hours(sync_sharded)}"
-        f" = {_hours(it)}; {a.mopd_iterations} iterations {_hours(a.mopd_iterations * it)}"
-    )
-    out.append(f"  whole recipe, RL sequential: {_hours(sft_s + rl_total + a.mopd_iterations * it)}")
-
-    out.append(f"== weight sync per iteration at {_si(hw.network_bandwidth, 'B')}/s per GPU link ==")
-    out.append(
-        f"  MXFP4 experts + bf16 rest: {_si(sync_bytes, 'B')}; every engine GPU receives all of it:"
-        f" {_hours(sync_full)}; each receives only its 1/{plan.replica_gpus} shard: {_hours(sync_sharded)}"
-    )
-    out.append(
-        f"  all bf16 (dequantised experts): {_si(total * BF16_BYTES, 'B')}; every GPU receives all: {_hours(sync_bf16)}"
-    )
-    return out
+    """Every line the script prints after the count_parameters check."""
+    rows = parameter_rows(cfg) + memory_rows(cfg, hw, a, plan) + flop_and_expert_rows(cfg, a)
+    rows += plan_rows(cfg, hw, a, plan)
+    return [str(r[0]) if len(r) == 1 else f"  {r[0]:<50} " + " | ".join(map(str, r[1:])) for r in rows]
 
 
 def main() -> None:
@@ -649,8 +591,11 @@ def main() -> None:
     from posttrain.model import count_parameters, load_model_config
 
     cfg = load_model_config(args.config)
-    print(f"config: {args.config.relative_to(REPO) if args.config.is_relative_to(REPO) else args.config}")
-    print("\n".join(report(cfg, counted=count_parameters(cfg))))
+    counted = count_parameters(cfg)
+    mine = {"total": total_parameters(cfg), "active": active_parameters(cfg)}
+    verdict = "equal to" if counted == mine else f"DIFFERENT FROM {mine}"
+    print(f"config {args.config.name}: count_parameters {counted} is {verdict} the formulas below")
+    print("\n".join(report(cfg)))
 
 
 if __name__ == "__main__":

@@ -66,7 +66,9 @@ def plan_table(pipeline: Pipeline, states: dict[str, StageState]) -> Table:
 
 
 def _metrics_text(metrics: dict[str, Any], limit: int = 4) -> str:
-    items = sorted(metrics.items())
+    items = sorted(
+        metrics.items(), key=lambda kv: ("/" in kv[0], kv[0])
+    )  # headline numbers before breakdowns
     text = ", ".join(f"{k}={v:.4g}" for k, v in items[:limit])
     return text + (f" (+{len(items) - limit})" if len(items) > limit else "")
 

@@ -27,7 +27,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from orchestration.pipeline import Pipeline, Stage, qat_config_class
+from orchestration.pipeline import Pipeline, Stage, import_stage_plugin, qat_config_class
 from orchestration.rundir import (
     LOCK,
     PROGRESS,
@@ -173,7 +173,9 @@ def _context(
     log: logging.Logger,
     manifest: dict[str, Any],
 ) -> StageContext:
-    load_plugins(tuple(stage.plugins))
+    load_plugins()
+    for spec in stage.plugins:
+        import_stage_plugin(spec)
     kind = STAGE_KINDS.get(stage.kind)
     config = kind.config.model_validate(stage.body)
     qat: Any = stage.qat

@@ -7,7 +7,7 @@ from a user's own package or a .py file listed under `plugins:`; teachers/exampl
 worked one.
 """
 
-from posttrain.trainers.mopd import TEACHER_BACKENDS, TEACHER_DOMAINS, TeacherDomain, teacher_domain
 from teachers import backends, domains
+from teachers.domain import TeacherDomain, teacher_domain
 
-__all__ = ["TEACHER_BACKENDS", "TEACHER_DOMAINS", "TeacherDomain", "backends", "domains", "teacher_domain"]
+__all__ = ["TeacherDomain", "backends", "domains", "teacher_domain"]

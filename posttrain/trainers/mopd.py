@@ -13,8 +13,8 @@ In reading order:
   error before anything runs, naming the pair and the fix;
 - `TeacherPool`: one engine per distinct (checkpoint, backend), shared by the teachers using it;
   a failing engine is rebuilt and its trajectories re-scored, never skipped;
-- the episode loop over every domain at once, the training step, the before/after evaluation
-  written to DIR/mopd/eval.json.
+- the episode loop over every domain at once (finished episodes are scored by their teachers
+  between turns, batched), the training step, the before/after evaluation (DIR/mopd/eval.json).
 """
 
 from __future__ import annotations
@@ -25,13 +25,14 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from posttrain.algos.policy_loss import PolicyLossConfig, policy_loss
-from posttrain.checkpoint import atomic_write_text
+from posttrain.algos.mismatch import mismatch_stats
+from posttrain.algos.policy_loss import PolicyLoss, PolicyLossConfig, policy_loss
+from posttrain.checkpoint import atomic_write_text, remove_tree
 from posttrain.data.chat import ChatRenderer, load_tokenizer
 from posttrain.data.sample import EFFORTS, Sample
 from posttrain.engines import EmbeddedEngine, Engine, SamplingConfig
@@ -51,88 +52,63 @@ from rewards.mopd import mopd_sample_rewards, reverse_kl
 
 Pair = tuple[str, str]  # (domain, effort)
 EVAL_FILE = "eval.json"
+RESULT_KEYS = ("kl", "accuracy", "tokens")
 
 
 def pair_name(pair: Pair) -> str:
-    """"coding-max": the key of a (domain, effort) pair in stage files, eval.json and metrics."""
+    """'coding-max': the key of a (domain, effort) pair in stage files, eval.json and metrics."""
     return f"{pair[0]}-{pair[1]}"
 
 
-# Teacher domains ---------------------------------------------------------------------------------
+# Teacher domains and backends ---------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class TeacherDomain:
-    """A domain MOPD distils: its environment class (prompt recipe, tools, verifier; see
-    posttrain.envs.environments) and its teacher per effort, each a need's stage id or a model dir."""
+class TeacherDomain(Protocol):
+    """A registered teacher domain as MOPD reads it (`teachers.teacher_domain` registers them): the
+    environment class that makes and plays the domain's episodes (prompt recipe, tools, verifier),
+    and effort -> its teacher, a need's stage id or a model dir."""
 
-    name: str
     environment: type[Environment]
     teachers: Mapping[str, str]
 
 
 TEACHER_DOMAINS: Registry[TeacherDomain] = Registry("teacher domain")
-# name -> build(model_dir, work_dir) -> Engine; the shipped backends live in teachers/backends.py.
-TeacherBackend = Callable[[Path, Path], Engine]
-TEACHER_BACKENDS: Registry[TeacherBackend] = Registry("teacher backend")
+# backend name -> build(model_dir, work_dir) -> Engine; the shipped ones are in teachers/backends.py
+TEACHER_BACKENDS: Registry[Callable[[Path, Path], Engine]] = Registry("teacher backend")
 
 
-def teacher_domain(
-    name: str | None = None, *, teachers: Mapping[str, str] | None = None
-) -> Callable[[type[Environment]], type[Environment]]:
-    """Class decorator registering an Environment subclass as the teacher domain `name` (default:
-    its `domain`). teachers: effort -> need stage id or model dir; default rl-<name>-<effort> for
-    every effort, the RL specialists' stage ids."""
-
-    def register(environment: type[Environment]) -> type[Environment]:
-        domain = name or environment.domain
-        if environment.domain != domain:
-            raise ValueError(
-                f"teacher domain {domain!r}: {environment.__name__}.domain is {environment.domain!r}; "
-                "the prompts it makes carry that domain, so the two names must be equal"
-            )
-        chosen = dict(teachers) if teachers is not None else {e: f"rl-{domain}-{e}" for e in EFFORTS}
-        unknown = sorted(set(chosen) - set(EFFORTS))
-        if unknown:
-            raise ValueError(f"teacher domain {domain!r}: unknown efforts {unknown}; use {list(EFFORTS)}")
-        TEACHER_DOMAINS.register(domain)(TeacherDomain(domain, environment, chosen))
-        return environment
-
-    return register
-
-
-# Configuration ----------------------------------------------------------------------------------
+# Configuration ------------------------------------------------------------------------------------
 
 
 class TeacherConfig(BaseModel):
     """One (domain, effort) teacher declared in the stage file, over the domain's default."""
 
     model_config = ConfigDict(extra="forbid")
-    model: str | None = Field(None, description="a need's stage id or a model dir; null: the domain's teacher")
-    engine: str | None = Field(None, description="teacher backend (embedded, vllm, vllm_server); null: teacher_engine")
+    model: str | None = Field(None, description="a need's stage id or a model dir; null: the domain's")
+    engine: str | None = Field(None, description="embedded, vllm, vllm_server; null: teacher_engine")
 
 
 class RolloutConfig(BaseModel):
-    """What the student samples each step: every domain's prompts at every effort."""
+    """What the student samples each step: prompts of every domain, each at every effort."""
 
     model_config = ConfigDict(extra="forbid")
-    prompts_per_domain: int = Field(2, gt=0, description="prompts per domain per step, each played at every effort")
+    prompts_per_domain: int = Field(2, gt=0, description="new prompts per domain per step")
     temperature: float = Field(1.0, gt=0, description="student sampling temperature (log-probs stay at T=1)")
 
 
 class MOPDTrainConfig(OptimConfig):
-    """Optimisation: one policy-gradient step per batch of episodes."""
+    """One optimizer step of the policy loss per batch of episodes."""
 
     steps: int = Field(gt=0, description="optimizer steps (one rollout batch each)")
     micro_batch_size: int = Field(16, gt=0, description="trajectories per forward/backward")
 
 
 class EvalConfig(BaseModel):
-    """Held-out prompts of each domain, played at every effort before and after training."""
+    """Held-out prompts of each domain, played at every effort (temperature 1) before and after."""
 
     model_config = ConfigDict(extra="forbid")
     prompts_per_domain: int = Field(4, gt=0, description="held-out prompts per domain")
-    seed: int | None = Field(None, description="prompt and sampling seed; null: the stage's seed")
+    seed: int = Field(0, description="draws them; the RL stages' held-out prompts use the same default")
 
 
 class MOPDConfig(BaseModel):
@@ -142,7 +118,7 @@ class MOPDConfig(BaseModel):
     domains: list[str] = Field(default_factory=lambda: ["general", "agent", "coding"])
     efforts: list[str] = Field(default_factory=lambda: list(EFFORTS))
     teachers: dict[str, TeacherConfig] = Field(
-        default_factory=dict, description="'<domain>-<effort>' -> teacher; unlisted pairs use the domain's"
+        default_factory=dict, description="'<domain>-<effort>' -> teacher; other pairs use the domain's"
     )
     teacher_engine: str = Field("embedded", description="default teacher backend")
     max_teacher_retries: int = Field(2, ge=0, description="engine rebuilds per scoring call before failing")
@@ -152,7 +128,7 @@ class MOPDConfig(BaseModel):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     environment: EnvironmentConfig = Field(default_factory=EnvironmentConfig)
     environments: dict[str, EnvironmentConfig] = Field(
-        default_factory=dict, description="per-domain environment settings over `environment`"
+        default_factory=dict, description="domain -> environment settings over `environment`"
     )
     loss: PolicyLossConfig = Field(default_factory=PolicyLossConfig)
     train: MOPDTrainConfig
@@ -162,47 +138,53 @@ class MOPDConfig(BaseModel):
 
     @model_validator(mode="after")
     def _every_pair_has_a_teacher(self) -> MOPDConfig:
-        for effort in self.efforts:
-            if effort not in EFFORTS:
-                raise ValueError(f"efforts: unknown effort {effort!r}; use {list(EFFORTS)}")
+        if set(self.efforts) - set(EFFORTS):
+            raise ValueError(
+                f"efforts: {sorted(set(self.efforts) - set(EFFORTS))} are not in {list(EFFORTS)}"
+            )
         for domain in self.domains:
             if domain not in TEACHER_DOMAINS:
                 raise ValueError(
-                    f"domains: {domain!r} is not a registered teacher domain "
-                    f"(registered: {', '.join(TEACHER_DOMAINS)}); register it with "
-                    "@teacher_domain in a plug-in listed under `plugins:`"
+                    f"domains: {domain!r} is not a registered teacher domain (registered: "
+                    f"{', '.join(TEACHER_DOMAINS)}); register it with @teacher_domain in a plug-in "
+                    "listed under `plugins:`"
                 )
         pairs = {pair_name((d, e)): (d, e) for d in self.domains for e in self.efforts}
-        for key in self.teachers:
-            if key not in pairs:
-                raise ValueError(
-                    f"teachers.{key}: not a trained (domain, effort) pair; keys are '<domain>-<effort>' "
-                    f"with domain in {self.domains} and effort in {self.efforts}"
-                )
+        for key in set(self.teachers) - set(pairs):
+            raise ValueError(
+                f"teachers.{key}: not a trained pair; keys are '<domain>-<effort>' with domain in "
+                f"{self.domains} and effort in {self.efforts}"
+            )
         for key, (domain, effort) in pairs.items():
             declared = self.teachers.get(key)
-            if (declared is None or declared.model is None) and effort not in TEACHER_DOMAINS.get(domain).teachers:
+            registered = TEACHER_DOMAINS.get(domain).teachers
+            if (declared is None or declared.model is None) and effort not in registered:
                 raise ValueError(
-                    f"no teacher for (domain {domain!r}, effort {effort!r}): the domain registers teachers for "
-                    f"{sorted(TEACHER_DOMAINS.get(domain).teachers)}; add `teachers: {{{key}: {{model: <need "
-                    f"stage id or model dir>}}}}` or remove {effort!r} from `efforts`"
+                    f"no teacher for (domain {domain!r}, effort {effort!r}): the domain registers teachers "
+                    f"for {sorted(registered)}; add `teachers: {{{key}: {{model: <need stage id or model "
+                    f"dir>}}}}` or remove {effort!r} from `efforts`"
                 )
         for engine in {self.teacher_engine, *(t.engine for t in self.teachers.values() if t.engine)}:
             if engine not in TEACHER_BACKENDS:
-                raise ValueError(f"unknown teacher backend {engine!r} (registered: {', '.join(TEACHER_BACKENDS)})")
+                raise ValueError(
+                    f"unknown teacher backend {engine!r} (registered: {', '.join(TEACHER_BACKENDS)})"
+                )
         for name, env in {"environment": self.environment, **self.environments}.items():
             if env.reward != "verifier":
-                raise ValueError(f"{name}.reward: MOPD's accuracy uses the verifier; set reward: verifier")
-        unknown = sorted(set(self.environments) - set(self.domains))
-        if unknown:
-            raise ValueError(f"environments: {unknown} are not in `domains` {self.domains}")
+                raise ValueError(
+                    f"{name}.reward: MOPD measures accuracy with the verifier; set reward: verifier"
+                )
+        if set(self.environments) - set(self.domains):
+            raise ValueError(
+                f"environments: {sorted(set(self.environments) - set(self.domains))} not in `domains`"
+            )
         return self
 
     def environment_of(self, domain: str) -> EnvironmentConfig:
         return self.environments.get(domain, self.environment)
 
 
-# Routing ----------------------------------------------------------------------------------------
+# Routing ------------------------------------------------------------------------------------------
 
 
 class TeacherRoutingError(ValueError):
@@ -225,16 +207,15 @@ class Teacher:
 
 
 def resolve_model(ref: str, inputs: Mapping[str, Path], what: str) -> Path:
-    """A need's stage id -> its model dir; otherwise `ref` must be a checkpoint dir."""
+    """A need's stage id -> its model dir; anything else must be a checkpoint dir."""
     if ref in inputs:
         return Path(inputs[ref])
     path = Path(ref).expanduser()
     if (path / "config.json").is_file():
         return path.resolve()
-    needs = ", ".join(sorted(inputs)) or "none"
     raise TeacherRoutingError(
-        f"{what}: {ref!r} is neither a need of this stage (needs: {needs}) nor a model directory "
-        "with config.json; add the stage that trains it to `needs` or give a checkpoint path"
+        f"{what}: {ref!r} is neither a need of this stage (needs: {', '.join(sorted(inputs)) or 'none'}) "
+        "nor a model directory with config.json; add the stage that trains it to `needs` or give a path"
     )
 
 
@@ -242,11 +223,14 @@ def route_teachers(cfg: MOPDConfig, inputs: Mapping[str, Path]) -> dict[Pair, Te
     """Every trained (domain, effort) -> its Teacher, resolved against the stage's needs."""
     routes = {}
     for domain in cfg.domains:
-        defaults = TEACHER_DOMAINS.get(domain).teachers
+        registered = TEACHER_DOMAINS.get(domain).teachers
         for effort in cfg.efforts:
             declared = cfg.teachers.get(pair_name((domain, effort))) or TeacherConfig()
-            ref = declared.model or defaults[effort]
-            path = resolve_model(ref, inputs, f"teacher of (domain {domain!r}, effort {effort!r})")
+            path = resolve_model(
+                declared.model or registered[effort],
+                inputs,
+                f"teacher of (domain {domain!r}, effort {effort!r})",
+            )
             routes[(domain, effort)] = Teacher(domain, effort, path, declared.engine or cfg.teacher_engine)
     return routes
 
@@ -255,16 +239,16 @@ def route_teachers(cfg: MOPDConfig, inputs: Mapping[str, Path]) -> dict[Pair, Te
 
 
 class TeacherScoreError(RuntimeError):
-    """A teacher engine kept failing after its rebuilds; the stage stops rather than train unscored."""
+    """A teacher could not score trajectories (after its rebuilds): the stage stops, untrained."""
 
 
 class TeacherPool:
-    """The routed teachers' engines: built once per distinct (checkpoint, backend), scoring with
-    restart-and-rescore on failure.
+    """The routed teachers' engines, built once per distinct (checkpoint, backend).
 
-    score(samples) sets sample.teacher_logprobs for each sample via its (domain, effort) teacher.
-    retries counts engine rebuilds here plus restarts a backend did by itself (a vLLM server
-    engine restarts a dead server before it gives up).
+    score(samples) sets each sample's teacher_logprobs with its (domain, effort) teacher. A backend
+    that fails is closed, rebuilt and asked again, up to max_retries times per call; `retries`
+    counts those rebuilds plus restarts a backend did by itself (the vLLM server engine restarts a
+    dead server before it gives up).
     """
 
     def __init__(self, routes: Mapping[Pair, Teacher], work_dir: Path, max_retries: int, log: Any) -> None:
@@ -273,25 +257,24 @@ class TeacherPool:
         self.max_retries = max_retries
         self.log = log
         self.retries = 0
-        self._engines: dict[tuple[str, str], Engine] = {}
+        self.engines: dict[tuple[str, str], Engine] = {}
 
     def teacher_for(self, sample: Sample) -> Teacher:
         teacher = self.routes.get((sample.domain, sample.effort))
         if teacher is None:
-            routed = ", ".join(pair_name(p) for p in self.routes)
+            name = pair_name((sample.domain, sample.effort))
             raise TeacherRoutingError(
                 f"sample {sample.uid}: (domain {sample.domain!r}, effort {sample.effort!r}) has no teacher "
-                f"(routed: {routed}); add the domain to `domains` and the effort to `efforts`, or declare "
-                f"`teachers: {{{pair_name((sample.domain, sample.effort))}: {{model: ...}}}}`"
+                f"(routed: {', '.join(pair_name(p) for p in self.routes)}); add the domain to `domains` and "
+                f"the effort to `efforts`, or declare `teachers: {{{name}: {{model: ...}}}}`"
             )
         return teacher
 
     def engine(self, key: tuple[str, str]) -> Engine:
-        if key not in self._engines:
-            model_dir, backend = key
-            self.log.info("teacher engine %s for %s", backend, model_dir)
-            self._engines[key] = TEACHER_BACKENDS.get(backend)(Path(model_dir), self.work_dir)
-        return self._engines[key]
+        if key not in self.engines:
+            self.log.info("teacher engine %s for %s", key[1], key[0])
+            self.engines[key] = TEACHER_BACKENDS.get(key[1])(Path(key[0]), self.work_dir)
+        return self.engines[key]
 
     def start(self) -> None:
         """Build every engine now, so a broken teacher fails before the first rollout."""
@@ -311,19 +294,22 @@ class TeacherPool:
             restarts = getattr(engine, "restarts", 0)
             try:
                 scores = engine.score(group)
-                _check_scores(group, scores)
+                check_teacher_scores(group, scores)
             except (ValueError, TypeError):
-                raise  # a bad request, not a dead engine: rebuilding would not help
+                raise  # a request the engine rejects: rebuilding it would not help
             except Exception as error:
                 if attempt == self.max_retries:
-                    uids = [s.uid for s in group]
                     raise TeacherScoreError(
-                        f"teacher {key[1]} {key[0]} failed {attempt + 1} times scoring {uids} ({error}); "
-                        "no trajectory is trained without a teacher score"
+                        f"teacher {key[1]}:{key[0]} failed {attempt + 1} times scoring "
+                        f"{[s.uid for s in group]} ({error}); no trajectory is trained unscored"
                     ) from error
                 self.retries += 1
-                self.log.warning("teacher %s failed (%s); rebuilding it and re-scoring %d trajectories",
-                                 key[0], error, len(group))
+                self.log.warning(
+                    "teacher %s failed (%s); rebuilding it, re-scoring %d trajectories",
+                    key[0],
+                    error,
+                    len(group),
+                )
                 self._drop(key)
                 continue
             self.retries += getattr(engine, "restarts", 0) - restarts
@@ -332,39 +318,45 @@ class TeacherPool:
             return
 
     def _drop(self, key: tuple[str, str]) -> None:
-        engine = self._engines.pop(key, None)
+        engine = self.engines.pop(key, None)
         if engine is not None:
             try:
                 engine.close()
             except Exception as error:  # a dead engine may fail to close; it is dropped either way
-                self.log.warning("closing failed teacher engine %s: %s", key[0], error)
+                self.log.warning("closing teacher engine %s failed: %s", key[0], error)
 
     def close(self) -> None:
-        for key in list(self._engines):
+        for key in list(self.engines):
             self._drop(key)
 
 
-class TeacherOutputError(RuntimeError):
-    """A teacher returned scores that do not fit the trajectory (a failing engine)."""
-
-
-def _check_scores(samples: list[Sample], scores: list[list[float]]) -> None:
+def check_teacher_scores(samples: list[Sample], scores: list[list[float]]) -> None:
+    """Scores that do not fit the trajectories (a dying engine's output) are a failure."""
     if len(scores) != len(samples):
-        raise TeacherOutputError(f"teacher returned {len(scores)} score rows for {len(samples)} samples")
+        raise TeacherScoreError(f"teacher returned {len(scores)} score rows for {len(samples)} samples")
     for sample, score in zip(samples, scores, strict=True):
         if len(score) != len(sample.tokens):
-            raise TeacherOutputError(f"sample {sample.uid}: {len(score)} teacher log-probs, {len(sample.tokens)} tokens")
-        bad = [t for t in range(sample.prompt_length, len(score)) if sample.loss_mask[t] and not math.isfinite(score[t])]
+            raise TeacherScoreError(
+                f"sample {sample.uid}: {len(score)} teacher log-probs, {len(sample.tokens)} tokens"
+            )
+        bad = [t for t, m in enumerate(student_mask(sample)) if m and not math.isfinite(score[t])]
         if bad:
-            raise TeacherOutputError(f"sample {sample.uid}: non-finite teacher log-probs at positions {bad[:8]}")
+            raise TeacherScoreError(
+                f"sample {sample.uid}: non-finite teacher log-probs at positions {bad[:8]}"
+            )
 
 
-# Episodes -----------------------------------------------------------------------------------------
+# Episodes and what they measure --------------------------------------------------------------------
+
+
+def student_mask(sample: Sample) -> list[int]:
+    """1 on the tokens the student sampled (after the prompt; tool results are 0 in loss_mask)."""
+    return [0] * sample.prompt_length + sample.loss_mask[sample.prompt_length :]
 
 
 def act_on_turn(ended: int) -> bool:
     """Environment.play's should_pause, asked right after it acted on a turn generated outside it:
-    stop before generating, so every domain's next turn is decoded in one batch here."""
+    stop before it generates, so the next turn of every domain is decoded in one batch here."""
     return True
 
 
@@ -375,9 +367,10 @@ def play_episodes(
     sampling: Mapping[str, SamplingConfig],
     on_finished: Callable[[list[Sample]], None],
 ) -> None:
-    """Play every sample's episode to its end, turn by turn, all domains decoding together (decode
-    cost at this size is per step, not per row). Each domain's environment acts on the turn (tools,
-    tool results appended, verifier at the end); `on_finished` gets the episodes that just ended."""
+    """Play every sample's episode to its end, turn by turn, all domains decoding together (at this
+    size a decoding step costs the same for 6 rows or 36). Each domain's environment acts on the
+    turn (tools run, results appended, verifier at the end); `on_finished` gets the episodes that
+    ended in the turn."""
     going = list(samples)
     while going:
         for config in dict.fromkeys(sampling[s.domain] for s in going):
@@ -392,68 +385,134 @@ def play_episodes(
         going = [s for s in going if not s.metrics.get(EPISODE_DONE)]
 
 
-def student_mask(sample: Sample) -> list[int]:
-    """1 on the tokens the student sampled (after the prompt, not tool results)."""
-    return [0] * sample.prompt_length + sample.loss_mask[sample.prompt_length :]
-
-
 def pair_results(samples: list[Sample]) -> dict[str, dict[str, float]]:
-    """Per pair: reverse KL to its teacher (token mean over student tokens), accuracy (verifier
-    reward, 0 when unscored) and mean student tokens per episode."""
+    """Per pair: kl, the reverse KL to its teacher (token mean over the student's tokens of
+    log p_student - log p_teacher); accuracy, the mean verifier reward (0 when unscored); tokens,
+    the mean student-generated tokens per episode (tool results excluded)."""
     by_pair: dict[str, list[Sample]] = {}
     for sample in samples:
         by_pair.setdefault(pair_name((sample.domain, sample.effort)), []).append(sample)
     results = {}
     for name, group in by_pair.items():
-        student = torch.tensor([lp for s in group for lp in s.rollout_logprobs], dtype=torch.float64)
-        teacher = torch.tensor([lp for s in group for lp in s.teacher_logprobs or []], dtype=torch.float64)
-        mask = torch.tensor([m for s in group for m in student_mask(s)], dtype=torch.bool)
         results[name] = {
-            "kl": reverse_kl(student, teacher, mask),
+            "kl": reverse_kl(
+                torch.tensor([x for s in group for x in s.rollout_logprobs], dtype=torch.float64),
+                torch.tensor([x for s in group for x in s.teacher_logprobs or []], dtype=torch.float64),
+                torch.tensor([m for s in group for m in student_mask(s)], dtype=torch.bool),
+            ),
             "accuracy": sum(s.reward or 0.0 for s in group) / len(group),
             "tokens": sum(s.num_generated for s in group) / len(group),
         }
     return results
 
 
+def batch_metrics(samples: list[Sample], rewards: list[list[float]], r_max: float) -> dict[str, float]:
+    """Reward and reverse KL of a training batch (overall, per pair), response length per effort."""
+    deltas = [
+        (r, s.teacher_logprobs[t] - s.rollout_logprobs[t])
+        for s, row in zip(samples, rewards, strict=True)
+        for t, (r, m) in enumerate(zip(row, student_mask(s), strict=True))
+        if m
+    ]
+    n = max(len(deltas), 1)
+    metrics = {
+        "reward": sum(r for r, _ in deltas) / n,
+        "reward_clipped_fraction": sum(abs(d) > r_max for _, d in deltas) / n,
+        "kl": -sum(d for _, d in deltas) / n,
+        "accuracy": sum(s.reward or 0.0 for s in samples) / len(samples),
+        "student_tokens": float(len(deltas)),
+    }
+    metrics.update({f"kl/{name}": result["kl"] for name, result in pair_results(samples).items()})
+    for effort in dict.fromkeys(s.effort for s in samples):
+        group = [s for s in samples if s.effort == effort]
+        metrics[f"response_length/{effort}"] = sum(s.num_generated for s in group) / len(group)
+    return metrics
+
+
+# Training -----------------------------------------------------------------------------------------
+
+
+def distillation_loss(
+    model: torch.nn.Module, samples: list[Sample], rewards: list[list[float]], loss: PolicyLossConfig
+) -> PolicyLoss:
+    """The per-token policy loss of one micro-batch with A_t = r_t (`rewards`, aligned with each
+    sample's tokens), the student's recorded log-probs as behaviour, on student tokens only. Its
+    stats also hold the train/rollout mismatch (posttrain.algos.mismatch_stats)."""
+    device = next(model.parameters()).device
+    ids, attention = left_pad([s.tokens for s in samples], 0)
+    width = ids.shape[1]
+
+    def padded(rows: list[list[float]], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.tensor([[0] * (width - len(r)) + list(r) for r in rows], dtype=dtype, device=device)
+
+    logits = model(
+        input_ids=ids.to(device),
+        attention_mask=attention.to(device),
+        position_ids=positions_from_mask(attention).to(device),
+    ).logits.float()
+    picked = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None].to(device)).squeeze(-1)
+    logp = torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
+    mask = padded([student_mask(s) for s in samples], torch.bool)
+    behaviour = padded([s.rollout_logprobs for s in samples])
+    out = policy_loss(logp, behaviour, padded(rewards), mask, config=loss)
+    out.stats.update(mismatch_stats(logp, behaviour, mask, loss.tis_cap))
+    return out
+
+
+def train_on(state: TrainState, samples: list[Sample], cfg: MOPDConfig, step: int) -> dict[str, float]:
+    """One optimizer step over every trajectory of the step; the loss is the mean over all student
+    tokens of the batch (micro-batch sums divided once by the batch's token count)."""
+    rewards = [mopd_sample_rewards(s, cfg.r_max) for s in samples]
+    loss_cfg = cfg.loss.model_copy(update={"reduction": "sum"})
+    total = max(sum(sum(student_mask(s)) for s in samples), 1)
+    sums: dict[str, float] = {"loss": 0.0}
+    for start in range(0, len(samples), cfg.train.micro_batch_size):
+        rows = samples[start : start + cfg.train.micro_batch_size]
+        out = distillation_loss(state.model, rows, rewards[start : start + len(rows)], loss_cfg)
+        state.check_finite(out.loss, step, detail=f" (trajectories {[s.uid for s in rows][:4]} ...)")
+        state.backward(out.loss / total)
+        sums["loss"] += float(out.loss.detach()) / total
+        for key, value in out.stats.items():
+            if key.endswith("_max"):
+                sums[key] = max(sums.get(key, 0.0), value)
+            elif key != "num_tokens":
+                sums[key] = sums.get(key, 0.0) + value * float(out.num_tokens) / total
+    return {**sums, **state.optimizer_step(step), **batch_metrics(samples, rewards, cfg.r_max)}
+
+
 # The stage ----------------------------------------------------------------------------------------
 
 
 class Distiller:
-    """The student, its environments, its teachers and the prompt streams of one MOPD stage."""
+    """The student engine, the domains' environments, the teachers and the prompt streams."""
 
-    def __init__(self, ctx: StageContext, cfg: MOPDConfig, state: TrainState, renderer: ChatRenderer,
-                 pool: TeacherPool) -> None:
-        self.ctx, self.cfg, self.state, self.renderer, self.pool = ctx, cfg, state, renderer, pool
-        self.student = EmbeddedEngine(base_without_peft(state.unwrapped), pad_token_id=renderer.pad_id)
+    def __init__(
+        self,
+        ctx: StageContext,
+        cfg: MOPDConfig,
+        model: torch.nn.Module,
+        renderer: ChatRenderer,
+        pool: TeacherPool,
+    ) -> None:
+        self.cfg, self.renderer, self.pool, self.seed = cfg, renderer, pool, ctx.seed
+        self.student = EmbeddedEngine(model, pad_token_id=renderer.pad_id)
+        sandboxes = ctx.stage_dir / "sandboxes"
+        remove_tree(sandboxes)  # snapshots of an interrupted attempt: never resumed, episodes restart
         self.envs = {
-            d: TEACHER_DOMAINS.get(d).environment(renderer, cfg.environment_of(d), sandbox_dir=ctx.stage_dir / "sandboxes")
+            d: TEACHER_DOMAINS.get(d).environment(renderer, cfg.environment_of(d), sandbox_dir=sandboxes)
             for d in cfg.domains
         }
-        self.eval_seed = ctx.seed if cfg.eval.seed is None else cfg.eval.seed
         self.eval_prompts = {
-            d: env.prompts("eval", cfg.eval.prompts_per_domain, self.eval_seed) for d, env in self.envs.items()
+            d: e.prompts("eval", cfg.eval.prompts_per_domain, cfg.eval.seed) for d, e in self.envs.items()
         }
         count = cfg.train.steps * cfg.rollout.prompts_per_domain
         self.train_prompts = {
-            d: env.prompts("train", count, ctx.seed, exclude=self.eval_prompts[d]) for d, env in self.envs.items()
-        }
-
-    def sampling(self, temperature: float) -> dict[str, SamplingConfig]:
-        return {
-            d: SamplingConfig(
-                max_tokens=self.cfg.environment_of(d).max_tokens_per_turn,
-                temperature=temperature,
-                stop_token_ids=(self.renderer.end_of_turn_id,),
-                tool_call_token_ids=(self.renderer.tool_calls_end_id,),
-                seed=self.ctx.seed,
-                logprobs="raw",
-            )
-            for d in self.cfg.domains
+            d: env.prompts("train", count, ctx.seed, exclude=self.eval_prompts[d])
+            for d, env in self.envs.items()
         }
 
     def episodes(self, prompts: Mapping[str, list[Sample]], tag: str) -> list[Sample]:
-        """Fresh trajectories: each prompt at every effort, routed (a pair without teacher fails here)."""
+        """Fresh trajectories, each prompt at every effort; routed now, so an unrouted pair fails here."""
         samples = [
             self.envs[d].start(p, uid=f"{tag}-{d}-{e}-{i}", group=f"{tag}-{p.uid}", effort=e)
             for d, group in prompts.items()
@@ -464,112 +523,60 @@ class Distiller:
             self.pool.teacher_for(sample)
         return samples
 
+    def step_prompts(self, step: int) -> dict[str, list[Sample]]:
+        n = self.cfg.rollout.prompts_per_domain
+        return {d: prompts[(step - 1) * n : step * n] for d, prompts in self.train_prompts.items()}
+
     def rollout(self, samples: list[Sample], temperature: float) -> dict[str, float]:
-        """Play and teacher-score every sample; returns timings."""
-        started = time.perf_counter()
-        scoring = [0.0]
+        """Play every episode; each is teacher-scored in the turn it ends. Returns timings."""
+        started, scoring = time.perf_counter(), [0.0]
 
         def score(finished: list[Sample]) -> None:
             began = time.perf_counter()
             self.pool.score(finished)
             scoring[0] += time.perf_counter() - began
 
-        play_episodes(self.envs, self.student, samples, self.sampling(temperature), score)
+        sampling = {
+            d: SamplingConfig(
+                max_tokens=self.cfg.environment_of(d).max_tokens_per_turn,
+                temperature=temperature,
+                stop_token_ids=(self.renderer.end_of_turn_id,),
+                tool_call_token_ids=(self.renderer.tool_calls_end_id,),
+                seed=self.seed,
+            )
+            for d in self.cfg.domains
+        }
+        play_episodes(self.envs, self.student, samples, sampling, score)
         unscored = [s.uid for s in samples if s.teacher_logprobs is None]
         if unscored:
             raise TeacherScoreError(f"episodes {unscored} ended without a teacher score")
         return {"rollout_s": time.perf_counter() - started - scoring[0], "teacher_score_s": scoring[0]}
 
     def evaluate(self) -> dict[str, dict[str, float]]:
+        """pair_results on the held-out prompts; the same uids (hence sampling noise) every time."""
         samples = self.episodes(self.eval_prompts, "eval")
         self.rollout(samples, temperature=1.0)
         return pair_results(samples)
-
-    def step_prompts(self, step: int) -> dict[str, list[Sample]]:
-        n = self.cfg.rollout.prompts_per_domain
-        return {d: pool[(step - 1) * n : step * n] for d, pool in self.train_prompts.items()}
 
     def close(self) -> None:
         for env in self.envs.values():
             env.close()
 
 
-def train_on(state: TrainState, samples: list[Sample], cfg: MOPDConfig, step: int) -> dict[str, float]:
-    """One optimizer step of the per-token policy loss with A_t = r_t over every trajectory; the
-    loss is the mean over all student tokens of the batch (micro-batches summed, divided once)."""
-    rewards = [mopd_sample_rewards(s, cfg.r_max) for s in samples]
-    loss_cfg = cfg.loss.model_copy(update={"reduction": "sum"})
-    total = max(sum(sum(student_mask(s)) for s in samples), 1)
-    device = state.accelerator.device
-    sums: dict[str, float] = {}
-    size = cfg.train.micro_batch_size
-    for start in range(0, len(samples), size):
-        rows, row_rewards = samples[start : start + size], rewards[start : start + size]
-        ids, attention = left_pad([s.tokens for s in rows], 0)
-        width = ids.shape[1]
-
-        def padded(values: list[list[float]], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-            return torch.tensor([[0] * (width - len(v)) + list(v) for v in values], dtype=dtype)
-
-        mask = padded([student_mask(s) for s in rows], torch.bool)
-        logits = state.model(
-            input_ids=ids.to(device), attention_mask=attention.to(device),
-            position_ids=positions_from_mask(attention).to(device),
-        ).logits.float()
-        picked = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None].to(device)).squeeze(-1)
-        logp = torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
-        out = policy_loss(
-            logp, padded([s.rollout_logprobs for s in rows]).to(device), padded(row_rewards).to(device),
-            mask.to(device), config=loss_cfg,
-        )
-        state.check_finite(out.loss, step, detail=f" (trajectories {[s.uid for s in rows]})")
-        state.backward(out.loss / total)
-        for key, value in out.stats.items():
-            sums[key] = sums.get(key, 0.0) + value * out.stats["num_tokens"]
-        sums["loss"] = sums.get("loss", 0.0) + float(out.loss.detach())
-    metrics = {key: value / total for key, value in sums.items() if key != "num_tokens"}
-    metrics.update(state.optimizer_step(step))
-    metrics.update(batch_metrics(samples, rewards, cfg.r_max))
-    return metrics
-
-
-def batch_metrics(samples: list[Sample], rewards: list[list[float]], r_max: float) -> dict[str, float]:
-    """Reward, reverse KL and response length of a batch, overall and per effort / pair."""
-    metrics: dict[str, float] = {"num_tokens": float(sum(sum(student_mask(s)) for s in samples))}
-    deltas = [
-        (r, s.teacher_logprobs[t] - s.rollout_logprobs[t])
-        for s, row in zip(samples, rewards, strict=True)
-        for t, (r, m) in enumerate(zip(row, student_mask(s), strict=True))
-        if m
-    ]
-    if deltas:
-        metrics["reward"] = sum(r for r, _ in deltas) / len(deltas)
-        metrics["reward_clipped_fraction"] = sum(abs(d) > r_max for _, d in deltas) / len(deltas)
-    for name, result in pair_results(samples).items():
-        metrics[f"kl/{name}"] = result["kl"]
-    metrics["kl"] = -sum(d for _, d in deltas) / max(len(deltas), 1)
-    for effort in dict.fromkeys(s.effort for s in samples):
-        group = [s for s in samples if s.effort == effort]
-        metrics[f"response_length/{effort}"] = sum(s.num_generated for s in group) / len(group)
-    metrics["accuracy"] = sum(s.reward or 0.0 for s in samples) / max(len(samples), 1)
-    return metrics
-
-
 def student_dir(cfg: MOPDConfig, ctx: StageContext) -> Path:
-    """The student's starting model: `student`, else the SFT model (a need "sft", else the SFT stage
-    of this run dir, which every rl-* teacher needs, so a change to it reaches this stage through
-    the teachers' hashes), else the stage's `model` when it is a need's dir."""
+    """The student's starting model: `student`; else the SFT model: the need "sft", or this run's
+    sft stage (every rl-* teacher needs it, so a change to it reaches this stage through the
+    teachers' hashes); else the stage's `model` when that is a need's dir."""
     if cfg.student:
         return resolve_model(cfg.student, ctx.inputs, "student")
     if "sft" in ctx.inputs:
         return Path(ctx.inputs["sft"])
-    upstream = ctx.run_dir / "sft" / "model"
-    if (upstream / "config.json").is_file():
-        return upstream
+    if (ctx.run_dir / "sft" / "model" / "config.json").is_file():
+        return ctx.run_dir / "sft" / "model"
     if ctx.model is not None and Path(ctx.model).is_dir():
         return Path(ctx.model)
     raise TeacherRoutingError(
-        f"stage {ctx.stage_id}: no student model: set `student:` to a need's stage id or a model dir, "
+        f"stage {ctx.stage_id}: no student model; set `student:` to a need's stage id or a model dir, "
         "or add sft.yaml to `needs` (the default student is the SFT model)"
     )
 
@@ -579,15 +586,18 @@ def run_mopd(ctx: StageContext) -> dict[str, float]:
     """Multi-teacher on-policy distillation of the (domain, effort) specialists into one student."""
     cfg: MOPDConfig = ctx.config
     routes = route_teachers(cfg, ctx.inputs)
-    start_from = student_dir(cfg, ctx)
-    tokenizer = load_tokenizer(cfg.tokenizer or start_from)
+    start = student_dir(cfg, ctx)
+    tokenizer = load_tokenizer(
+        cfg.tokenizer or (start if (start / "tokenizer_config.json").is_file() else None)
+    )
     renderer = ChatRenderer(tokenizer)
-    policy = load_policy(ctx, len(tokenizer), model_path=start_from)
+    policy = load_policy(ctx, len(tokenizer), model_path=start)
     state = TrainState.create(ctx, policy.model, cfg.train, cfg.accelerate, cfg.train.steps)
     pool = TeacherPool(routes, ctx.stage_dir, cfg.max_teacher_retries, ctx.log)
-    ctx.log.info("MOPD: student %s; teachers %s", start_from,
-                 {pair_name(p): f"{t.engine}:{t.model_dir}" for p, t in routes.items()})
-    distiller = Distiller(ctx, cfg, state, renderer, pool)
+    ctx.log.info(
+        "MOPD: student %s; teachers %s", start, {pair_name(p): str(t.model_dir) for p, t in routes.items()}
+    )
+    distiller = Distiller(ctx, cfg, base_without_peft(state.unwrapped), renderer, pool)
     try:
         pool.start()
         checkpoint = state.restore()
@@ -596,19 +606,21 @@ def run_mopd(ctx: StageContext) -> dict[str, float]:
             pool.retries = int(checkpoint.extra["teacher_retries"])
         else:
             step, before = 0, distiller.evaluate()
-            ctx.metrics.log(0, {f"eval/{k}/{p}_before": v[k] for p, v in before.items() for k in v})
+            ctx.metrics.log(0, {f"eval/{k}_before/{p}": v[k] for p, v in before.items() for k in v})
+        distiller.student.policy_version = step
         last: dict[str, float] = {}
         while step < cfg.train.steps:
             step += 1
             samples = distiller.episodes(distiller.step_prompts(step), f"step{step}")
             timings = distiller.rollout(samples, cfg.rollout.temperature)
             last = {**train_on(state, samples, cfg, step), **timings, "teacher_retries": float(pool.retries)}
+            distiller.student.policy_version = step
             ctx.metrics.log(step, last)
             if step % cfg.checkpoint_every == 0 or step == cfg.train.steps:
                 state.save_checkpoint(step, extra={"before": before, "teacher_retries": pool.retries})
-            ctx.progress(step, cfg.train.steps, kl=last["kl"], reward=last.get("reward", 0.0))
+            ctx.progress(step, cfg.train.steps, kl=last["kl"], reward=last["reward"])
         after = distiller.evaluate()
-        ctx.metrics.log(step, {f"eval/{k}/{p}_after": v[k] for p, v in after.items() for k in v})
+        ctx.metrics.log(step, {f"eval/{k}_after/{p}": v[k] for p, v in after.items() for k in v})
     finally:
         distiller.close()
         pool.close()
@@ -617,26 +629,35 @@ def run_mopd(ctx: StageContext) -> dict[str, float]:
     return final_metrics(report, last, pool.retries, step)
 
 
-def write_eval(path: Path, before: Mapping[str, Mapping[str, float]], after: Mapping[str, Mapping[str, float]]) -> dict:
+def write_eval(
+    path: Path, before: Mapping[str, Mapping[str, float]], after: Mapping[str, Mapping[str, float]]
+) -> dict:
     """DIR/mopd/eval.json: {"<domain>-<effort>": {kl_before, kl_after, accuracy_before,
     accuracy_after, tokens_before, tokens_after}}."""
     report = {
-        name: {f"{key}_{when}": float(values[name][key]) for key in ("kl", "accuracy", "tokens")
-               for when, values in (("before", before), ("after", after))}
+        name: {
+            f"{key}_{when}": float(values[name][key])
+            for key in RESULT_KEYS
+            for when, values in (("before", before), ("after", after))
+        }
         for name in before
     }
     atomic_write_text(path, json.dumps(report, indent=1, sort_keys=True) + "\n")
     return report
 
 
-def final_metrics(report: dict, last: Mapping[str, float], retries: int, steps: int) -> dict[str, float]:
-    """Means over pairs, how many pairs moved closer to their teacher, and the last step's loss."""
+def final_metrics(
+    report: Mapping[str, Mapping[str, float]], last: Mapping[str, float], retries: int, steps: int
+) -> dict[str, float]:
+    """Means over pairs, how many pairs moved closer to their teacher, retries, the last loss."""
     n = max(len(report), 1)
-    final = {f"{key}_{when}": sum(r[f"{key}_{when}"] for r in report.values()) / n
-             for key in ("kl", "accuracy", "tokens") for when in ("before", "after")}
+    final = {
+        f"{key}_{when}": sum(r[f"{key}_{when}"] for r in report.values()) / n
+        for key in RESULT_KEYS
+        for when in ("before", "after")
+    }
     final["pairs_kl_improved"] = float(sum(r["kl_after"] < r["kl_before"] for r in report.values()))
-    final["teacher_retries"] = float(retries)
-    final["steps"] = float(steps)
+    final.update(teacher_retries=float(retries), steps=float(steps))
     if "loss" in last:
         final["train_loss"] = last["loss"]
     return final

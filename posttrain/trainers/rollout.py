@@ -66,10 +66,10 @@ class Rollout:
         return [sample for group in self.groups for sample in group]
 
 
-def oldest_version(sample: Sample) -> int | None:
-    """Policy version of the sample's oldest generated token (None before any was generated)."""
+def _oldest(sample: Sample, default: int) -> int:
+    """Policy version of the sample's oldest generated token (`default` before any was generated)."""
     versions = [v for v, m in zip(sample.policy_version, sample.loss_mask, strict=True) if m and v >= 0]
-    return min(versions) if versions else None
+    return min(versions, default=default)
 
 
 def version_span(sample: Sample) -> int:
@@ -100,9 +100,7 @@ class RolloutQueue:
         version = self.engine.policy_version
         resumed = [s for s in self.waiting if s.finish_reason == "paused"]
         inflight = resumed + list(new_samples)
-        overdue = [
-            s for s in resumed if version - (oldest_version(s) or version) >= self.config.max_staleness
-        ]
+        overdue = [s for s in resumed if version - _oldest(s, version) >= self.config.max_staleness]
         rest = [s for s in inflight if not any(s is o for o in overdue)]
         started = time.perf_counter()
         if overdue:

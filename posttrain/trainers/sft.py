@@ -164,8 +164,8 @@ def run_sft(ctx: StageContext) -> dict[str, float]:
     while step < train.steps:
         last = _train_step(state, stream, train, step + 1)
         step += 1
-        if cfg.eval_every and step % cfg.eval_every == 0 and step < train.steps:
-            last.update({"eval_loss": evaluate.loss(model, "now")["eval_loss_now"]} if evaluate.rows else {})
+        if cfg.eval_every and step % cfg.eval_every == 0 and step < train.steps and evaluate.rows:
+            last["eval_loss"] = eval_loss(model, evaluate.rows)
         ctx.metrics.log(step, last)
         if step % cfg.checkpoint_every == 0 or step == train.steps:
             state.save_checkpoint(step, extra={"data": stream.cursor(), "before": before})

@@ -25,7 +25,7 @@ from posttrain.data.sample import Sample
 from posttrain.data.tasks import TASK_FAMILIES, Episode, FinalState, TaskFamily
 from posttrain.envs.environments import ENVIRONMENTS, Environment
 from posttrain.envs.tools import Tool
-from posttrain.trainers.mopd import teacher_domain
+from teachers.domain import teacher_domain
 
 DOMAIN = "math"
 

@@ -17,8 +17,8 @@ from posttrain.data.tasks import TASK_FAMILIES, Episode
 from posttrain.engines import EmbeddedEngine, SamplingConfig
 from posttrain.envs.environments import (
     EPISODE_DONE,
-    SUBMISSIONS,
     SUBMISSION_FEEDBACK,
+    SUBMISSIONS,
     EnvironmentConfig,
     HarnessConfig,
     make_environment,

@@ -191,6 +191,26 @@ def test_missing_plugin_file(write, posttrain, tmp_path: Path) -> None:
     )
 
 
+def test_plugins_by_module_name(write, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    write(
+        "my_stage_kinds.py",
+        """
+    from posttrain.stages import stage_kind
+
+    @stage_kind("toy-by-module-name")
+    def run(ctx):
+        return {}
+    """,
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    pipeline = load_pipeline(write("a.yaml", "kind: toy-by-module-name\nplugins: [my_stage_kinds]\n"))
+    assert pipeline.stages["a"].registered and pipeline.stages["a"].plugins == ["my_stage_kinds"]
+    with pytest.raises(
+        ConfigError, match=r"plugins\[0\]: importing plug-in 'no_such_kinds' failed: ModuleNotFound"
+    ):
+        load_pipeline(write("b.yaml", "kind: x\nplugins: [no_such_kinds]\n"))
+
+
 def test_unregistered_kind_plans_but_does_not_run(write, posttrain, tmp_path: Path) -> None:
     path = write("a.yaml", "kind: distill-v9\nteacher_temperature: 2\n")
     code, out, _ = posttrain("plan", path, "--run-dir", tmp_path / "run")
