@@ -9,7 +9,6 @@ files are collected and raised together as one ConfigError, before anything is w
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -296,7 +295,7 @@ def _import_plugins(loader: _Loader) -> None:
                 )
                 continue
             try:
-                import_stage_plugin(resolved)
+                import_plugin(resolved)
             except (RegistryError, TypeError) as exc:
                 loader.issues.append(Issue(message=f"plug-in {spec!r} could not register: {exc}", **where))
             except Exception as exc:  # a user's plug-in may raise anything on import
@@ -305,16 +304,6 @@ def _import_plugins(loader: _Loader) -> None:
                 )
     if loader.issues:
         raise ConfigError(loader.issues + loader.later)
-
-
-def import_stage_plugin(spec: str) -> None:
-    """Import one `plugins:` entry: a .py file through the registry's file loader, a module by
-    name with importlib (posttrain.registry.import_plugin's own branch for module names raises
-    UnboundLocalError: its function-local `import importlib.util` shadows the module)."""
-    if spec.endswith(".py"):
-        import_plugin(spec)
-    else:
-        importlib.import_module(spec)
 
 
 def _kind_paths(kind: Any) -> set[tuple[str, ...]]:

@@ -32,7 +32,6 @@ from posttrain.checkpoint import atomic_write_text, latest_checkpoint_step, sha2
 MANIFEST = "manifest.json"
 LOCK = ".lock"
 PROGRESS = "progress.json"
-STATUSES = ("pending", "running", "done", "failed")
 
 
 def stage_dir(run_dir: Path, stage_id: str) -> Path:

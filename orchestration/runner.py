@@ -27,7 +27,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from orchestration.pipeline import Pipeline, Stage, import_stage_plugin, qat_config_class
+from orchestration.pipeline import Pipeline, Stage, qat_config_class
 from orchestration.rundir import (
     LOCK,
     PROGRESS,
@@ -41,7 +41,7 @@ from orchestration.rundir import (
 )
 from posttrain.checkpoint import CheckpointManager, fsync_dir, fsync_file, remove_tree
 from posttrain.metrics import MetricsLogger
-from posttrain.registry import load_plugins
+from posttrain.registry import import_plugin, load_plugins
 from posttrain.stages import STAGE_KINDS, StageContext
 
 REQUEST = "stage.json"
@@ -175,7 +175,7 @@ def _context(
 ) -> StageContext:
     load_plugins()
     for spec in stage.plugins:
-        import_stage_plugin(spec)
+        import_plugin(spec)
     kind = STAGE_KINDS.get(stage.kind)
     config = kind.config.model_validate(stage.body)
     qat: Any = stage.qat

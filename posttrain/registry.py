@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import importlib.util
+import pathlib
+import sys
 from collections.abc import Callable, Iterator
 from importlib.metadata import entry_points
 from typing import Generic, TypeVar
@@ -76,7 +79,7 @@ _loaded = False
 # The plug-in packages shipped in this repository. They are found through the same entry-point
 # group an outside package uses (see pyproject.toml); this list only covers running from a source
 # tree that was never pip-installed.
-_BUILTIN_PLUGINS = ("teachers", "rewards", "data_recipes")
+_BUILTIN_PLUGINS = ("posttrain.trainers", "teachers", "rewards", "data_recipes")
 
 
 def load_plugins(extra_modules: tuple[str, ...] = ()) -> None:
@@ -95,10 +98,6 @@ def load_plugins(extra_modules: tuple[str, ...] = ()) -> None:
 def import_plugin(spec: str) -> None:
     """Import a module by dotted name or by file path (a user's own plug-in file)."""
     if spec.endswith(".py"):
-        import importlib.util
-        import pathlib
-        import sys
-
         path = pathlib.Path(spec).resolve()
         if not path.exists():
             raise FileNotFoundError(f"plug-in file {spec} does not exist")

@@ -102,7 +102,6 @@ class StageKind:
     name: str
     config: type[BaseModel]
     run: StageRun
-    description: str = ""
 
 
 STAGE_KINDS: Registry[StageKind] = Registry("stage kind")
@@ -119,8 +118,7 @@ def stage_kind(name: str, config: type[BaseModel] | None = None) -> Callable[[St
     _require_forbid(config, config.__name__)
 
     def decorator(run: StageRun) -> StageRun:
-        doc = (run.__doc__ or "").strip().splitlines()
-        STAGE_KINDS.register(name)(StageKind(name, config, run, doc[0] if doc else ""))
+        STAGE_KINDS.register(name)(StageKind(name, config, run))
         return run
 
     return decorator

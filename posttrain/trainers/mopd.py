@@ -355,8 +355,8 @@ def student_mask(sample: Sample) -> list[int]:
 
 
 def act_on_turn(ended: int) -> bool:
-    """Environment.play's should_pause, asked right after it acted on a turn generated outside it:
-    stop before it generates, so the next turn of every domain is decoded in one batch here."""
+    """Environment.play's should_pause: asked right after it acted on the turns generated outside
+    it (and before it would generate), so the next turn of every domain is decoded in one batch."""
     return True
 
 
@@ -369,12 +369,11 @@ def play_episodes(
 ) -> None:
     """Play every sample's episode to its end, turn by turn, all domains decoding together (at this
     size a decoding step costs the same for 6 rows or 36). Each domain's environment acts on the
-    turn (tools run, results appended, verifier at the end); `on_finished` gets the episodes that
-    ended in the turn."""
+    last turn (tools run in its sandboxes, results appended, the verifier at the end) and leaves
+    the others "paused" before their next turn; `on_finished` gets the episodes that just ended.
+    Samples may be fresh prompts or carry a turn not yet acted on (finish_reason set)."""
     going = list(samples)
     while going:
-        for config in dict.fromkeys(sampling[s.domain] for s in going):
-            student.generate([s for s in going if sampling[s.domain] == config], config)
         for domain, env in envs.items():
             mine = [s for s in going if s.domain == domain]
             if mine:
@@ -383,6 +382,8 @@ def play_episodes(
         if finished:
             on_finished(finished)
         going = [s for s in going if not s.metrics.get(EPISODE_DONE)]
+        for config in dict.fromkeys(sampling[s.domain] for s in going):
+            student.generate([s for s in going if sampling[s.domain] == config], config)
 
 
 def pair_results(samples: list[Sample]) -> dict[str, dict[str, float]]:

@@ -310,11 +310,14 @@ def _new_groups(
     return groups
 
 
-def _rewards(
+def trajectory_rewards(
     samples: list[Sample], budgets: dict[str, float], cfg: RLConfig, step: int, renderer: ChatRenderer
 ) -> tuple[list[Sample], torch.Tensor, dict[str, float]]:
-    """Budget-adjusted rewards of the scored samples (a judge's unparsable verdicts are left out)."""
+    """The scored samples (a judge's unparsable verdicts are left out), their budget rewards at
+    iteration `step` (-1 over tau(effort) * b0(prompt), else the task reward) and metrics."""
     markers = (renderer.token_ids["think_begin"], renderer.token_ids["think_end"])
+    # tau_start on the first iteration, tau_end on the last.
+    progress, span = step - 1, max(cfg.train.steps - 1, 1)
     scored = [s for s in samples if s.reward is not None]
     rewards, usages, over = [], [], 0
     for sample in scored:
@@ -323,8 +326,8 @@ def _rewards(
             float(sample.reward),
             budgets[sample.task["prompt_uid"]],
             cfg.budget,
-            step,
-            cfg.train.steps,
+            progress,
+            span,
             markers,
         )
         rewards.append(outcome.reward)
@@ -337,7 +340,7 @@ def _rewards(
         "task_reward_mean": sum(float(s.reward) for s in scored) / n,
         "over_budget_fraction": over / n,
         "usage_mean": sum(usages) / n,
-        "tau": tau_at(cfg.budget, effort, step, cfg.train.steps),
+        "tau": tau_at(cfg.budget, effort, progress, span),
         "response_tokens_mean": sum(s.num_generated for s in scored) / n,
         "unscored": float(len(samples) - len(scored)),
     }
@@ -355,7 +358,7 @@ def _train_step(
 ) -> dict[str, float]:
     """Score, advantage and one optimizer step over the iteration's complete groups."""
     started = time.perf_counter()
-    scored, rewards, metrics = _rewards(samples, budgets, cfg, step, renderer)
+    scored, rewards, metrics = trajectory_rewards(samples, budgets, cfg, step, renderer)
     if not scored:
         return {**metrics, "skipped": 1.0}
     advantages = group_advantages(

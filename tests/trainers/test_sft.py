@@ -24,7 +24,7 @@ from posttrain.metrics import MetricsLogger, read_metrics
 from posttrain.model import KimiK3ForCausalLM, load_model_config
 from posttrain.qat import QATConfig
 from posttrain.stages import STAGE_KINDS, StageContext
-from posttrain.trainers.common import NonFiniteLossError, WarmupCosine
+from posttrain.trainers.common import AccelerateConfig, NonFiniteLossError, WarmupCosine, accelerator_plugins
 from posttrain.trainers.sft import SFTConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -195,6 +195,42 @@ def test_lora_trains_only_the_adapters(tmp_path, small_recipe, tiny_model_dir):
     targeted = {n for n in before if n.endswith(("q_proj.weight", "o_proj.weight"))}
     assert targeted and changed - targeted <= {n for n in before if n.endswith("e_score_correction_bias")}
     assert targeted <= changed
+
+
+def test_gradient_checkpointing_changes_memory_not_the_result(tmp_path, small_recipe, tiny_model_dir):
+    runs = {}
+    for flag in (False, True):
+        ctx = make_ctx(tmp_path / f"gc-{flag}", body(small_recipe[0], steps=2, gradient_checkpointing=flag),
+                       model=tiny_model_dir)
+        run(ctx)
+        losses = [r["loss"] for r in read_metrics(ctx.stage_dir / "metrics.jsonl") if "loss" in r]
+        runs[flag] = (load_file(str(ctx.output_dir / "model.safetensors")), losses)
+    (plain, plain_losses), (checkpointed, checkpointed_losses) = runs[False], runs[True]
+    assert checkpointed_losses == pytest.approx(plain_losses, rel=1e-6)
+    for name, tensor in plain.items():
+        torch.testing.assert_close(checkpointed[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_sharding_configs_reach_accelerate_plugins_or_fall_back_without_cuda(tmp_path, caplog):
+    from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin
+
+    config = tmp_path / "zero2.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 1}))
+    cases = [
+        ({"deepspeed_config": str(config)}, "deepspeed_plugin", DeepSpeedPlugin),
+        ({"fsdp": {"version": 2}}, "fsdp_plugin", FullyShardedDataParallelPlugin),
+    ]
+    for accelerate, key, plugin in cases:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            kwargs = accelerator_plugins(AccelerateConfig.model_validate(accelerate), 4, logging.getLogger("t"))
+        assert kwargs["mixed_precision"] == "no" and kwargs["gradient_accumulation_steps"] == 4
+        if torch.cuda.is_available():
+            assert isinstance(kwargs[key], plugin)
+        else:
+            assert key not in kwargs and "no CUDA: running as one plain process" in caplog.text
+    with pytest.raises(ValidationError, match="set deepspeed_config or fsdp, not both"):
+        AccelerateConfig.model_validate({"deepspeed_config": str(config), "fsdp": {}})
 
 
 def test_config_errors_name_the_key():

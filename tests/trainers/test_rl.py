@@ -1,0 +1,222 @@
+"""The `rl` stage kind run for real on the tiny K3 (an untrained model stands in for the SFT one):
+budget rewards and their b0 cache shared across efforts, eval.json, a loadable specialist, GenRM
+verdicts that cannot be parsed left out of training, and bit-for-bit resume after a crash."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from posttrain.checkpoint import CheckpointManager
+from posttrain.data.chat import ChatRenderer, load_tokenizer
+from posttrain.data.sample import Sample
+from posttrain.metrics import MetricsLogger, read_metrics
+from posttrain.model import KimiK3ForCausalLM, load_model_config
+from posttrain.qat import QATConfig
+from posttrain.stages import STAGE_KINDS, StageContext
+from posttrain.trainers.rl import RLConfig, trajectory_rewards
+
+REPO = Path(__file__).resolve().parents[2]
+TINY_BODY = {
+    "train": {"steps": 2, "lr": 1e-3},
+    "rollout": {"prompts": 2, "groups_per_step": 1, "group_size": 2},
+    "environments": {d: {"max_tokens_per_turn": 6, "max_turns": 1} for d in ("general", "agent", "coding")},
+    "budget": {"cold_start": {"samples": 2}},
+    "eval": {"prompts": 2},
+}
+
+
+class FakeCrash(RuntimeError):
+    """Stands in for a kill: raised by the progress hook right after iteration `at` was checkpointed."""
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def renderer() -> ChatRenderer:
+    return ChatRenderer(load_tokenizer())
+
+
+@pytest.fixture(scope="module")
+def sft_dir(tmp_path_factory, renderer) -> Path:
+    """An untrained tiny K3 saved like the sft stage's model dir (weights + tokenizer)."""
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("sft") / "model"
+    KimiK3ForCausalLM(load_model_config(REPO / "stages" / "models" / "tiny.yaml")).save_pretrained(str(path))
+    renderer.tokenizer.save_pretrained(str(path))
+    return path
+
+
+def make_ctx(
+    run_dir: Path, body: dict, sft: Path, domain: str, effort: str, crash_at: int | None = None
+) -> StageContext:
+    """What orchestration.runner builds for a matrix instance rl-<domain>-<effort>."""
+    stage_dir = run_dir / f"rl-{domain}-{effort}"
+    stage_dir.mkdir(parents=True, exist_ok=True)
+    output = stage_dir / ".model-tmp"
+    output.mkdir(exist_ok=True)
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+    metrics = MetricsLogger(stage_dir, tensorboard=False)
+
+    def progress(step: int, total: int | None, shown: dict) -> None:
+        if step == crash_at:
+            raise FakeCrash(f"killed after iteration {step}")
+
+    return StageContext(
+        stage_id=stage_dir.name, kind="rl", config=RLConfig.model_validate(body), seed=0,
+        inputs={"sft": sft}, model=REPO / "stages" / "models" / "tiny.yaml", qat=QATConfig(scheme="k3"),
+        matrix={"domain": domain, "effort": effort}, resources={"cpus": 1.0}, run_dir=run_dir,
+        stage_dir=stage_dir, output_dir=output, metrics=metrics,
+        checkpoints=CheckpointManager(stage_dir / "checkpoints", metrics=metrics),
+        log=logging.getLogger(f"test-{stage_dir.name}"), progress_sink=progress,
+    )  # fmt: skip
+
+
+def run(ctx: StageContext) -> dict[str, float]:
+    try:
+        return dict(STAGE_KINDS.get("rl").run(ctx))
+    finally:
+        ctx.metrics.close()
+
+
+def test_budget_reward_is_minus_one_over_tau_times_b0_and_tau_anneals(renderer):
+    think, end = renderer.token_ids["think_begin"], renderer.token_ids["think_end"]
+    word = renderer.encode("so")[0]
+
+    def trajectory(uid: str, domain: str, effort: str, thinking: int, reward: float | None) -> Sample:
+        sample = Sample(uid=uid, domain=domain, effort=effort, group="g", task={"prompt_uid": "p"})
+        sample.append(renderer.render_prompt([{"role": "user", "content": "Hi"}]), generated=False)
+        sample.prompt_length = len(sample.tokens)
+        sample.append([think] + [word] * thinking + [end, word, renderer.end_of_turn_id], generated=True)
+        sample.reward = reward
+        return sample
+
+    body = {"train": {"steps": 5}, "budget": {"tau": {
+        "low": {"tau_start": 1.0, "tau_end": 0.5}, "high": {"tau_start": 1.5, "tau_end": 1.0},
+        "max": {"tau_start": 3.0, "tau_end": 3.0},
+    }}}  # fmt: skip
+    cfg = RLConfig.model_validate(body)
+    low = [trajectory("a", "general", "low", 10, 1.0), trajectory("b", "general", "low", 11, 1.0)]
+    unjudged = trajectory("c", "general", "low", 1, None)
+    scored, rewards, metrics = trajectory_rewards([*low, unjudged], {"p": 10.0}, cfg, 1, renderer)
+    assert scored == low and rewards.tolist() == [1.0, -1.0]  # 10 thinking tokens = tau 1.0 * b0: within
+    assert metrics["tau"] == 1.0 and metrics["unscored"] == 1.0 and metrics["over_budget_fraction"] == 0.5
+    last = [trajectory("d", "general", "low", 5, 1.0), trajectory("e", "general", "low", 6, 0.0)]
+    _, rewards, metrics = trajectory_rewards(last, {"p": 10.0}, cfg, 5, renderer)
+    assert metrics["tau"] == 0.5 and rewards.tolist() == [1.0, -1.0]
+
+    # Agent usage counts every generated token (thinking, answer, end of turn), tool results never.
+    agent = trajectory("f", "agent", "max", 20, 1.0)
+    agent.append(
+        renderer.render_tool_results([{"role": "tool", "tool_call_id": "x", "content": "long " * 40}]),
+        generated=False,
+    )
+    agent.append([word] * 3, generated=True)
+    _, rewards, metrics = trajectory_rewards([agent], {"p": 9.0}, cfg, 1, renderer)
+    assert metrics["usage_mean"] == 1 + 20 + 1 + 1 + 1 + 3 and rewards.tolist() == [1.0]  # 27 <= 3.0 * 9
+    _, rewards, _ = trajectory_rewards([agent], {"p": 8.0}, cfg, 1, renderer)
+    assert rewards.tolist() == [-1.0]
+
+
+def test_rl_stage_end_to_end_and_b0_is_estimated_once_for_all_efforts(tmp_path, sft_dir):
+    low = make_ctx(tmp_path, TINY_BODY, sft_dir, "general", "low")
+    final = run(low)
+    report = json.loads((low.stage_dir / "eval.json").read_text())
+    assert (report["domain"], report["effort"], report["prompts"]) == ("general", "low", 2)
+    assert 0.0 <= report["accuracy"] <= 1.0 and 0 < report["mean_response_tokens"] <= 6
+    assert report["sft"] == {
+        "accuracy": final["accuracy_before"],
+        "mean_response_tokens": final["mean_response_tokens_before"],
+    }
+    records = {r["step"]: r for r in read_metrics(low.stage_dir / "metrics.jsonl") if "reward_mean" in r}
+    assert sorted(records) == [1, 2]
+    assert records[1]["tau"] == 1.0 and records[2]["tau"] == 0.5  # low: tau_start, then tau_end
+    assert records[2]["policy_version"] == 2 and records[1]["rollout/trajectories"] == 2
+    assert (
+        final["budget/cold_start_prompts"] == 2 and len(list((tmp_path / "budget_cache").glob("*.json"))) == 2
+    )
+    from transformers import AutoModelForCausalLM
+
+    assert type(AutoModelForCausalLM.from_pretrained(str(low.output_dir))).__name__ == "KimiK3ForCausalLM"
+
+    body = {**TINY_BODY, "train": {"steps": 1, "lr": 1e-3}}
+    maximal = run(make_ctx(tmp_path, body, sft_dir, "general", "max"))
+    assert maximal["budget/cold_start_prompts"] == 0
+    assert maximal["budget/b0_mean"] == final["budget/b0_mean"]
+    assert maximal["accuracy_before"] >= 0.0 and maximal["mean_response_tokens_before"] > 0
+
+
+def test_unparsable_judgements_are_counted_and_never_trained_on(tmp_path, sft_dir):
+    body = json.loads(json.dumps(TINY_BODY))
+    body["environments"]["general"]["reward"] = "genrm"
+    body["genrm"] = {
+        "judge": "sft",
+        "rubric": "Correct and exact.",
+        "max_judge_tokens": 4,
+        "max_candidate_tokens": 16,
+    }
+    ctx = make_ctx(tmp_path, body, sft_dir, "general", "high")
+    final = run(ctx)
+    steps = [r for r in read_metrics(ctx.stage_dir / "metrics.jsonl") if "unscored" in r]
+    assert [r["unscored"] for r in steps] == [2.0, 2.0] and all(r["skipped"] == 1.0 for r in steps)
+    assert steps[-1]["genrm/unparsable"] == steps[-1]["genrm/judged"] > 0
+    assert final["eval_unscored_after"] == 2.0
+    before = load_file(str(sft_dir / "model.safetensors"))
+    after = load_file(str(ctx.output_dir / "model.safetensors"))
+    assert all(torch.equal(before[name], after[name]) for name in before)
+
+
+def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(tmp_path, sft_dir):
+    body = {
+        **TINY_BODY,
+        "train": {"steps": 3, "lr": 1e-3},
+        "rollout": {**TINY_BODY["rollout"], "partial": {"fraction": 0.5}},
+    }
+    straight = make_ctx(tmp_path / "straight", body, sft_dir, "agent", "high")
+    run(straight)
+    crashed = make_ctx(tmp_path / "resumed", body, sft_dir, "agent", "high", crash_at=2)
+    with pytest.raises(FakeCrash):
+        run(crashed)
+    assert crashed.checkpoints.latest_step() == 2
+    resumed = make_ctx(tmp_path / "resumed", body, sft_dir, "agent", "high")
+    run(resumed)
+
+    expected = load_file(str(straight.output_dir / "model.safetensors"))
+    got = load_file(str(resumed.output_dir / "model.safetensors"))
+    assert [name for name in expected if not torch.equal(expected[name], got[name])] == []
+    assert any(
+        not torch.equal(expected[n], load_file(str(sft_dir / "model.safetensors"))[n]) for n in expected
+    )
+    a = json.loads((straight.stage_dir / "eval.json").read_text())
+    b = json.loads((resumed.stage_dir / "eval.json").read_text())
+    for report in (a, b):
+        for when in ("before", "after"):
+            report[when].pop(f"eval_s_{when}")
+    assert a == b
+    steps = [r["step"] for r in read_metrics(resumed.stage_dir / "metrics.jsonl") if "reward_mean" in r]
+    assert steps == [1, 2, 3]
+
+
+def test_stage_errors_name_the_fix(tmp_path, sft_dir):
+    ctx = make_ctx(tmp_path, {**TINY_BODY, "init": "sftt"}, sft_dir, "general", "low")
+    with pytest.raises(ValueError, match="init 'sftt' is not a need of this stage"):
+        run(ctx)
+    with pytest.raises(ValueError, match="environments.general.reward is genrm; add a `genrm:` block"):
+        body = json.loads(json.dumps(TINY_BODY))
+        body["environments"]["general"]["reward"] = "genrm"
+        run(make_ctx(tmp_path, body, sft_dir, "general", "low"))
