@@ -192,6 +192,7 @@ def _context(
     inputs = {need: stage_dir(run_dir, need) / MODEL_DIR for need in stage.needs}
     model = inputs[stage.model] if stage.model_is_input else (Path(stage.model) if stage.model else None)
     _seed_everything(stage.seed)
+    _set_threads(stage.resources.get("cpus", 1.0))
     return StageContext(
         stage_id=stage.id,
         kind=stage.kind,
@@ -221,6 +222,15 @@ def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def _set_threads(cpus: float) -> None:
+    """One intra-op thread per requested CPU. The count is part of what makes a resumed run
+    bit-identical (reductions split differently across threads), and oversubscribing a small
+    machine with concurrent stages made a stage about 10x slower than one thread (measured)."""
+    import torch
+
+    torch.set_num_threads(max(1, int(cpus)))
 
 
 def _clear(directory: Path) -> None:

@@ -73,7 +73,9 @@ class AccelerateConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
-    deepspeed_config: str | None = Field(None, description="path of a DeepSpeed JSON config (ZeRO stage etc.)")
+    deepspeed_config: str | None = Field(
+        None, description="path of a DeepSpeed JSON config (ZeRO stage etc.)"
+    )
     fsdp: FSDPConfig | None = None
 
     @model_validator(mode="after")
@@ -222,7 +224,9 @@ class WarmupCosine:
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int) -> Any:
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(cfg.warmup_steps, total_steps, cfg.min_lr_ratio))
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, WarmupCosine(cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
+    )
 
 
 # accelerate ------------------------------------------------------------------------------------
@@ -233,7 +237,10 @@ def accelerator_plugins(cfg: AccelerateConfig, grad_accum: int, log: logging.Log
     DeepSpeed or FSDP plugin built from the stage's config."""
     from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin
 
-    kwargs: dict[str, Any] = {"mixed_precision": cfg.mixed_precision, "gradient_accumulation_steps": grad_accum}
+    kwargs: dict[str, Any] = {
+        "mixed_precision": cfg.mixed_precision,
+        "gradient_accumulation_steps": grad_accum,
+    }
     plugin: Any = None
     if cfg.deepspeed_config:
         plugin = DeepSpeedPlugin(hf_ds_config=str(Path(cfg.deepspeed_config).resolve()))
@@ -254,7 +261,9 @@ def accelerator_plugins(cfg: AccelerateConfig, grad_accum: int, log: logging.Log
         if torch.cuda.is_available():
             kwargs[key] = plugin
         else:
-            log.warning("accelerate: %s accepted, but this machine has no CUDA: running as one plain process", key)
+            log.warning(
+                "accelerate: %s accepted, but this machine has no CUDA: running as one plain process", key
+            )
     return kwargs
 
 
@@ -275,8 +284,15 @@ def build_accelerator(cfg: AccelerateConfig, grad_accum: int, log: logging.Logge
 class TrainState:
     """Model, optimizer, LR schedule and accelerator of one stage, and their checkpoints."""
 
-    def __init__(self, ctx: StageContext, model: nn.Module, optimizer: Any, scheduler: Any, accelerator: Any,
-                 grad_clip: float | None) -> None:
+    def __init__(
+        self,
+        ctx: StageContext,
+        model: nn.Module,
+        optimizer: Any,
+        scheduler: Any,
+        accelerator: Any,
+        grad_clip: float | None,
+    ) -> None:
         self.ctx = ctx
         self.model = model
         self.optimizer = optimizer
@@ -285,8 +301,15 @@ class TrainState:
         self.grad_clip = grad_clip
 
     @classmethod
-    def create(cls, ctx: StageContext, model: nn.Module, optim: OptimConfig, accelerate: AccelerateConfig,
-               total_steps: int, grad_accum: int = 1) -> TrainState:
+    def create(
+        cls,
+        ctx: StageContext,
+        model: nn.Module,
+        optim: OptimConfig,
+        accelerate: AccelerateConfig,
+        total_steps: int,
+        grad_accum: int = 1,
+    ) -> TrainState:
         accelerator = build_accelerator(accelerate, grad_accum, ctx.log)
         optimizer = build_optimizer(model, optim)
         model, optimizer = accelerator.prepare(model, optimizer)
@@ -306,9 +329,10 @@ class TrainState:
     def check_finite(self, loss: torch.Tensor, step: int, what: str = "loss", detail: str = "") -> None:
         value = float(loss.detach())
         if not math.isfinite(value):
+            peak = self.optimizer.param_groups[0]["initial_lr"]
             raise NonFiniteLossError(
                 f"stage {self.ctx.stage_id}: {what} is {value} at optimizer step {step}{detail}. "
-                f"Lower the learning rate (train.lr, now {self.optimizer.param_groups[0]['initial_lr']:g}) or "
+                f"Lower the learning rate (train.lr, now {peak:g}) or "
                 "increase warm-up (train.warmup_steps), and check the data of this step for broken rows; "
                 "the last checkpoint before the step is intact."
             )
@@ -344,7 +368,9 @@ class TrainState:
 
     def restore(self) -> Checkpoint | None:
         """Load the newest intact checkpoint into model, optimizer, scheduler and the RNGs."""
-        return self.ctx.checkpoints.load(model=self.unwrapped, optimizer=self.optimizer, scheduler=self.scheduler)
+        return self.ctx.checkpoints.load(
+            model=self.unwrapped, optimizer=self.optimizer, scheduler=self.scheduler
+        )
 
 
 def base_without_peft(model: nn.Module) -> nn.Module:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from posttrain.algos.mismatch import mismatch_stats
 from posttrain.algos.policy_loss import PolicyLoss, PolicyLossConfig, policy_loss
@@ -87,6 +87,17 @@ class TeacherConfig(BaseModel):
     model: str | None = Field(None, description="a need's stage id or a model dir; null: the domain's")
     engine: str | None = Field(None, description="embedded, vllm, vllm_server; null: teacher_engine")
 
+    @field_validator("engine")
+    @classmethod
+    def _backend(cls, engine: str | None) -> str | None:
+        return None if engine is None else registered_backend(engine)
+
+
+def registered_backend(name: str) -> str:
+    if name not in TEACHER_BACKENDS:
+        raise ValueError(f"unknown teacher backend {name!r} (registered: {', '.join(TEACHER_BACKENDS)})")
+    return name
+
 
 class RolloutConfig(BaseModel):
     """What the student samples each step: prompts of every domain, each at every effort."""
@@ -118,7 +129,9 @@ class MOPDConfig(BaseModel):
     domains: list[str] = Field(default_factory=lambda: ["general", "agent", "coding"])
     efforts: list[str] = Field(default_factory=lambda: list(EFFORTS))
     teachers: dict[str, TeacherConfig] = Field(
-        default_factory=dict, description="'<domain>-<effort>' -> teacher; other pairs use the domain's"
+        default_factory=dict,
+        validate_default=True,
+        description="'<domain>-<effort>' -> teacher; other pairs use the domain's",
     )
     teacher_engine: str = Field("embedded", description="default teacher backend")
     max_teacher_retries: int = Field(2, ge=0, description="engine rebuilds per scoring call before failing")
@@ -136,49 +149,68 @@ class MOPDConfig(BaseModel):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint_every: int = Field(5, gt=0, description="optimizer steps between checkpoints")
 
-    @model_validator(mode="after")
-    def _every_pair_has_a_teacher(self) -> MOPDConfig:
-        if set(self.efforts) - set(EFFORTS):
-            raise ValueError(
-                f"efforts: {sorted(set(self.efforts) - set(EFFORTS))} are not in {list(EFFORTS)}"
-            )
-        for domain in self.domains:
+    @field_validator("domains")
+    @classmethod
+    def _registered(cls, domains: list[str]) -> list[str]:
+        for domain in domains:
             if domain not in TEACHER_DOMAINS:
                 raise ValueError(
-                    f"domains: {domain!r} is not a registered teacher domain (registered: "
+                    f"{domain!r} is not a registered teacher domain (registered: "
                     f"{', '.join(TEACHER_DOMAINS)}); register it with @teacher_domain in a plug-in "
                     "listed under `plugins:`"
                 )
-        pairs = {pair_name((d, e)): (d, e) for d in self.domains for e in self.efforts}
-        for key in set(self.teachers) - set(pairs):
+        return domains
+
+    @field_validator("efforts")
+    @classmethod
+    def _known(cls, efforts: list[str]) -> list[str]:
+        if set(efforts) - set(EFFORTS):
+            raise ValueError(f"{sorted(set(efforts) - set(EFFORTS))} are not efforts; use {list(EFFORTS)}")
+        return efforts
+
+    @field_validator("teachers")
+    @classmethod
+    def _every_pair_has_a_teacher(cls, teachers: dict[str, TeacherConfig], info: ValidationInfo) -> dict:
+        domains, efforts = info.data.get("domains"), info.data.get("efforts")
+        if domains is None or efforts is None:
+            return teachers  # their own errors are reported
+        pairs = {pair_name((d, e)): (d, e) for d in domains for e in efforts}
+        for key in sorted(set(teachers) - set(pairs)):
             raise ValueError(
-                f"teachers.{key}: not a trained pair; keys are '<domain>-<effort>' with domain in "
-                f"{self.domains} and effort in {self.efforts}"
+                f"{key}: not a trained pair; keys are '<domain>-<effort>' with domain in {domains} and "
+                f"effort in {efforts}"
             )
         for key, (domain, effort) in pairs.items():
-            declared = self.teachers.get(key)
             registered = TEACHER_DOMAINS.get(domain).teachers
-            if (declared is None or declared.model is None) and effort not in registered:
+            if (key not in teachers or teachers[key].model is None) and effort not in registered:
                 raise ValueError(
                     f"no teacher for (domain {domain!r}, effort {effort!r}): the domain registers teachers "
                     f"for {sorted(registered)}; add `teachers: {{{key}: {{model: <need stage id or model "
                     f"dir>}}}}` or remove {effort!r} from `efforts`"
                 )
-        for engine in {self.teacher_engine, *(t.engine for t in self.teachers.values() if t.engine)}:
-            if engine not in TEACHER_BACKENDS:
-                raise ValueError(
-                    f"unknown teacher backend {engine!r} (registered: {', '.join(TEACHER_BACKENDS)})"
-                )
-        for name, env in {"environment": self.environment, **self.environments}.items():
-            if env.reward != "verifier":
-                raise ValueError(
-                    f"{name}.reward: MOPD measures accuracy with the verifier; set reward: verifier"
-                )
-        if set(self.environments) - set(self.domains):
-            raise ValueError(
-                f"environments: {sorted(set(self.environments) - set(self.domains))} not in `domains`"
-            )
-        return self
+        return teachers
+
+    @field_validator("teacher_engine")
+    @classmethod
+    def _backend(cls, engine: str) -> str:
+        return registered_backend(engine)
+
+    @field_validator("environment")
+    @classmethod
+    def _verifier(cls, environment: EnvironmentConfig) -> EnvironmentConfig:
+        if environment.reward != "verifier":
+            raise ValueError("MOPD measures accuracy with the domain's verifier; set reward: verifier")
+        return environment
+
+    @field_validator("environments")
+    @classmethod
+    def _trained_domains(cls, environments: dict[str, EnvironmentConfig], info: ValidationInfo) -> dict:
+        unknown = sorted(set(environments) - set(info.data.get("domains") or []))
+        if unknown:
+            raise ValueError(f"{unknown} are not in `domains`")
+        for environment in environments.values():
+            cls._verifier(environment)
+        return environments
 
     def environment_of(self, domain: str) -> EnvironmentConfig:
         return self.environments.get(domain, self.environment)

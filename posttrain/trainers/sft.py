@@ -68,9 +68,13 @@ class SFTConfig(BaseModel):
     train: TrainConfig
     lora: LoRAConfig | None = None
     accelerate: AccelerateConfig = Field(default_factory=AccelerateConfig)
-    tokenizer: str | None = Field(None, description="tokenizer dir; null: the model dir's, else the shipped one")
+    tokenizer: str | None = Field(
+        None, description="tokenizer dir; null: the model dir's, else the shipped one"
+    )
     checkpoint_every: int = Field(50, gt=0, description="optimizer steps between checkpoints")
-    eval_every: int = Field(0, ge=0, description="optimizer steps between eval-loss measurements; 0: only at the ends")
+    eval_every: int = Field(
+        0, ge=0, description="optimizer steps between eval-loss measurements; 0: only at the ends"
+    )
     eval: EvalConfig = Field(default_factory=EvalConfig)
 
     @model_validator(mode="after")
@@ -104,7 +108,11 @@ def eval_loss(model: nn.Module, rows: list[PackedRow]) -> float:
 def _tokenizer_dir(cfg: SFTConfig, ctx: StageContext) -> Path | None:
     if cfg.tokenizer:
         return Path(cfg.tokenizer)
-    if ctx.model is not None and Path(ctx.model).is_dir() and (Path(ctx.model) / "tokenizer_config.json").is_file():
+    if (
+        ctx.model is not None
+        and Path(ctx.model).is_dir()
+        and (Path(ctx.model) / "tokenizer_config.json").is_file()
+    ):
         return Path(ctx.model)
     return None
 
@@ -112,7 +120,9 @@ def _tokenizer_dir(cfg: SFTConfig, ctx: StageContext) -> Path | None:
 class Evaluator:
     """Eval loss and tool-task success of the model being trained, under one name suffix."""
 
-    def __init__(self, cfg: EvalConfig, renderer: ChatRenderer, rows: list[PackedRow], records: list[dict]) -> None:
+    def __init__(
+        self, cfg: EvalConfig, renderer: ChatRenderer, rows: list[PackedRow], records: list[dict]
+    ) -> None:
         self.cfg = cfg
         self.renderer = renderer
         self.rows = rows
@@ -125,7 +135,11 @@ class Evaluator:
         metrics = self.loss(model, suffix)
         if self.prompts:
             result = tool_task_success(
-                model, self.renderer, self.prompts, max_new_tokens=self.cfg.max_new_tokens, max_turns=self.cfg.max_turns
+                model,
+                self.renderer,
+                self.prompts,
+                max_new_tokens=self.cfg.max_new_tokens,
+                max_turns=self.cfg.max_turns,
             )
             metrics.update(result.metrics(suffix))
         return metrics
@@ -140,15 +154,22 @@ def run_sft(ctx: StageContext) -> dict[str, float]:
     tokenizer = load_tokenizer(_tokenizer_dir(cfg, ctx))
     renderer = ChatRenderer(tokenizer)
     data = load_sft_data(cfg.data, renderer, seed, cfg.data.max_length or train.micro_batch_tokens, ctx.log)
-    policy = load_policy(ctx, len(tokenizer), lora=cfg.lora, gradient_checkpointing=train.gradient_checkpointing)
+    policy = load_policy(
+        ctx, len(tokenizer), lora=cfg.lora, gradient_checkpointing=train.gradient_checkpointing
+    )
     state = TrainState.create(ctx, policy.model, train, cfg.accelerate, train.steps, train.grad_accum)
     model = base_without_peft(state.unwrapped)
     stream = PackedStream(data.train, train.micro_batch_tokens, renderer.pad_id, seed)
-    evaluate = Evaluator(cfg.eval, renderer, pack(data.eval, train.micro_batch_tokens, renderer.pad_id), data.eval_records)
+    evaluate = Evaluator(
+        cfg.eval, renderer, pack(data.eval, train.micro_batch_tokens, renderer.pad_id), data.eval_records
+    )
     ctx.log.info(
         "SFT: %s model, %d trainable parameters, %d steps x %d rows x %d tokens",
-        policy.source, sum(p.numel() for p in state.model.parameters() if p.requires_grad),
-        train.steps, train.grad_accum, train.micro_batch_tokens,
+        policy.source,
+        sum(p.numel() for p in state.model.parameters() if p.requires_grad),
+        train.steps,
+        train.grad_accum,
+        train.micro_batch_tokens,
     )
 
     checkpoint = state.restore()
@@ -184,8 +205,11 @@ def _train_step(state: TrainState, stream: PackedStream, train: TrainConfig, ste
     """One optimizer step over `grad_accum` packed rows; the loss is the mean over every trained
     token of the step (summed per row, divided once by the step's token count across processes)."""
     started = time.perf_counter()
-    rows = [stream.next() for _ in range(train.grad_accum)]
     accelerator = state.accelerator
+    # Every process walks the same stream and trains on its own share of the step's rows, so the
+    # cursor in a checkpoint is the same on all of them.
+    step_rows = [stream.next() for _ in range(train.grad_accum * accelerator.num_processes)]
+    rows = step_rows[accelerator.process_index :: accelerator.num_processes]
     trained = torch.stack([row.loss_mask.sum() for row, _ in rows]).sum()
     total = accelerator.reduce(trained.to(accelerator.device), reduction="sum").clamp(min=1)
     # accelerate divides by grad_accum in backward and DDP averages over processes: undo both so the
@@ -196,10 +220,16 @@ def _train_step(state: TrainState, stream: PackedStream, train: TrainConfig, ste
     for index, (row, uids) in enumerate(rows):
         with accelerator.accumulate(state.model):
             logits = state.model(
-                input_ids=row.input_ids.to(accelerator.device), cu_seqlens=row.cu_seqlens.to(accelerator.device)
+                input_ids=row.input_ids.to(accelerator.device),
+                cu_seqlens=row.cu_seqlens.to(accelerator.device),
             ).logits
-            out = sft_loss(logits, row.input_ids.to(logits.device), row.loss_mask.to(logits.device),
-                           reduction="sum", cu_seqlens=row.cu_seqlens)
+            out = sft_loss(
+                logits,
+                row.input_ids.to(logits.device),
+                row.loss_mask.to(logits.device),
+                reduction="sum",
+                cu_seqlens=row.cu_seqlens,
+            )
             state.check_finite(out.loss, step, detail=f" (packed documents {', '.join(uids)})")
             state.backward(out.loss * scale)
             loss_sum += out.loss.detach().float().cpu()

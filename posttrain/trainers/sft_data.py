@@ -28,7 +28,7 @@ class DataConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     recipes: dict[str, float] = Field(
         default_factory=lambda: {"agent_sft": 1.0},
-        description="registered data recipe -> weight (0.5 keeps a seeded half of its train rows, 2 repeats them)",
+        description="registered data recipe -> weight (0.5: a seeded half of its train rows, 2: twice)",
     )
     eval_fraction: float | None = Field(
         None, ge=0, lt=1, description="held-out share of every recipe; null: each recipe's own"
@@ -36,7 +36,9 @@ class DataConfig(BaseModel):
     max_length: int | None = Field(
         None, gt=0, description="longer trajectories are skipped as too_long; null: train.micro_batch_tokens"
     )
-    strict: bool = Field(False, description="a bad row fails the stage (file, row, reason) instead of being skipped")
+    strict: bool = Field(
+        False, description="a bad row fails the stage (file, row, reason) instead of being skipped"
+    )
 
 
 @dataclass
@@ -75,9 +77,13 @@ def load_sft_data(
         recipe = DATA_RECIPES.get(name)()
         if cfg.eval_fraction is not None:
             recipe = replace(recipe, eval_fraction=cfg.eval_fraction)
-        mixture = build_mixture(recipe, seed=seed, renderer=renderer, max_length=max_length, strict=cfg.strict)
+        mixture = build_mixture(
+            recipe, seed=seed, renderer=renderer, max_length=max_length, strict=cfg.strict
+        )
         report.merge(mixture.report)
-        rows = mixture.train.select(weighted_indices(len(mixture.train), weight, random.Random(f"{seed}:{name}")))
+        rows = mixture.train.select(
+            weighted_indices(len(mixture.train), weight, random.Random(f"{seed}:{name}"))
+        )
         train += [_render(decode_record(row), renderer) for row in rows]
         for row in mixture.eval:
             record = decode_record(row)

@@ -90,11 +90,22 @@ def make_ctx(stage_dir: Path, body: dict, *, model: Path = TINY, crash_at: int |
             raise FakeCrash(f"killed after step {step}")
 
     return StageContext(
-        stage_id="sft", kind="sft", config=STAGE_KINDS.get("sft").config.model_validate(body), seed=0,
-        inputs={}, model=model, qat=QATConfig(scheme="k3"), matrix={}, resources={"cpus": 1.0},
-        run_dir=stage_dir.parent, stage_dir=stage_dir, output_dir=output, metrics=metrics,
+        stage_id="sft",
+        kind="sft",
+        config=STAGE_KINDS.get("sft").config.model_validate(body),
+        seed=0,
+        inputs={},
+        model=model,
+        qat=QATConfig(scheme="k3"),
+        matrix={},
+        resources={"cpus": 1.0},
+        run_dir=stage_dir.parent,
+        stage_dir=stage_dir,
+        output_dir=output,
+        metrics=metrics,
         checkpoints=CheckpointManager(stage_dir / "checkpoints", metrics=metrics),
-        log=logging.getLogger(f"test-sft-{stage_dir.name}"), progress_sink=progress,
+        log=logging.getLogger(f"test-sft-{stage_dir.name}"),
+        progress_sink=progress,
     )
 
 
@@ -134,7 +145,9 @@ def test_sft_learns_and_saves_a_loadable_model(tmp_path, small_recipe):
 
     model = AutoModelForCausalLM.from_pretrained(str(ctx.output_dir))
     assert type(model).__name__ == "KimiK3ForCausalLM"
-    assert any(float(b.abs().max()) > 0 for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
+    assert any(
+        float(b.abs().max()) > 0 for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")
+    )
     tokenizer = AutoTokenizer.from_pretrained(str(ctx.output_dir))
     assert tokenizer.chat_template == CHAT_TEMPLATE
     stops = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|tool_calls_section_end|>"])
@@ -160,8 +173,12 @@ def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(tmp_path, small_rec
     assert sorted(got) == sorted(expected)
     different = [name for name in expected if not torch.equal(expected[name], got[name])]
     assert different == []
-    assert [r["step"] for r in read_metrics(resumed.stage_dir / "metrics.jsonl") if "loss" in r] == [1, 2, 3, 4]
-    assert final["eval_loss_before"] == read_metrics(straight.stage_dir / "metrics.jsonl")[0]["eval_loss_before"]
+    resumed_metrics = read_metrics(resumed.stage_dir / "metrics.jsonl")
+    assert [r["step"] for r in resumed_metrics if "loss" in r] == [1, 2, 3, 4]
+    assert final["eval_loss_before"] == resumed_metrics[0]["eval_loss_before"]
+    assert (
+        final["eval_loss_before"] == read_metrics(straight.stage_dir / "metrics.jsonl")[0]["eval_loss_before"]
+    )
 
 
 def test_nan_loss_names_the_step_and_the_fix(tmp_path, small_recipe, tiny_model_dir):
@@ -200,8 +217,11 @@ def test_lora_trains_only_the_adapters(tmp_path, small_recipe, tiny_model_dir):
 def test_gradient_checkpointing_changes_memory_not_the_result(tmp_path, small_recipe, tiny_model_dir):
     runs = {}
     for flag in (False, True):
-        ctx = make_ctx(tmp_path / f"gc-{flag}", body(small_recipe[0], steps=2, gradient_checkpointing=flag),
-                       model=tiny_model_dir)
+        ctx = make_ctx(
+            tmp_path / f"gc-{flag}",
+            body(small_recipe[0], steps=2, gradient_checkpointing=flag),
+            model=tiny_model_dir,
+        )
         run(ctx)
         losses = [r["loss"] for r in read_metrics(ctx.stage_dir / "metrics.jsonl") if "loss" in r]
         runs[flag] = (load_file(str(ctx.output_dir / "model.safetensors")), losses)
@@ -223,7 +243,9 @@ def test_sharding_configs_reach_accelerate_plugins_or_fall_back_without_cuda(tmp
     for accelerate, key, plugin in cases:
         caplog.clear()
         with caplog.at_level(logging.WARNING):
-            kwargs = accelerator_plugins(AccelerateConfig.model_validate(accelerate), 4, logging.getLogger("t"))
+            kwargs = accelerator_plugins(
+                AccelerateConfig.model_validate(accelerate), 4, logging.getLogger("t")
+            )
         assert kwargs["mixed_precision"] == "no" and kwargs["gradient_accumulation_steps"] == 4
         if torch.cuda.is_available():
             assert isinstance(kwargs[key], plugin)
@@ -239,7 +261,9 @@ def test_config_errors_name_the_key():
     with pytest.raises(ValidationError, match="train.stpes"):
         SFTConfig.model_validate({"train": {"steps": 1, "stpes": 2}})
     with pytest.raises(ValidationError, match="data.max_length .*train.micro_batch_tokens"):
-        SFTConfig.model_validate({"train": {"steps": 1, "micro_batch_tokens": 128}, "data": {"max_length": 256}})
+        SFTConfig.model_validate(
+            {"train": {"steps": 1, "micro_batch_tokens": 128}, "data": {"max_length": 256}}
+        )
     with pytest.raises(ValidationError, match="accelerate.deepspeed_config: /nowhere/ds.json does not exist"):
         SFTConfig.model_validate({**good, "accelerate": {"deepspeed_config": "/nowhere/ds.json"}})
 

@@ -1,0 +1,252 @@
+"""The `mopd` stage kind on the tiny K3: the reward reaches the loss as the spec writes it, only on
+student tokens (never the prompt or tool results), multi-turn agent episodes are played with real
+tools and scored by their teacher, and the whole stage writes eval.json and resumes bit for bit."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+import posttrain.model  # noqa: F401  (registers kimi_k3 with AutoModelForCausalLM)
+from posttrain.algos.policy_loss import PolicyLossConfig
+from posttrain.data.chat import ChatRenderer, load_tokenizer
+from posttrain.data.sample import DOMAINS, EFFORTS, Sample
+from posttrain.data.tasks import TASK_FAMILIES, Episode
+from posttrain.engines import EmbeddedEngine, SamplingConfig
+from posttrain.envs.environments import EPISODE_DONE, EnvironmentConfig, make_environment
+from posttrain.metrics import read_metrics
+from posttrain.qat import qat_config_of, restore_qat
+from posttrain.trainers.mopd import MOPDConfig, TeacherPool, distillation_loss, play_episodes, route_teachers
+from rewards.mopd import mopd_sample_rewards
+from teachers.testing import mopd_context, run_mopd_stage, save_tiny_k3
+
+R_MAX = 5.0
+# log-ratios on student tokens: the spec's two examples, two beyond the clip, one small
+STUDENT_DELTAS = (math.log(0.6) - math.log(0.2), math.log(0.05) - math.log(0.2), 9.0, -9.0, 0.3)
+EVAL_KEYS = {"kl_before", "kl_after", "accuracy_before", "accuracy_after", "tokens_before", "tokens_after"}
+TIMINGS = {"time", "rollout_s", "teacher_score_s"}
+
+
+class FakeCrash(RuntimeError):
+    """Stands in for a kill: raised by the progress hook right after step 1 was checkpointed."""
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def renderer() -> ChatRenderer:
+    return ChatRenderer(load_tokenizer())
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory, renderer) -> dict[str, Path]:
+    """A student ("sft") and one teacher per effort, tiny K3 checkpoints."""
+    root = tmp_path_factory.mktemp("mopd-models")
+    found = {"sft": save_tiny_k3(root / "sft", renderer.tokenizer, seed=0, sharpen=4.0)}
+    for seed, effort in enumerate(EFFORTS, start=1):
+        found[effort] = save_tiny_k3(root / effort, renderer.tokenizer, seed=seed, sharpen=4.0)
+    return found
+
+
+def load(path: Path) -> torch.nn.Module:
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    restore_qat(model)
+    return model
+
+
+def agent_trajectory(renderer: ChatRenderer) -> Sample:
+    """A solved multi-turn agent episode (real tool results) as if the student had generated every
+    assistant token: loss_mask 1 on them, 0 on the prompt, headers and tool results."""
+    family = TASK_FAMILIES.get("agent/order_total")()
+    prompt = family.make_prompt(random.Random(0), "high")
+    ids, mask = renderer.render(family.demonstrate(prompt), prompt.tools, "high")
+    assert any(m["role"] == "tool" for m in family.demonstrate(prompt))
+    return Sample(
+        uid="demo",
+        domain="agent",
+        effort="high",
+        tokens=ids,
+        prompt_length=mask.index(1),
+        loss_mask=mask,
+        rollout_logprobs=[0.0] * len(ids),
+        policy_version=[0 if m else -1 for m in mask],
+    )
+
+
+def test_the_loss_is_the_policy_gradient_of_the_clipped_log_ratio_on_student_tokens_only(dirs, renderer):
+    student = load(dirs["sft"])
+    sample = agent_trajectory(renderer)
+    sample.rollout_logprobs = EmbeddedEngine(student).score([sample])[0]  # the student's own, T=1
+    trained = [i for i, m in enumerate(sample.loss_mask) if m and i >= sample.prompt_length]
+    tool_tokens = [i for i in range(sample.prompt_length, len(sample.tokens)) if not sample.loss_mask[i]]
+    assert trained and tool_tokens
+
+    def with_teacher(outside: float) -> list[float]:
+        deltas = [outside] * len(sample.tokens)  # would dominate the loss if it leaked in
+        for k, i in enumerate(trained):
+            deltas[i] = STUDENT_DELTAS[k % len(STUDENT_DELTAS)]
+        sample.teacher_logprobs = [s + d for s, d in zip(sample.rollout_logprobs, deltas, strict=True)]
+        return mopd_sample_rewards(sample, R_MAX)
+
+    rewards = with_teacher(50.0)
+    expected = [max(-R_MAX, min(R_MAX, STUDENT_DELTAS[k % len(STUDENT_DELTAS)])) for k in range(len(trained))]
+    assert [rewards[i] for i in trained] == pytest.approx(expected, abs=1e-5)
+    assert {rewards[i] for i in range(len(rewards)) if i not in trained} == {0.0}
+    assert rewards[trained[0]] == pytest.approx(1.0986, abs=1e-4)
+    assert rewards[trained[1]] == pytest.approx(-1.3863, abs=1e-4)
+
+    student.train()
+    out = distillation_loss(student, [sample], [rewards], PolicyLossConfig())
+    assert float(out.loss.detach()) == pytest.approx(-sum(expected) / len(expected), abs=1e-4)
+    assert out.stats["log_ratio_abs_max"] < 1e-4  # trainer and engine agree: on-policy
+    out.loss.backward()
+    got = {n: p.grad.clone() for n, p in student.named_parameters() if p.grad is not None}
+
+    # The same gradient from a plain forward: d/dtheta of -(1/N) sum_t r_t log p_theta(y_t).
+    student.zero_grad()
+    logits = student(input_ids=torch.tensor([sample.tokens])).logits[0].float()
+    logp = torch.log_softmax(logits[:-1], dim=-1).gather(-1, torch.tensor(sample.tokens[1:])[:, None])[:, 0]
+    r = torch.tensor(with_teacher(-50.0)[1:])
+    (-(r * logp).sum() / len(trained)).backward()
+    for name, parameter in student.named_parameters():
+        if parameter.grad is not None:
+            torch.testing.assert_close(got[name], parameter.grad, atol=2e-5, rtol=2e-3)
+
+
+def test_agent_episodes_run_real_tools_and_only_student_tokens_are_rewarded(dirs, renderer, tmp_path):
+    cfg = EnvironmentConfig(families=["agent/order_total"], max_turns=2, max_tokens_per_turn=6)
+    routes = route_teachers(
+        MOPDConfig.model_validate({"domains": ["agent"], "efforts": ["high"], "train": {"steps": 1}}),
+        {"rl-agent-high": dirs["high"]},
+    )
+    pool = TeacherPool(routes, tmp_path, max_retries=0, log=logging.getLogger("test-mopd"))
+    student = EmbeddedEngine(load(dirs["sft"]), pad_token_id=renderer.pad_id)
+    sampling = SamplingConfig(
+        max_tokens=6,
+        stop_token_ids=(renderer.end_of_turn_id,),
+        tool_call_token_ids=(renderer.tool_calls_end_id,),
+        seed=0,
+    )
+    with make_environment("agent", renderer, cfg, sandbox_dir=tmp_path / "sandboxes") as env:
+        sample = env.start(env.prompts("train", 1, seed=3)[0], uid="ep/0", group="ep", effort="high")
+        family = TASK_FAMILIES.get(sample.task["family"])()
+        # The first turn calls the search tool (the family's own solution), as a trained student would.
+        turn = renderer.render_assistant(next(family.demonstration(sample, Episode(family, sample, None))))
+        sample.append(turn, generated=True, logprobs=[-1.0] * len(turn), version=0)
+        sample.finish_reason = "tool_call"
+        finished: list[list[str]] = []
+        play_episodes(
+            {"agent": env},
+            student,
+            [sample],
+            {"agent": sampling},
+            lambda done: (finished.append([s.uid for s in done]), pool.score(done)),
+        )
+    pool.close()
+
+    assert finished == [["ep/0"]] and sample.metrics[EPISODE_DONE] == 1.0 and sample.reward is not None
+    tool_messages = [m for m in sample.messages if m["role"] == "tool"]
+    assert tool_messages and "price" in tool_messages[0]["content"]  # the shipped catalog, searched for real
+    results = renderer.render_tool_results(tool_messages)
+    start = sample.prompt_length + len(turn)
+    assert sample.tokens[start : start + len(results)] == results
+    second = sample.tokens[start + len(results) :]
+    assert 1 <= len(second) <= 6 and sample.loss_mask[start + len(results) :] == [1] * len(second)
+    assert len(sample.teacher_logprobs) == len(sample.tokens)
+    rewards = mopd_sample_rewards(sample, R_MAX)
+    assert rewards[start : start + len(results)] == [0.0] * len(results)
+    assert rewards[: sample.prompt_length] == [0.0] * sample.prompt_length
+    assert all(r != 0.0 for r in rewards[start + len(results) :])
+
+
+def stage_body() -> dict:
+    return {
+        "train": {"steps": 2, "lr": 1e-4},
+        "rollout": {"prompts_per_domain": 1},
+        "eval": {"prompts_per_domain": 1},
+        "environment": {"max_tokens_per_turn": 8, "max_turns": 2},
+        "checkpoint_every": 1,
+    }
+
+
+def stage_inputs(dirs: dict[str, Path]) -> dict[str, Path]:
+    return {"sft": dirs["sft"], **{f"rl-{d}-{e}": dirs[e] for d in DOMAINS for e in EFFORTS}}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(dirs, tmp_path_factory) -> tuple[Path, dict]:
+    ctx = mopd_context(tmp_path_factory.mktemp("run-a") / "mopd", stage_body(), stage_inputs(dirs))
+    return ctx.stage_dir, run_mopd_stage(ctx)
+
+
+def test_the_stage_trains_the_sft_student_and_writes_eval_json(uninterrupted, dirs):
+    stage_dir, final = uninterrupted
+    report = json.loads((stage_dir / "eval.json").read_text())
+    assert sorted(report) == sorted(f"{d}-{e}" for d in DOMAINS for e in EFFORTS)
+    for values in report.values():
+        assert set(values) == EVAL_KEYS and all(math.isfinite(v) for v in values.values())
+        assert 0 < values["tokens_before"] <= 16 and 0 < values["tokens_after"] <= 16
+    assert final["steps"] == 2.0 and final["teacher_retries"] == 0.0
+    assert final["kl_before"] == pytest.approx(sum(v["kl_before"] for v in report.values()) / 9)
+
+    steps = [r for r in read_metrics(stage_dir / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for record in steps:
+        assert {f"response_length/{e}" for e in EFFORTS} | {
+            f"kl/{d}-{e}" for d in DOMAINS for e in EFFORTS
+        } <= set(record)
+        assert record["teacher_retries"] == 0.0 and record["student_tokens"] > 0
+        if record["reward_clipped_fraction"] == 0.0:  # unclipped: mean reward is minus the batch KL
+            assert record["reward"] == pytest.approx(-record["kl"], abs=1e-6)
+
+    model = AutoModelForCausalLM.from_pretrained(str(stage_dir / ".model-tmp"))
+    assert qat_config_of(model.config).scheme == "k3"
+    trained = model.state_dict()["model.embed_tokens.weight"]
+    start = load(dirs["sft"]).state_dict()["model.embed_tokens.weight"]
+    other = load(dirs["low"]).state_dict()["model.embed_tokens.weight"]
+    assert (
+        0 < (trained - start).abs().max() < 0.1 * (trained - other).abs().max()
+    )  # trained from the SFT model
+
+
+def test_a_killed_stage_resumes_bit_for_bit(uninterrupted, dirs, tmp_path):
+    stage_dir, _ = uninterrupted
+
+    def crash(step: int, total: int | None, shown: dict) -> None:
+        if step == 1:
+            raise FakeCrash("killed after step 1")
+
+    with pytest.raises(FakeCrash):
+        run_mopd_stage(mopd_context(tmp_path / "mopd", stage_body(), stage_inputs(dirs), progress=crash))
+    run_mopd_stage(mopd_context(tmp_path / "mopd", stage_body(), stage_inputs(dirs)))
+
+    assert (
+        load_file(tmp_path / "mopd" / ".model-tmp" / "model.safetensors").keys()
+        == load_file(stage_dir / ".model-tmp" / "model.safetensors").keys()
+    )
+    resumed = load_file(tmp_path / "mopd" / ".model-tmp" / "model.safetensors")
+    for name, tensor in load_file(stage_dir / ".model-tmp" / "model.safetensors").items():
+        assert torch.equal(tensor, resumed[name]), name
+
+    def logged(directory: Path) -> list[dict]:
+        return [
+            {k: v for k, v in r.items() if k not in TIMINGS}
+            for r in read_metrics(directory / "metrics.jsonl")
+        ]
+
+    assert logged(tmp_path / "mopd") == logged(stage_dir)
+    assert (tmp_path / "mopd" / "eval.json").read_text() == (stage_dir / "eval.json").read_text()
