@@ -10,8 +10,9 @@ touched. torchao's QAT swaps `nn.Linear` modules; K3's experts are not Linears, 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,14 +27,39 @@ QAT_CONFIG_KEY = "posttrain_qat"
 @dataclass(frozen=True)
 class MXFakeQuant:
     """`quantize_dequantize` with fixed settings: the Callable[[Tensor], Tensor] a hook holds.
-    A dataclass rather than a lambda so a model with hooks set still pickles and prints clearly."""
+    A dataclass rather than a lambda so a model with hooks set still pickles and prints clearly.
+
+    `cache_inference` (weights only): under no_grad (rollouts, scoring, eval) the quantised copy
+    of a tensor is reused until the tensor changes. Re-quantising every expert weight on every
+    decode step was about half of decode time; the tensor's version counter moves on every
+    in-place update (optimizer step, load_state_dict), so a stale copy is never returned.
+    """
 
     fmt: MXFormat
     scale_rule: ScaleRule
     block_size: int = 32
+    cache_inference: bool = field(default=False, compare=False)  # same numbers either way
+    # id(tensor) -> (weak reference, version, quantised copy). Keyed by identity: tensors compare
+    # element-wise, so they cannot be dictionary keys; the weak reference drops the entry with
+    # the tensor and guards against a recycled id.
+    _cache: dict[int, tuple[weakref.ref, int, torch.Tensor]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return quantize_dequantize(x, self.fmt, self.block_size, self.scale_rule)
+        if not (self.cache_inference and not torch.is_grad_enabled()):
+            return quantize_dequantize(x, self.fmt, self.block_size, self.scale_rule)
+        key = id(x)
+        hit = self._cache.get(key)
+        if hit is not None and hit[0]() is x and hit[1] == x._version:
+            return hit[2]
+        out = quantize_dequantize(x, self.fmt, self.block_size, self.scale_rule)
+        cache = self._cache
+        self._cache[key] = (weakref.ref(x, lambda _ref: cache.pop(key, None)), x._version, out)
+        return out
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.fmt, self.scale_rule, self.block_size, self.cache_inference))
 
 
 def routed_expert_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -48,7 +74,9 @@ def routed_expert_modules(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def weight_fake_quant(cfg: QATConfig) -> MXFakeQuant | None:
-    return MXFakeQuant(cfg.weight_format, cfg.weight_scale_rule, cfg.block_size) if cfg.enabled else None
+    if not cfg.enabled:
+        return None
+    return MXFakeQuant(cfg.weight_format, cfg.weight_scale_rule, cfg.block_size, cache_inference=True)
 
 
 def act_fake_quant(cfg: QATConfig) -> MXFakeQuant | None:

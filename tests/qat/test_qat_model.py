@@ -188,3 +188,29 @@ def test_qat_config_defaults_and_errors():
         QATConfig(scheme="mxfp4")
     with pytest.raises(ValueError, match="block_size"):
         QATConfig(block_size=16)
+
+
+def test_inference_weight_cache_follows_in_place_updates():
+    """The no_grad cache of quantised expert weights must never serve a stale copy: an optimizer-
+    style in-place update or a load_state_dict changes the output exactly as without the cache."""
+    from posttrain.qat.apply import MXFakeQuant
+
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(4, 8, 64))
+    cached = MXFakeQuant("mxfp4", "floor", cache_inference=True)
+    plain = MXFakeQuant("mxfp4", "floor")
+    with torch.no_grad():
+        first = cached(w)
+        assert cached(w) is first  # reused while unchanged
+        w.mul_(3.0)  # in place, like an optimizer step
+        assert torch.equal(cached(w), plain(w))
+        assert not torch.equal(cached(w), first)
+        w.copy_(torch.randn(4, 8, 64))  # like load_state_dict
+        assert torch.equal(cached(w), plain(w))
+    # with grad enabled nothing is cached and gradients pass straight through
+    out = cached(w)
+    out.sum().backward()
+    assert torch.equal(w.grad, torch.ones_like(w))
+    import pickle
+
+    assert pickle.loads(pickle.dumps(cached)) == cached
