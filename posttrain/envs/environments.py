@@ -279,11 +279,9 @@ class Environment:
         """
         plays = [self._open(sample) for sample in samples]
         try:
-            ended = 0
             pending = [p for p in plays if p.sample.finish_reason in ("stop", "tool_call", "length")]
-            going = [p for p in plays if p not in pending]
-            going += self._act(pending)
-            ended += len(pending) - sum(not p.done for p in pending)
+            going = [p for p in plays if p not in pending] + self._act(pending)
+            ended = sum(p.done for p in pending)
             if should_pause is not None and should_pause(ended):
                 self._pause(going)
                 going = []

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from posttrain.algos import group_advantages, mismatch_stats, policy_loss, staleness_stats, token_advantages
 from posttrain.algos.policy_loss import PolicyLossConfig
@@ -79,6 +79,15 @@ class RolloutConfig(BaseModel):
         1.0, gt=0, description="1.0 keeps behaviour log-probs those of the policy trained"
     )
     partial: PartialRolloutConfig = Field(default_factory=PartialRolloutConfig)
+
+    @model_validator(mode="after")
+    def _distinct_groups(self) -> RolloutConfig:
+        if self.groups_per_step > self.prompts:
+            raise ValueError(
+                f"rollout.groups_per_step ({self.groups_per_step}) > rollout.prompts ({self.prompts}): an "
+                "iteration would start two groups of one prompt; raise prompts or lower groups_per_step"
+            )
+        return self
 
 
 class AdvantageConfig(BaseModel):
