@@ -139,9 +139,8 @@ class MOPDConfig(BaseModel):
     tokenizer: str | None = Field(None, description="tokenizer dir; null: the student's")
     r_max: float = Field(5.0, gt=0, description="clip bound R_max of the per-token reward")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-    environment: EnvironmentConfig = Field(default_factory=EnvironmentConfig)
     environments: dict[str, EnvironmentConfig] = Field(
-        default_factory=dict, description="domain -> environment settings over `environment`"
+        default_factory=dict, description="domain -> environment settings (turns, tokens, harness)"
     )
     loss: PolicyLossConfig = Field(default_factory=PolicyLossConfig)
     train: MOPDTrainConfig
@@ -195,25 +194,18 @@ class MOPDConfig(BaseModel):
     def _backend(cls, engine: str) -> str:
         return registered_backend(engine)
 
-    @field_validator("environment")
-    @classmethod
-    def _verifier(cls, environment: EnvironmentConfig) -> EnvironmentConfig:
-        if environment.reward != "verifier":
-            raise ValueError("MOPD measures accuracy with the domain's verifier; set reward: verifier")
-        return environment
-
     @field_validator("environments")
     @classmethod
     def _trained_domains(cls, environments: dict[str, EnvironmentConfig], info: ValidationInfo) -> dict:
         unknown = sorted(set(environments) - set(info.data.get("domains") or []))
         if unknown:
             raise ValueError(f"{unknown} are not in `domains`")
-        for environment in environments.values():
-            cls._verifier(environment)
+        if any(env.reward != "verifier" for env in environments.values()):
+            raise ValueError("MOPD measures accuracy with each domain's verifier; set reward: verifier")
         return environments
 
     def environment_of(self, domain: str) -> EnvironmentConfig:
-        return self.environments.get(domain, self.environment)
+        return self.environments.get(domain) or EnvironmentConfig()
 
 
 # Routing ------------------------------------------------------------------------------------------
@@ -659,7 +651,8 @@ def run_mopd(ctx: StageContext) -> dict[str, float]:
         pool.close()
     report = write_eval(ctx.stage_dir / EVAL_FILE, before, after)
     save_final_model(state.unwrapped, tokenizer, ctx.output_dir, renderer.stop_token_ids)
-    return final_metrics(report, last, pool.retries, step)
+    final = final_metrics(report, pool.retries, step)
+    return {**final, "train_loss": last["loss"]} if "loss" in last else final
 
 
 def write_eval(
@@ -679,18 +672,8 @@ def write_eval(
     return report
 
 
-def final_metrics(
-    report: Mapping[str, Mapping[str, float]], last: Mapping[str, float], retries: int, steps: int
-) -> dict[str, float]:
-    """Means over pairs, how many pairs moved closer to their teacher, retries, the last loss."""
-    n = max(len(report), 1)
-    final = {
-        f"{key}_{when}": sum(r[f"{key}_{when}"] for r in report.values()) / n
-        for key in RESULT_KEYS
-        for when in ("before", "after")
-    }
+def final_metrics(report: Mapping[str, Mapping[str, float]], retries: int, steps: int) -> dict[str, float]:
+    """Means over pairs, how many pairs moved closer to their teacher, retries and steps."""
+    final = {k: sum(r[k] for r in report.values()) / len(report) for k in next(iter(report.values()))}
     final["pairs_kl_improved"] = float(sum(r["kl_after"] < r["kl_before"] for r in report.values()))
-    final.update(teacher_retries=float(retries), steps=float(steps))
-    if "loss" in last:
-        final["train_loss"] = last["loss"]
-    return final
+    return {**final, "teacher_retries": float(retries), "steps": float(steps)}

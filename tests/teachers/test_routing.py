@@ -59,7 +59,7 @@ def test_a_pair_without_a_teacher_is_a_validation_error_naming_pair_and_fix():
         ({"teacher_engine": "vllm-gpu"}, "teacher_engine", "unknown teacher backend 'vllm-gpu'"),
         ({"efforts": ["medium"]}, "efforts", "['medium'] are not efforts; use ['low', 'high', 'max']"),
         ({"environments": {"math": {}}}, "environments", "['math'] are not in `domains`"),
-        ({"environment": {"reward": "genrm"}}, "environment", "set reward: verifier"),
+        ({"environments": {"coding": {"reward": "genrm"}}}, "environments", "set reward: verifier"),
     ],
 )
 def test_other_routing_mistakes_are_validation_errors_at_their_key(keys, key, expected):

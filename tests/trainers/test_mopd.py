@@ -178,7 +178,7 @@ def stage_body() -> dict:
         "train": {"steps": 2, "lr": 1e-4},
         "rollout": {"prompts_per_domain": 1},
         "eval": {"prompts_per_domain": 1},
-        "environment": {"max_tokens_per_turn": 8, "max_turns": 2},
+        "environments": {d: {"max_tokens_per_turn": 8, "max_turns": 2} for d in DOMAINS},
         "checkpoint_every": 1,
     }
 

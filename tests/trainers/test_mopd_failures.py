@@ -156,7 +156,7 @@ def body(**keys) -> dict:
         "train": {"steps": 2, "lr": 1e-4},
         "rollout": {"prompts_per_domain": 1},
         "eval": {"prompts_per_domain": 1},
-        "environment": {"max_tokens_per_turn": 6, "max_turns": 2},
+        "environments": {d: {"max_tokens_per_turn": 6, "max_turns": 2} for d in DOMAINS},
         "checkpoint_every": 1,
         **keys,
     }
