@@ -39,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from posttrain.checkpoint import remove_tree
 from posttrain.data.chat import ChatRenderer
 from posttrain.data.sample import Sample
-from posttrain.data.tasks import TASK_FAMILIES, Episode, FinalState, TaskFamily
+from posttrain.data.tasks import TASK_FAMILIES, Episode, TaskFamily
 from posttrain.engines.base import Engine, SamplingConfig
 from posttrain.envs.env_sandboxes import SandboxPool
 from posttrain.envs.sandbox import Sandbox
@@ -128,7 +128,6 @@ class _Play:
     """One episode in flight."""
 
     sample: Sample
-    family: TaskFamily
     episode: Episode
     sandbox: Sandbox | None = None
     done: bool = False
@@ -318,7 +317,7 @@ class Environment:
         episode = Episode(family, sample, None)
         extra = [t["function"]["name"] for t in sample.tools if t["function"]["name"] not in episode.toolset]
         episode.toolset = {**episode.toolset, **make_tools(extra)}
-        play = _Play(sample, family, episode)
+        play = _Play(sample, episode)
         if sample.sandbox_snapshot:
             play.sandbox = episode.sandbox = self.sandboxes.acquire(sample.sandbox_snapshot)
             # The live copy is consumed; a checkpoint taken while the episode was paused has its own.
@@ -366,7 +365,7 @@ class Environment:
         if not answers:
             return []
         with ThreadPoolExecutor(max_workers=self.config.verify_workers) as pool:
-            verdicts = list(pool.map(lambda p: p.family.verify(p.sample, self._final_state(p)), answers))
+            verdicts = list(pool.map(lambda p: p.episode.reward(), answers))
         going = []
         for play, verdict in zip(answers, verdicts, strict=True):
             sample = play.sample
@@ -405,12 +404,6 @@ class Environment:
 
     # Scoring ---------------------------------------------------------------------------------
 
-    def _final_state(self, play: _Play) -> FinalState:
-        answer = next(
-            (m.get("content") or "" for m in reversed(play.episode.messages) if m["role"] == "assistant"), ""
-        )
-        return FinalState(answer=answer, tool_calls=play.episode.tool_calls)
-
     def _score(self, plays: list[_Play]) -> None:
         if not plays:
             return
@@ -426,7 +419,7 @@ class Environment:
                 play.sample.metrics[TASK_REWARD] = float(reward)
 
     def _verify(self, play: _Play) -> float:
-        return float(play.family.verify(play.sample, self._final_state(play)))
+        return float(play.episode.reward())
 
     def close(self) -> None:
         self.sandboxes.close()
@@ -454,14 +447,6 @@ class AgentEnvironment(Environment):
     sandbox, scored on the sandbox's final files by the family's hidden verifier."""
 
     domain = "agent"
-
-    def _final_state(self, play: _Play) -> FinalState:
-        state = super()._final_state(play)
-        if play.sandbox is not None:
-            # workspace_files never follows a symlink the agent planted (host reads run as root).
-            files = play.sandbox.workspace_files()
-            state.files = {path: data.decode("utf-8", errors="replace") for path, data in files.items()}
-        return state
 
 
 @ENVIRONMENTS.register("coding")

@@ -76,7 +76,7 @@ class RolloutConfig(BaseModel):
     groups_per_step: int = Field(4, gt=0, description="new prompt groups started each iteration")
     group_size: int = Field(4, ge=2, description="trajectories per prompt (advantages are group-relative)")
     temperature: float = Field(
-        1.0, gt=0, description="1.0 keeps behaviour log-probs those of the policy trained"
+        1.0, gt=0, description="sampling temperature; the trainer scores tokens at the same temperature"
     )
     partial: PartialRolloutConfig = Field(default_factory=PartialRolloutConfig)
 
@@ -211,6 +211,8 @@ def run_rl(ctx: StageContext) -> dict[str, float]:
         stop_token_ids=(renderer.end_of_turn_id,),
         tool_call_token_ids=(renderer.tool_calls_end_id,),
         seed=ctx.seed,
+        # Behaviour log-probs of the distribution actually sampled, which the trainer recomputes.
+        logprobs="processed",
     )
     with make_environment(domain, renderer, env_cfg, sandbox_dir=sandbox_dir, judge=judge) as env:
         held_out = env.prompts("eval", cfg.eval.prompts, cfg.eval.seed)
@@ -376,6 +378,10 @@ def _train_step(
         scale_by_std=cfg.advantages.scale_by_std,
         leave_one_out=cfg.advantages.leave_one_out,
     )
+    if not advantages.abs().max() > 0:
+        # Every group's rewards are equal: no policy gradient, only rounding noise in the penalty,
+        # which Adam's normalisation would blow up into a full-size step in a random direction.
+        return {**metrics, "skipped": 1.0}
     loss_cfg = cfg.loss.model_copy(update={"reduction": "sum"})
     total = sum(s.num_generated for s in scored)
     device = state.accelerator.device
@@ -389,6 +395,7 @@ def _train_step(
             attention_mask=mask.to(device),
             position_ids=positions_from_mask(mask).to(device),
         ).logits.float()
+        logits = logits / cfg.rollout.temperature
         logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None].to(device)).squeeze(-1)
         trained, behaviour, versions = _aligned(chunk, ids.shape[1])
         out = policy_loss(

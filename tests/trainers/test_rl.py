@@ -26,9 +26,17 @@ from posttrain.trainers.rl import RLConfig, trajectory_rewards
 REPO = Path(__file__).resolve().parents[2]
 TINY_BODY = {
     "train": {"steps": 2, "lr": 1e-3},
-    "rollout": {"prompts": 2, "groups_per_step": 1, "group_size": 2},
-    "environments": {d: {"max_tokens_per_turn": 6, "max_turns": 1} for d in ("general", "agent", "coding")},
-    "budget": {"cold_start": {"samples": 2}},
+    "rollout": {"prompts": 2, "groups_per_step": 1, "group_size": 6},
+    "environments": {d: {"max_tokens_per_turn": 12, "max_turns": 1} for d in ("general", "agent", "coding")},
+    # tau close to 1 for every effort: usages straddle tau * b0 (the median), so groups have reward variance.
+    "budget": {
+        "cold_start": {"samples": 4},
+        "tau": {
+            "low": {"tau_start": 1.0, "tau_end": 0.9},
+            "high": {"tau_start": 1.1, "tau_end": 1.0},
+            "max": {"tau_start": 1.2, "tau_end": 1.1},
+        },
+    },
     "eval": {"prompts": 2},
 }
 
@@ -52,10 +60,18 @@ def renderer() -> ChatRenderer:
 
 @pytest.fixture(scope="module")
 def sft_dir(tmp_path_factory, renderer) -> Path:
-    """An untrained tiny K3 saved like the sft stage's model dir (weights + tokenizer)."""
+    """An untrained tiny K3 saved like the sft stage's model dir (weights + tokenizer), whose turns
+    end after a spread of lengths: every token embedding carries a constant feature that only the
+    end-of-turn row of the output layer reads, giving end of turn about a one-in-ten chance per
+    token. Different lengths give different budget rewards, so there is something to learn."""
     torch.manual_seed(0)
+    model = KimiK3ForCausalLM(load_model_config(REPO / "stages" / "models" / "tiny.yaml"))
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 10.0
+        model.lm_head.weight[renderer.end_of_turn_id] = 0.0
+        model.lm_head.weight[renderer.end_of_turn_id, 0] = 5.5 / 8
     path = tmp_path_factory.mktemp("sft") / "model"
-    KimiK3ForCausalLM(load_model_config(REPO / "stages" / "models" / "tiny.yaml")).save_pretrained(str(path))
+    model.save_pretrained(str(path))
     renderer.tokenizer.save_pretrained(str(path))
     return path
 
@@ -134,19 +150,22 @@ def test_budget_reward_is_minus_one_over_tau_times_b0_and_tau_anneals(renderer):
 
 
 def test_rl_stage_end_to_end_and_b0_is_estimated_once_for_all_efforts(tmp_path, sft_dir):
-    low = make_ctx(tmp_path, TINY_BODY, sft_dir, "general", "low")
+    low = make_ctx(tmp_path, TINY_BODY, sft_dir, "agent", "low")
     final = run(low)
     report = json.loads((low.stage_dir / "eval.json").read_text())
-    assert (report["domain"], report["effort"], report["prompts"]) == ("general", "low", 2)
-    assert 0.0 <= report["accuracy"] <= 1.0 and 0 < report["mean_response_tokens"] <= 6
+    assert (report["domain"], report["effort"], report["prompts"]) == ("agent", "low", 2)
+    assert 0.0 <= report["accuracy"] <= 1.0 and 0 < report["mean_response_tokens"] <= 12
     assert report["sft"] == {
         "accuracy": final["accuracy_before"],
         "mean_response_tokens": final["mean_response_tokens_before"],
     }
     records = {r["step"]: r for r in read_metrics(low.stage_dir / "metrics.jsonl") if "reward_mean" in r}
     assert sorted(records) == [1, 2]
-    assert records[1]["tau"] == 1.0 and records[2]["tau"] == 0.5  # low: tau_start, then tau_end
-    assert records[2]["policy_version"] == 2 and records[1]["rollout/trajectories"] == 2
+    assert records[1]["tau"] == 1.0 and records[2]["tau"] == 0.9  # low: tau_start, then tau_end
+    trained = [step for step, r in records.items() if not r.get("skipped")]
+    assert trained and records[2]["policy_version"] == len(trained)
+    assert all(records[step]["grad_norm"] > 0 for step in trained)
+    assert records[1]["rollout/trajectories"] == 6
     assert (
         final["budget/cold_start_prompts"] == 2 and len(list((tmp_path / "budget_cache").glob("*.json"))) == 2
     )
@@ -155,10 +174,10 @@ def test_rl_stage_end_to_end_and_b0_is_estimated_once_for_all_efforts(tmp_path, 
     assert type(AutoModelForCausalLM.from_pretrained(str(low.output_dir))).__name__ == "KimiK3ForCausalLM"
 
     body = {**TINY_BODY, "train": {"steps": 1, "lr": 1e-3}}
-    maximal = run(make_ctx(tmp_path, body, sft_dir, "general", "max"))
+    maximal = run(make_ctx(tmp_path, body, sft_dir, "agent", "max"))
     assert maximal["budget/cold_start_prompts"] == 0
     assert maximal["budget/b0_mean"] == final["budget/b0_mean"]
-    assert maximal["accuracy_before"] >= 0.0 and maximal["mean_response_tokens_before"] > 0
+    assert maximal["mean_response_tokens_before"] > 0
 
 
 def test_unparsable_judgements_are_counted_and_never_trained_on(tmp_path, sft_dir):
@@ -173,7 +192,7 @@ def test_unparsable_judgements_are_counted_and_never_trained_on(tmp_path, sft_di
     ctx = make_ctx(tmp_path, body, sft_dir, "general", "high")
     final = run(ctx)
     steps = [r for r in read_metrics(ctx.stage_dir / "metrics.jsonl") if "unscored" in r]
-    assert [r["unscored"] for r in steps] == [2.0, 2.0] and all(r["skipped"] == 1.0 for r in steps)
+    assert [r["unscored"] for r in steps] == [6.0, 6.0] and all(r["skipped"] == 1.0 for r in steps)
     assert steps[-1]["genrm/unparsable"] == steps[-1]["genrm/judged"] > 0
     assert final["eval_unscored_after"] == 2.0
     before = load_file(str(sft_dir / "model.safetensors"))
@@ -208,8 +227,9 @@ def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(tmp_path, sft_dir):
         for when in ("before", "after"):
             report[when].pop(f"eval_s_{when}")
     assert a == b
-    steps = [r["step"] for r in read_metrics(resumed.stage_dir / "metrics.jsonl") if "reward_mean" in r]
-    assert steps == [1, 2, 3]
+    records = [r for r in read_metrics(resumed.stage_dir / "metrics.jsonl") if "reward_mean" in r]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert any(r["rollout/resumed"] > 0 for r in records)  # the queue crossed the crash
 
 
 def test_stage_errors_name_the_fix(tmp_path, sft_dir):
