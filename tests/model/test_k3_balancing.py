@@ -89,9 +89,10 @@ def _two_rank_worker(rank: int, workdir: str) -> None:
 
 
 def test_two_processes_pool_histograms_with_one_all_reduce(tmp_path) -> None:
-    # fork: the workers inherit the imported modules instead of re-importing them
+    # spawn, not fork: a child forked after torch started its OpenMP pool can deadlock in its
+    # first parallel op (seen in CI: both ranks hung inside observe()).
     mp.start_processes(
-        _two_rank_worker, args=(os.fspath(tmp_path),), nprocs=2, join=True, start_method="fork"
+        _two_rank_worker, args=(os.fspath(tmp_path),), nprocs=2, join=True, start_method="spawn"
     )
     scores, bias = skewed_scores(3000, seed=2), torch.linspace(-0.3, 0.3, E)
     pooled = QuantileBalancer(E, K, mode="histogram")
