@@ -62,9 +62,12 @@ EVAL_FILE = "eval.json"
 
 
 class RLTrainConfig(OptimConfig):
-    """One optimizer step per iteration over the iteration's complete groups."""
+    """The optimisation of each iteration's complete groups."""
 
-    steps: int = Field(gt=0, description="iterations = optimizer steps")
+    steps: int = Field(gt=0, description="iterations")
+    updates_per_iteration: int = Field(
+        1, gt=0, description="optimizer steps over each iteration's batch (PPO epochs; 1: on-policy)"
+    )
     micro_batch_size: int = Field(16, gt=0, description="trajectories per forward/backward")
 
 
@@ -193,7 +196,9 @@ def run_rl(ctx: StageContext) -> dict[str, float]:
     )
     renderer = ChatRenderer(tokenizer)
     policy = load_policy(ctx, len(tokenizer), model_path=init)
-    state = TrainState.create(ctx, policy.model, cfg.train, cfg.accelerate, cfg.train.steps)
+    state = TrainState.create(
+        ctx, policy.model, cfg.train, cfg.accelerate, cfg.train.steps * cfg.train.updates_per_iteration
+    )
     engine = EmbeddedEngine(base_without_peft(state.unwrapped), pad_token_id=renderer.pad_id)
     judge: Judge | None = None
     env_cfg = cfg.environments.get(domain, EnvironmentConfig())
@@ -367,7 +372,8 @@ def _train_step(
     step: int,
     renderer: ChatRenderer,
 ) -> dict[str, float]:
-    """Score, advantage and one optimizer step over the iteration's complete groups."""
+    """Score and advantage the iteration's complete groups, then `updates_per_iteration` optimizer
+    steps over all of them (PPO epochs: the clip is measured against the policy before the first)."""
     started = time.perf_counter()
     scored, rewards, metrics = trajectory_rewards(samples, budgets, cfg, step, renderer)
     if not scored:
@@ -384,47 +390,41 @@ def _train_step(
         return {**metrics, "skipped": 1.0}
     loss_cfg = cfg.loss.model_copy(update={"reduction": "sum"})
     total = sum(s.num_generated for s in scored)
-    device = state.accelerator.device
-    stats: dict[str, float] = {}
     size = cfg.train.micro_batch_size
-    for start in range(0, len(scored), size):
-        chunk = scored[start : start + size]
-        ids, mask = left_pad([s.tokens for s in chunk], renderer.pad_id)
-        logits = state.model(
-            input_ids=ids.to(device),
-            attention_mask=mask.to(device),
-            position_ids=positions_from_mask(mask).to(device),
-        ).logits.float()
-        logits = logits / cfg.rollout.temperature
-        logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None].to(device)).squeeze(-1)
-        trained, behaviour, versions = _aligned(chunk, ids.shape[1])
-        out = policy_loss(
-            logp,
-            behaviour.to(device),
-            token_advantages(advantages[start : start + size], trained).to(device),
-            trained.to(device),
-            config=loss_cfg,
-        )
-        state.check_finite(
-            out.loss, step, detail=f" (trajectories {', '.join(s.uid for s in chunk[:4])} ...)"
-        )
-        state.backward(out.loss / max(total, 1))
-        weight = float(out.num_tokens) / max(total, 1)
-        chunk_stats = {
-            **out.stats,
-            **mismatch_stats(logp.detach().cpu(), behaviour, trained, loss_cfg.tis_cap),
-        }
-        chunk_stats.update(staleness_stats(versions, engine.policy_version, trained))
-        for key, value in chunk_stats.items():
-            if key == "num_tokens":
-                continue
-            stats[key] = (
-                max(stats.get(key, 0.0), value)
-                if key.endswith("_max")
-                else stats.get(key, 0.0) + weight * value
+    chunks = [scored[start : start + size] for start in range(0, len(scored), size)]
+    # pi_prox of each chunk: the policy before this iteration's first update (PPO's old policy).
+    proximal: list[torch.Tensor] = []
+    stats: dict[str, float] = {}
+    updates = cfg.train.updates_per_iteration
+    for update in range(updates):
+        for index, chunk in enumerate(chunks):
+            logp, trained, behaviour, versions = _token_logprobs(
+                state, chunk, cfg.rollout.temperature, renderer
             )
+            if update == 0:
+                proximal.append(logp.detach())
+            device = logp.device
+            out = policy_loss(
+                logp,
+                behaviour.to(device),
+                token_advantages(advantages[index * size : (index + 1) * size], trained).to(device),
+                trained.to(device),
+                old_logp=proximal[index],
+                config=loss_cfg,
+            )
+            state.check_finite(
+                out.loss, step, detail=f" (trajectories {', '.join(s.uid for s in chunk[:4])} ...)"
+            )
+            state.backward(out.loss / max(total, 1))
+            chunk_stats = {
+                **out.stats,
+                **mismatch_stats(logp.detach().cpu(), behaviour, trained, loss_cfg.tis_cap),
+            }
+            chunk_stats.update(staleness_stats(versions, engine.policy_version, trained))
+            _accumulate(stats, chunk_stats, float(out.num_tokens) / max(total, 1) / updates)
+        metrics.update(state.optimizer_step(step))
     metrics.update(stats)
-    metrics.update(state.optimizer_step(step))
+    # The engine shares the trained module: from the next iteration on it samples the new policy.
     engine.policy_version += 1
     metrics.update(
         trained_tokens=float(total),
@@ -432,6 +432,32 @@ def _train_step(
         policy_version=float(engine.policy_version),
     )
     return metrics
+
+
+def _token_logprobs(
+    state: TrainState, chunk: list[Sample], temperature: float, renderer: ChatRenderer
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """log pi_theta (at the sampling temperature, with gradient) of every target token of a
+    left-padded chunk, and the aligned trained mask, behaviour log-probs and versions."""
+    device = state.accelerator.device
+    ids, mask = left_pad([s.tokens for s in chunk], renderer.pad_id)
+    logits = state.model(
+        input_ids=ids.to(device),
+        attention_mask=mask.to(device),
+        position_ids=positions_from_mask(mask).to(device),
+    ).logits.float()
+    logp = torch.log_softmax(logits[:, :-1] / temperature, dim=-1).gather(-1, ids[:, 1:, None].to(device))
+    return (logp.squeeze(-1), *_aligned(chunk, ids.shape[1]))
+
+
+def _accumulate(stats: dict[str, float], new: dict[str, float], weight: float) -> None:
+    """Token-weighted means across chunks and updates; maxima for *_max; num_tokens left out."""
+    for key, value in new.items():
+        if key == "num_tokens":
+            continue
+        stats[key] = (
+            max(stats.get(key, 0.0), value) if key.endswith("_max") else stats.get(key, 0.0) + weight * value
+        )
 
 
 def _aligned(chunk: list[Sample], width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
