@@ -36,6 +36,11 @@ def engine(server):
     engine.close()
 
 
+# Long enough that a loaded machine's server cannot stream every sample to the end before the
+# client first reads (seen at 48 tokens under load: the kill then landed after generation).
+LONG = 400
+
+
 def kill_server_when_streaming(server: VLLMServer, seen: dict):
     """A pause_when hook that never pauses: it SIGKILLs the server once tokens are streaming."""
 
@@ -125,15 +130,15 @@ def test_owned_server_killed_mid_batch_is_restarted_and_no_sample_is_lost(
     old_pid, seen = server.process.pid, {}
     samples = make_prompts("k")
     engine.generate(
-        samples, SamplingConfig(max_tokens=48, seed=9), pause_when=kill_server_when_streaming(server, seen)
+        samples, SamplingConfig(max_tokens=LONG, seed=9), pause_when=kill_server_when_streaming(server, seen)
     )
     assert seen, "the server was never killed mid-batch"
     assert server.process.pid != old_pid and server.starts == 2 and engine.restarts == 1
-    assert any(0 < seen[s.uid] - s.prompt_length < 48 for s in samples)  # cut mid-generation
+    assert any(0 < seen[s.uid] - s.prompt_length < LONG for s in samples)  # cut mid-generation
     for sample, score in zip(samples, engine.score(samples), strict=True):
         sample.check()
-        assert sample.finish_reason == "length" and sample.response_length == 48
-        assert sample.policy_version[sample.prompt_length :] == [1] * 48
+        assert sample.finish_reason == "length" and sample.response_length == LONG
+        assert sample.policy_version[sample.prompt_length :] == [1] * LONG
         torch.testing.assert_close(
             torch.tensor(sample.rollout_logprobs[sample.prompt_length :]),
             reference_logprobs(new_model, sample.tokens)[sample.prompt_length :],
