@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_torch_thread() -> Iterator[None]:
+    """One intra-op thread for the whole suite, module-scoped model fixtures included: the
+    models are tiny, the machine has 2 shared cores, and extra threads only add contention
+    (a decode step measured 0.9 s with 2 threads against 24-33 ms with 1)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture

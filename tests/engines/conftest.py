@@ -16,15 +16,6 @@ from posttrain.engines.testing import build_tiny_llama
 QUESTIONS = ["What is 2+2?", "Name a prime above ten.", "Say hello.", "Which is larger, 9 or 12? Explain."]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny matmuls on a shared 2-core machine: extra threads only add contention.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="session")
 def renderer() -> ChatRenderer:
     return ChatRenderer(load_tokenizer())

@@ -29,14 +29,6 @@ from posttrain.qat import QATConfig, apply_qat
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def renderer() -> ChatRenderer:
     return ChatRenderer(load_tokenizer())

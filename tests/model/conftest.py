@@ -28,15 +28,6 @@ def vllm_config_keys() -> set[str]:
     return {a.arg for a in init.args.args[1:] + init.args.kwonlyargs}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny matmuls on a shared 2-core machine: extra threads only add contention.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture
 def tiny_config() -> KimiK3Config:
     return load_model_config(TINY_YAML)

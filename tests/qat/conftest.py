@@ -12,15 +12,6 @@ REPO = Path(__file__).resolve().parents[2]
 TINY_YAML = REPO / "stages" / "models" / "tiny.yaml"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny matmuls on a shared 2-core machine: extra threads only add contention.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture
 def tiny_config():
     from posttrain.model import load_model_config

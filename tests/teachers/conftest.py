@@ -7,19 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from posttrain.data.chat import ChatRenderer, load_tokenizer
 from posttrain.data.sample import EFFORTS
 from teachers.testing import save_tiny_k3
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

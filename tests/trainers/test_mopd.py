@@ -39,14 +39,6 @@ class FakeCrash(RuntimeError):
     """Stands in for a kill: raised by the progress hook right after step 1 was checkpointed."""
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def renderer() -> ChatRenderer:
     return ChatRenderer(load_tokenizer())

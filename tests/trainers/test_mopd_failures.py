@@ -74,11 +74,8 @@ def fake_dying_teacher(model_dir: Path, work_dir: Path) -> Engine:
 
 @pytest.fixture(autouse=True)
 def faults():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     FAULTS.__init__()
     yield FAULTS
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

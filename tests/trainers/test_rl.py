@@ -45,14 +45,6 @@ class FakeCrash(RuntimeError):
     """Stands in for a kill: raised by the progress hook right after iteration `at` was checkpointed."""
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def renderer() -> ChatRenderer:
     return ChatRenderer(load_tokenizer())

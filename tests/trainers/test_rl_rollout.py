@@ -23,14 +23,6 @@ REPO = Path(__file__).resolve().parents[2]
 EXTRA_STOPS = tuple(range(200, 420))  # about one draw in ten ends the turn
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def renderer() -> ChatRenderer:
     return ChatRenderer(load_tokenizer())

@@ -37,14 +37,6 @@ class FakeCrash(RuntimeError):
     """Stands in for a kill: raised by the progress hook right after step `at` was checkpointed."""
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def small_recipe(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
     """A recipe over 3 shipped trajectories per task family plus, at row 24, one whose tool-call
