@@ -134,7 +134,7 @@ def test_owned_server_killed_mid_batch_is_restarted_and_no_sample_is_lost(
     )
     assert seen, "the server was never killed mid-batch"
     assert server.process.pid != old_pid and server.starts == 2 and engine.restarts == 1
-    assert any(0 < seen[s.uid] - s.prompt_length < LONG for s in samples)  # cut mid-generation
+    assert any(0 < seen[s.uid] < LONG for s in samples)  # cut mid-generation (seen holds response lengths)
     for sample, score in zip(samples, engine.score(samples), strict=True):
         sample.check()
         assert sample.finish_reason == "length" and sample.response_length == LONG
