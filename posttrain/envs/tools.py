@@ -8,7 +8,8 @@ sandbox refusal: the model sees an "error: ..." result and can recover, as it wo
 The shipped task families (data_recipes/agent_tasks) generate their SFT demonstrations with these
 same tools, so the policy meets in RL the very interface (names, schemas, result wording) it
 learned in SFT. Plug-ins add tools by registering a `Tool` subclass in `TOOLS` (the calculator
-lives there).
+lives there); a tool that is one command in the sandbox subclasses `SandboxTool` (or its
+`ProgramTool` / `FileTool`) and only says what to run and how the result reads.
 """
 
 from __future__ import annotations
@@ -84,79 +85,126 @@ def _string_parameters(**properties: str) -> dict[str, Any]:
     }
 
 
+class SandboxTool(Tool):
+    """A tool that is one command run in the sandbox as its user, under the tool's timeout.
+
+    Subclasses give the command (`command`: an argv list or a /bin/sh line, and what goes to its
+    stdin) and word its result for the model (`answer`).
+    """
+
+    needs_sandbox = True
+
+    def execute(self, sandbox: Sandbox, **arguments: str) -> str:
+        command, stdin = self.command(**arguments)
+        return self.answer(sandbox.run(command, timeout=self.timeout, stdin=stdin), sandbox, **arguments)
+
+    def command(self, **arguments: str) -> tuple[str | list[str], str | None]:
+        raise NotImplementedError
+
+    def answer(self, result: RunResult, sandbox: Sandbox, **arguments: str) -> str:
+        raise NotImplementedError
+
+
+class ProgramTool(SandboxTool):
+    """Runs a program the agent wrote. Such a program can exhaust the sandbox's limits, and the model
+    should learn that it did: a kill (timeout, memory, CPU time) is the whole answer. Otherwise the
+    answer is `output(result)`, or "(no output)"."""
+
+    def answer(self, result: RunResult, sandbox: Sandbox, **arguments: str) -> str:
+        if problem := _killed(result, self.timeout, sandbox):
+            return problem
+        return self.output(result) or "(no output)"
+
+    def output(self, result: RunResult) -> str:
+        raise NotImplementedError
+
+
+class FileTool(SandboxTool):
+    """Reads or writes the file at `path` as the sandbox user (so only where the agent may). A failure
+    answers with the command's last stderr line, or "cannot <verb> <path>" when it printed none;
+    success with `done(result, path, ...)`."""
+
+    verb: ClassVar[str]
+
+    def answer(self, result: RunResult, sandbox: Sandbox, path: str, **arguments: str) -> str:
+        if result.exit_code != 0:
+            return f"error: {_last_line(result.stderr) or f'cannot {self.verb} {path}'}"
+        return self.done(result, path, **arguments)
+
+    def done(self, result: RunResult, path: str, **arguments: str) -> str:
+        raise NotImplementedError
+
+
 @TOOLS.register("run_python")
-class RunPython(Tool):
-    """Python 3 in the sandbox, program on stdin, working directory /workspace."""
+class RunPython(ProgramTool):
+    """Python 3 in the sandbox, program on stdin, working directory /workspace. A failing program
+    answers with its output and its error's last line (the exception), or its exit code."""
 
     name = "run_python"
     description = "Run a Python program and return its output."
     parameters = _string_parameters(code="program")
-    needs_sandbox = True
 
-    def execute(self, sandbox: Sandbox, code: str) -> str:
-        result = sandbox.run(["python3", "-"], timeout=self.timeout, stdin=code)
-        if problem := _killed(result, self.timeout, sandbox):
-            return problem
-        output = result.stdout.strip()
-        if result.exit_code != 0:
-            errors = [line for line in result.stderr.strip().splitlines() if line.strip()]
-            output = "\n".join(
-                filter(None, [output, errors[-1] if errors else f"exit code {result.exit_code}"])
-            )
-        return output or "(no output)"
+    def command(self, code: str) -> tuple[list[str], str]:
+        return ["python3", "-"], code
+
+    def output(self, result: RunResult) -> str:
+        printed = result.stdout.strip()
+        if result.exit_code == 0:
+            return printed
+        return "\n".join(
+            filter(None, [printed, _last_line(result.stderr) or f"exit code {result.exit_code}"])
+        )
 
 
 @TOOLS.register("shell")
-class Shell(Tool):
-    """A /bin/sh command line in the sandbox; background jobs it starts keep running."""
+class Shell(ProgramTool):
+    """A /bin/sh command line in the sandbox; background jobs it starts keep running. Answers with
+    stdout, stderr and, when it failed, the exit code."""
 
     name = "shell"
     description = "Run a shell command in the workspace and return its output and exit code."
     parameters = _string_parameters(command="a /bin/sh command line")
-    needs_sandbox = True
 
-    def execute(self, sandbox: Sandbox, command: str) -> str:
-        result = sandbox.run(command, timeout=self.timeout)
-        if problem := _killed(result, self.timeout, sandbox):
-            return problem
+    def command(self, command: str) -> tuple[str, None]:
+        return command, None
+
+    def output(self, result: RunResult) -> str:
         parts = [result.stdout.rstrip("\n"), result.stderr.rstrip("\n")]
         if result.exit_code != 0:
             parts.append(f"(exit code {result.exit_code})")
-        return "\n".join(filter(None, parts)) or "(no output)"
+        return "\n".join(filter(None, parts))
 
 
 @TOOLS.register("read_file")
-class ReadFile(Tool):
-    """A text file's content, read by the sandbox user (so only what the agent may read)."""
+class ReadFile(FileTool):
+    """A text file's content."""
 
     name = "read_file"
     description = "Read a text file."
     parameters = _string_parameters(path="file name")
-    needs_sandbox = True
+    verb = "read"
 
-    def execute(self, sandbox: Sandbox, path: str) -> str:
-        result = sandbox.run(["cat", "--", path], timeout=self.timeout)
-        if result.exit_code != 0:
-            return f"error: {_last_line(result.stderr) or f'cannot read {path}'}"
+    def command(self, path: str) -> tuple[list[str], None]:
+        return ["cat", "--", path], None
+
+    def done(self, result: RunResult, path: str) -> str:
         return result.stdout
 
 
 @TOOLS.register("write_file")
-class WriteFile(Tool):
-    """Writes through the sandbox user, creating parent directories; paths are relative to /workspace."""
+class WriteFile(FileTool):
+    """Writes `content`, creating parent directories; paths are relative to /workspace."""
 
     name = "write_file"
     description = "Write a text file."
     parameters = _string_parameters(path="file name", content="text")
-    needs_sandbox = True
+    verb = "write"
 
-    def execute(self, sandbox: Sandbox, path: str, content: str) -> str:
-        script = 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1"'
-        result = sandbox.run(
-            ["/bin/sh", "-c", script, "write_file", path], timeout=self.timeout, stdin=content
-        )
-        if result.exit_code != 0:
-            return f"error: {_last_line(result.stderr) or f'cannot write {path}'}"
+    def command(self, path: str, content: str) -> tuple[list[str], str]:
+        script = 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1"'  # the path is $1, never spliced in
+        return ["/bin/sh", "-c", script, "write_file", path], content
+
+    def done(self, result: RunResult, path: str, content: str) -> str:
         return f"wrote {len(content)} characters to {path}"
 
 

@@ -1,5 +1,5 @@
-"""Fixtures for the data tests: the shipped tokenizer and renderer, the shipped trajectories, and a
-hand-written tool-calling conversation."""
+"""Fixtures for the data tests: the shipped tokenizer (the renderer is tests/conftest.py's), the
+shipped trajectories, and a hand-written tool-calling conversation."""
 
 from __future__ import annotations
 
@@ -9,20 +9,14 @@ from typing import Any
 
 import pytest
 
-from posttrain.data.chat import ChatRenderer, load_tokenizer
-
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED_SFT = REPO / "data_recipes" / "data" / "agent_sft.jsonl"
 
 
 @pytest.fixture(scope="session")
-def tokenizer():
-    return load_tokenizer()
-
-
-@pytest.fixture(scope="session")
-def renderer(tokenizer) -> ChatRenderer:
-    return ChatRenderer(tokenizer)
+def tokenizer(renderer):
+    """The shipped tokenizer, the very object `renderer` (tests/conftest.py) renders with."""
+    return renderer.tokenizer
 
 
 @pytest.fixture(scope="session")

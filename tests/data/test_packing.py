@@ -3,16 +3,12 @@ the same per-document loss on a packed row as on each document alone."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from posttrain.data.packing import IGNORE_INDEX, pack_documents, pad_batch
-from posttrain.model import KimiK3ForCausalLM, load_model_config
-
-TINY_YAML = Path(__file__).resolve().parents[2] / "stages" / "models" / "tiny.yaml"
+from posttrain.engines.testing import tiny_k3
 
 
 def _doc(start: int, length: int, trained_from: int) -> tuple[list[int], list[int]]:
@@ -86,8 +82,7 @@ def _document_losses(logits: torch.Tensor, labels: torch.Tensor, bounds: list[in
 
 
 def test_packed_and_unpacked_forward_give_the_same_document_losses(renderer, shipped):
-    torch.manual_seed(0)
-    model = KimiK3ForCausalLM(load_model_config(TINY_YAML)).eval()
+    model = tiny_k3(0).eval()
     documents = [renderer.render(r["messages"], r["tools"], r["effort"]) for r in shipped[::80]]
     (row,) = pack_documents(
         documents, seq_len=sum(len(ids) for ids, _ in documents) + 9, pad_id=renderer.pad_id

@@ -18,6 +18,11 @@ def _call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
+def _calling(*calls: dict[str, Any]) -> dict[str, Any]:
+    """An assistant turn that only calls tools."""
+    return {"role": "assistant", "content": "", "tool_calls": list(calls)}
+
+
 def _row(uid: str, messages: list[dict[str, Any]], effort: str | None = "high") -> dict[str, Any]:
     return {"uid": uid, "domain": "general", "effort": effort, "messages": messages, "tools": []}
 
@@ -29,11 +34,7 @@ BAD_ROWS = {
         "json",
         [
             USER,
-            {
-                "role": "assistant",
-                "content": "",
-                "tool_calls": [_call("c1", "calculator", '{"expression": "2+')],
-            },
+            _calling(_call("c1", "calculator", '{"expression": "2+')),
         ],
     ),
     "unknown_role": _row("role", [USER, {"role": "narrator", "content": "Meanwhile..."}]),
@@ -41,11 +42,7 @@ BAD_ROWS = {
         "unmatched",
         [
             USER,
-            {
-                "role": "assistant",
-                "content": "",
-                "tool_calls": [_call("c1", "calculator", '{"expression": "2+3"}')],
-            },
+            _calling(_call("c1", "calculator", '{"expression": "2+3"}')),
             {"role": "tool", "tool_call_id": "c9", "content": "5"},
         ],
     ),
@@ -125,17 +122,10 @@ def test_tool_call_ids_become_k3_ids_and_results_follow():
         "ids",
         [
             USER,
-            {
-                "role": "assistant",
-                "content": "",
-                "tool_calls": [
-                    _call("call_a", "search", '{"query": "x"}'),
-                    _call("call_b", "calculator", "{}"),
-                ],
-            },
+            _calling(_call("call_a", "search", '{"query": "x"}'), _call("call_b", "calculator", "{}")),
             {"role": "tool", "tool_call_id": "call_b", "content": "1"},
             {"role": "tool", "tool_call_id": "call_a", "content": "2"},
-            {"role": "assistant", "content": "", "tool_calls": [_call("call_c", "search", '{"query": "y"}')]},
+            _calling(_call("call_c", "search", '{"query": "y"}')),
         ],
     )
     messages = clean_record(row)["messages"]
@@ -153,11 +143,7 @@ def test_parquet_and_arrow_null_padding(tmp_path, renderer):
             "tools",
             [
                 USER,
-                {
-                    "role": "assistant",
-                    "content": "",
-                    "tool_calls": [_call("c", "calculator", '{"expression": "2+3"}')],
-                },
+                _calling(_call("c", "calculator", '{"expression": "2+3"}')),
                 {"role": "tool", "tool_call_id": "c", "content": "5"},
                 {"role": "assistant", "content": "5"},
             ],

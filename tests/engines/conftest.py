@@ -1,5 +1,5 @@
 """Shared fixtures for the engine tests: the tiny Llama vLLM can serve (sharing the shipped
-tokenizer), chat prompts rendered the way RL renders them, and one torch thread per test."""
+tokenizer) and chat prompts rendered the way RL renders them. The renderer is tests/conftest.py's."""
 
 from __future__ import annotations
 
@@ -9,16 +9,10 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from posttrain.data.chat import ChatRenderer, load_tokenizer
 from posttrain.data.sample import Sample
-from posttrain.engines.testing import build_tiny_llama
+from posttrain.engines.testing import build_tiny_llama, chat_prompts
 
 QUESTIONS = ["What is 2+2?", "Name a prime above ten.", "Say hello.", "Which is larger, 9 or 12? Explain."]
-
-
-@pytest.fixture(scope="session")
-def renderer() -> ChatRenderer:
-    return ChatRenderer(load_tokenizer())
 
 
 @pytest.fixture(scope="session")
@@ -36,20 +30,6 @@ def make_prompts(renderer):
     """make_prompts(prefix) -> one fresh Sample per question, rendered up to the assistant header."""
 
     def make(prefix: str = "p") -> list[Sample]:
-        samples = []
-        for i, question in enumerate(QUESTIONS):
-            ids = renderer.render_prompt([{"role": "user", "content": question}], None, "high")
-            n = len(ids)
-            samples.append(
-                Sample(
-                    uid=f"{prefix}{i}",
-                    tokens=ids,
-                    prompt_length=n,
-                    loss_mask=[0] * n,
-                    rollout_logprobs=[0.0] * n,
-                    policy_version=[-1] * n,
-                )
-            )
-        return samples
+        return chat_prompts(renderer, QUESTIONS, prefix)
 
     return make

@@ -7,46 +7,27 @@ import copy
 
 import pytest
 import torch
+from engine_contract import assert_response_logprobs, assert_scores_match, assert_token_ends_turn
 
 from posttrain.data.sample import Sample
 from posttrain.engines import EmbeddedEngine, SamplingConfig
 from posttrain.engines.base import tokens_already_generated
-from posttrain.engines.testing import reference_logprobs
-from posttrain.model import KimiK3ForCausalLM, load_model_config
+from posttrain.engines.testing import prompt_sample, reference_logprobs, tiny_k3
+from posttrain.model import KimiK3ForCausalLM
 from posttrain.qat import QATConfig, apply_qat
-
-TINY = "stages/models/tiny.yaml"
-
-
-def tiny_k3(seed: int) -> KimiK3ForCausalLM:
-    torch.manual_seed(seed)
-    model = KimiK3ForCausalLM(load_model_config(TINY))
-    with torch.no_grad():  # wider than the default init so next-token distributions are peaked
-        for name, parameter in model.named_parameters():
-            if parameter.dim() > 1 and "embed" not in name:
-                parameter.mul_(4.0)
-    return model.eval()
 
 
 @pytest.fixture(scope="module")
 def model() -> KimiK3ForCausalLM:
-    return tiny_k3(0)
-
-
-def prompt(uid: str, tokens: list[int]) -> Sample:
-    n = len(tokens)
-    return Sample(
-        uid=uid,
-        tokens=list(tokens),
-        prompt_length=n,
-        loss_mask=[0] * n,
-        rollout_logprobs=[0.0] * n,
-        policy_version=[-1] * n,
-    )
+    return tiny_k3(0, init_scale=4.0).eval()
 
 
 def prompts() -> list[Sample]:
-    return [prompt("a", [11, 12, 13]), prompt("b", [21, 22, 23, 24, 25, 26]), prompt("c", [31, 32, 33, 34])]
+    return [
+        prompt_sample("a", [11, 12, 13]),
+        prompt_sample("b", [21, 22, 23, 24, 25, 26]),
+        prompt_sample("c", [31, 32, 33, 34]),
+    ]
 
 
 def forward_logprobs(model: torch.nn.Module, tokens: list[int]) -> list[float]:
@@ -56,11 +37,11 @@ def forward_logprobs(model: torch.nn.Module, tokens: list[int]) -> list[float]:
 def test_score_equals_forward_log_softmax(model):
     samples = prompts()
     scores = EmbeddedEngine(model).score(samples)
-    for sample, score in zip(samples, scores, strict=True):
-        assert len(score) == len(sample.tokens) and score[0] == 0.0
-        torch.testing.assert_close(
-            torch.tensor(score), torch.tensor(forward_logprobs(model, sample.tokens)), atol=1e-5, rtol=0
-        )
+    assert all(
+        len(score) == len(sample.tokens) and score[0] == 0.0
+        for sample, score in zip(samples, scores, strict=True)
+    )
+    assert_scores_match(model, samples, scores, atol=1e-5)
 
 
 def test_generation_logprobs_are_the_models_and_alignment_holds(model):
@@ -70,13 +51,7 @@ def test_generation_logprobs_are_the_models_and_alignment_holds(model):
         assert sample.finish_reason == "length" and sample.response_length == 5
         assert sample.loss_mask[sample.prompt_length :] == [1] * 5
         assert sample.policy_version[sample.prompt_length :] == [0] * 5
-        rescored = forward_logprobs(model, sample.tokens)
-        torch.testing.assert_close(
-            torch.tensor(sample.rollout_logprobs[sample.prompt_length :]),
-            torch.tensor(rescored[sample.prompt_length :]),
-            atol=1e-5,
-            rtol=0,
-        )
+        assert_response_logprobs(sample, reference_logprobs(model, sample.tokens), atol=1e-5)
 
 
 def test_paused_and_resumed_equals_uninterrupted(model):
@@ -115,28 +90,16 @@ def test_batched_generation_equals_one_by_one(model):
 
 def test_finish_reasons_stop_tool_call_and_length(model):
     engine = EmbeddedEngine(model)
-    greedy = SamplingConfig(max_tokens=6, temperature=0.0)
-    free = engine.generate([prompt("g", [5, 6, 7])], greedy)[0]
+    free = assert_token_ends_turn(engine, lambda: prompt_sample("g", [5, 6, 7]), 2, ("stop", "tool_call"))
     generated = free.tokens[3:]
     assert free.finish_reason == "length" and len(generated) == 6
-    target = generated[2]
-    cut = generated.index(target) + 1  # the first occurrence ends the turn, token included
-
-    stopped = engine.generate(
-        [prompt("g", [5, 6, 7])], SamplingConfig(max_tokens=6, temperature=0.0, stop_token_ids=(target,))
-    )[0]
-    assert stopped.finish_reason == "stop" and stopped.tokens[3:] == generated[:cut]
-    tool = engine.generate(
-        [prompt("g", [5, 6, 7])], SamplingConfig(max_tokens=6, temperature=0.0, tool_call_token_ids=(target,))
-    )[0]
-    assert tool.finish_reason == "tool_call" and tool.tokens[3:] == generated[:cut]
-    short = engine.generate([prompt("g", [5, 6, 7])], SamplingConfig(max_tokens=2, temperature=0.0))[0]
+    short = engine.generate([prompt_sample("g", [5, 6, 7])], SamplingConfig(max_tokens=2, temperature=0.0))[0]
     assert short.finish_reason == "length" and short.tokens[3:] == generated[:2]
 
 
 def test_update_weights_switches_to_the_new_models_logprobs(model, tmp_path):
     engine = EmbeddedEngine(copy.deepcopy(model))
-    new_model = tiny_k3(1)
+    new_model = tiny_k3(1, init_scale=4.0).eval()
     before = engine.score(prompts())
     engine.update_weights(new_model.state_dict())
     assert engine.policy_version == 1
@@ -145,21 +108,15 @@ def test_update_weights_switches_to_the_new_models_logprobs(model, tmp_path):
         expected = torch.tensor(forward_logprobs(new_model, sample.tokens))
         torch.testing.assert_close(torch.tensor(new), expected, atol=1e-5, rtol=0)
         assert (torch.tensor(old) - expected).abs().max() > 1e-2
-    generated = engine.generate([prompt("v", [1, 2, 3])], SamplingConfig(max_tokens=2))[0]
+    generated = engine.generate([prompt_sample("v", [1, 2, 3])], SamplingConfig(max_tokens=2))[0]
     assert generated.policy_version == [-1, -1, -1, 1, 1]
 
     model.save_pretrained(tmp_path / "ckpt")
     loaded = EmbeddedEngine.from_pretrained(tmp_path / "ckpt")
-    for sample, score in zip(prompts(), loaded.score(prompts()), strict=True):
-        torch.testing.assert_close(
-            torch.tensor(score), torch.tensor(forward_logprobs(model, sample.tokens)), atol=1e-5, rtol=0
-        )
+    assert_scores_match(model, prompts(), loaded.score(prompts()), atol=1e-5)
     engine.update_weights(tmp_path / "ckpt")
     assert engine.policy_version == 2
-    for sample, score in zip(prompts(), engine.score(prompts()), strict=True):
-        torch.testing.assert_close(
-            torch.tensor(score), torch.tensor(forward_logprobs(model, sample.tokens)), atol=1e-5, rtol=0
-        )
+    assert_scores_match(model, prompts(), engine.score(prompts()), atol=1e-5)
     with pytest.raises(ValueError, match="unexpected"):
         engine.update_weights({**model.state_dict(), "not.a.weight": torch.zeros(1)})
 
@@ -168,12 +125,10 @@ def test_qat_fake_quant_is_active_in_generation_and_scoring(model):
     quantized = copy.deepcopy(model)
     assert apply_qat(quantized, QATConfig(scheme="k3"))
     engine = EmbeddedEngine(quantized)
-    sample = engine.generate([prompt("q", [3, 4, 5, 6])], SamplingConfig(max_tokens=4, seed=2))[0]
+    sample = engine.generate([prompt_sample("q", [3, 4, 5, 6])], SamplingConfig(max_tokens=4, seed=2))[0]
     with_qat = forward_logprobs(quantized, sample.tokens)
     without_qat = forward_logprobs(model, sample.tokens)
-    torch.testing.assert_close(
-        torch.tensor(sample.rollout_logprobs[4:]), torch.tensor(with_qat[4:]), atol=1e-5, rtol=0
-    )
+    assert_response_logprobs(sample, with_qat, atol=1e-5)
     torch.testing.assert_close(
         torch.tensor(engine.score([sample])[0]), torch.tensor(with_qat), atol=1e-5, rtol=0
     )

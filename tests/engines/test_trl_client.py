@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_contract import assert_response_logprobs, assert_scores_match, assert_token_ends_turn
 
 from posttrain.engines import SamplingConfig
 from posttrain.engines.testing import perturbed_llama_state_dict, reference_logprobs
@@ -33,10 +34,7 @@ def client(tiny_llama_dir, tmp_path_factory):
 
 def test_score_is_the_models_log_softmax(client, tiny_llama, make_prompts):
     prompts = make_prompts("s")
-    for sample, score in zip(prompts, client.score(prompts), strict=True):
-        torch.testing.assert_close(
-            torch.tensor(score), reference_logprobs(tiny_llama, sample.tokens), atol=1e-4, rtol=0
-        )
+    assert_scores_match(tiny_llama, prompts, client.score(prompts))
 
 
 def test_generate_records_processed_logprobs_of_the_sampling_distribution(client, tiny_llama, make_prompts):
@@ -44,12 +42,7 @@ def test_generate_records_processed_logprobs_of_the_sampling_distribution(client
     for sample in plain:  # temperature 1, no truncation: processed == the model's log-probs
         sample.check()
         assert sample.finish_reason == "length" and sample.response_length == 6
-        torch.testing.assert_close(
-            torch.tensor(sample.rollout_logprobs[sample.prompt_length :]),
-            reference_logprobs(tiny_llama, sample.tokens)[sample.prompt_length :],
-            atol=1e-4,
-            rtol=0,
-        )
+        assert_response_logprobs(sample, reference_logprobs(tiny_llama, sample.tokens))
     hot = client.generate(
         make_prompts("h"), SamplingConfig(max_tokens=4, seed=1, temperature=2.0, logprobs="processed")
     )
@@ -68,14 +61,7 @@ def test_generate_records_processed_logprobs_of_the_sampling_distribution(client
 
 
 def test_tool_call_token_ends_the_turn(client, make_prompts):
-    free = client.generate(make_prompts("f")[:1], SamplingConfig(max_tokens=6, temperature=0.0))[0]
-    generated = free.tokens[free.prompt_length :]
-    target = generated[2]
-    cut = generated.index(target) + 1
-    tool = client.generate(
-        make_prompts("f")[:1], SamplingConfig(max_tokens=6, temperature=0.0, tool_call_token_ids=(target,))
-    )[0]
-    assert tool.finish_reason == "tool_call" and tool.tokens[tool.prompt_length :] == generated[:cut]
+    assert_token_ends_turn(client, lambda: make_prompts("f")[0], 2, ("tool_call",))
 
 
 def test_pause_before_sending_returns_untouched_paused_samples(client, make_prompts):
@@ -90,7 +76,4 @@ def test_weight_update_by_reload(client, tiny_llama, tiny_llama_dir, make_prompt
     client.update_weights(new_state)
     assert client.policy_version == 1
     prompts = make_prompts("w")
-    for sample, score in zip(prompts, client.score(prompts), strict=True):
-        torch.testing.assert_close(
-            torch.tensor(score), reference_logprobs(new_model, sample.tokens), atol=1e-4, rtol=0
-        )
+    assert_scores_match(new_model, prompts, client.score(prompts))

@@ -9,12 +9,12 @@ import sys
 
 import pytest
 import torch
+from engine_contract import assert_response_logprobs, assert_scores_match, assert_token_ends_turn
 
 from posttrain.algos.mismatch import mismatch_stats
-from posttrain.data.sample import Sample
 from posttrain.engines import EmbeddedEngine, SamplingConfig
 from posttrain.engines.base import tokens_already_generated
-from posttrain.engines.testing import perturbed_llama_state_dict, reference_logprobs
+from posttrain.engines.testing import perturbed_llama_state_dict, prompt_sample, reference_logprobs
 from posttrain.engines.vllm_engine import VLLMEngine, require_vllm
 
 pytestmark = pytest.mark.vllm
@@ -31,17 +31,7 @@ def test_score_matches_transformers_log_softmax(engine, tiny_llama, make_prompts
     samples = make_prompts("s")
     # a whole conversation too: assistant answer and end-of-turn after the prompt
     ids, _ = renderer.render([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}])
-    n = len(ids)
-    samples.append(
-        Sample(
-            uid="chat",
-            tokens=ids,
-            prompt_length=n,
-            loss_mask=[0] * n,
-            rollout_logprobs=[0.0] * n,
-            policy_version=[-1] * n,
-        )
-    )
+    samples.append(prompt_sample("chat", ids))
     for sample, score in zip(samples, engine.score(samples), strict=True):
         assert len(score) == len(sample.tokens) and score[0] == 0.0
         expected = reference_logprobs(tiny_llama, sample.tokens)
@@ -57,15 +47,8 @@ def test_generation_logprobs_agree_with_rescore(engine, tiny_llama, make_prompts
         start = sample.prompt_length
         assert sample.response_length == 8 and sample.finish_reason == "length"
         assert sample.loss_mask[start:] == [1] * 8 and sample.policy_version[start:] == [0] * 8
-        torch.testing.assert_close(
-            torch.tensor(sample.rollout_logprobs[start:]), torch.tensor(score[start:]), atol=1e-4, rtol=0
-        )
-        torch.testing.assert_close(
-            torch.tensor(sample.rollout_logprobs[start:]),
-            reference_logprobs(tiny_llama, sample.tokens)[start:],
-            atol=1e-4,
-            rtol=0,
-        )
+        assert_response_logprobs(sample, score)
+        assert_response_logprobs(sample, reference_logprobs(tiny_llama, sample.tokens))
 
 
 def test_train_rollout_mismatch_against_the_embedded_engine_is_numerical_noise(
@@ -85,18 +68,7 @@ def test_train_rollout_mismatch_against_the_embedded_engine_is_numerical_noise(
 
 
 def test_finish_reasons_from_stop_and_tool_call_ids(engine, make_prompts):
-    free = engine.generate(make_prompts("f")[:1], SamplingConfig(max_tokens=6, temperature=0.0))[0]
-    generated = free.tokens[free.prompt_length :]
-    target = generated[2]
-    cut = generated.index(target) + 1
-    stop = engine.generate(
-        make_prompts("f")[:1], SamplingConfig(max_tokens=6, temperature=0.0, stop_token_ids=(target,))
-    )[0]
-    assert stop.finish_reason == "stop" and stop.tokens[stop.prompt_length :] == generated[:cut]
-    tool = engine.generate(
-        make_prompts("f")[:1], SamplingConfig(max_tokens=6, temperature=0.0, tool_call_token_ids=(target,))
-    )[0]
-    assert tool.finish_reason == "tool_call" and tool.tokens[tool.prompt_length :] == generated[:cut]
+    assert_token_ends_turn(engine, lambda: make_prompts("f")[0], 2, ("stop", "tool_call"))
 
 
 def test_pause_between_steps_then_resume_honours_max_tokens(engine, make_prompts):
@@ -116,12 +88,7 @@ def test_pause_between_steps_then_resume_honours_max_tokens(engine, make_prompts
     for sample, score in zip(samples, rescored, strict=True):
         sample.check()
         assert sample.finish_reason == "length" and sample.response_length == 10
-        torch.testing.assert_close(
-            torch.tensor(sample.rollout_logprobs[sample.prompt_length :]),
-            torch.tensor(score[sample.prompt_length :]),
-            atol=1e-4,
-            rtol=0,
-        )
+        assert_response_logprobs(sample, score)
 
 
 def test_processed_logprobs_requested_from_a_raw_engine_is_refused(engine, make_prompts):
@@ -141,19 +108,13 @@ def test_update_weights_from_state_dict_and_from_path(
 
     engine.update_weights(new_state)
     assert engine.policy_version == 1
-    for sample, score in zip(prompts, engine.score(prompts), strict=True):
-        torch.testing.assert_close(
-            torch.tensor(score), reference_logprobs(new_model, sample.tokens), atol=1e-4, rtol=0
-        )
+    assert_scores_match(new_model, prompts, engine.score(prompts))
     generated = engine.generate(make_prompts("v")[:1], SamplingConfig(max_tokens=2))[0]
     assert generated.policy_version[generated.prompt_length :] == [1, 1]
 
     engine.update_weights(tiny_llama_dir)  # back to the original checkpoint, from disk
     assert engine.policy_version == 2
-    for sample, score in zip(prompts, engine.score(prompts), strict=True):
-        torch.testing.assert_close(
-            torch.tensor(score), reference_logprobs(tiny_llama, sample.tokens), atol=1e-4, rtol=0
-        )
+    assert_scores_match(tiny_llama, prompts, engine.score(prompts))
     with pytest.raises(FileNotFoundError, match="save_pretrained"):
         engine.update_weights(tmp_path)
 

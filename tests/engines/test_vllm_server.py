@@ -12,6 +12,7 @@ import signal
 
 import pytest
 import torch
+from engine_contract import assert_response_logprobs, assert_scores_match, assert_token_ends_turn
 
 from posttrain.engines import EngineError, SamplingConfig
 from posttrain.engines.base import tokens_already_generated
@@ -59,32 +60,16 @@ def generated_tokens(sample) -> int:
 
 def test_score_and_generation_match_transformers(engine, tiny_llama, make_prompts):
     prompts = make_prompts("s")
-    for sample, score in zip(prompts, engine.score(prompts), strict=True):
-        torch.testing.assert_close(
-            torch.tensor(score), reference_logprobs(tiny_llama, sample.tokens), atol=1e-4, rtol=0
-        )
+    assert_scores_match(tiny_llama, prompts, engine.score(prompts))
     samples = engine.generate(make_prompts("g"), SamplingConfig(max_tokens=6, seed=3))
     for sample in samples:
         sample.check()
-        start = sample.prompt_length
         assert sample.finish_reason == "length" and sample.response_length == 6
-        torch.testing.assert_close(
-            torch.tensor(sample.rollout_logprobs[start:]),
-            reference_logprobs(tiny_llama, sample.tokens)[start:],
-            atol=1e-4,
-            rtol=0,
-        )
+        assert_response_logprobs(sample, reference_logprobs(tiny_llama, sample.tokens))
 
 
 def test_stop_token_ends_the_turn(engine, make_prompts):
-    free = engine.generate(make_prompts("f")[:1], SamplingConfig(max_tokens=6, temperature=0.0))[0]
-    generated = free.tokens[free.prompt_length :]
-    target = generated[3]
-    cut = generated.index(target) + 1
-    tool = engine.generate(
-        make_prompts("f")[:1], SamplingConfig(max_tokens=6, temperature=0.0, tool_call_token_ids=(target,))
-    )[0]
-    assert tool.finish_reason == "tool_call" and tool.tokens[tool.prompt_length :] == generated[:cut]
+    assert_token_ends_turn(engine, lambda: make_prompts("f")[0], 3, ("tool_call",))
 
 
 def test_pause_mid_stream_keeps_tokens_and_resumes(engine, make_prompts):
@@ -100,12 +85,7 @@ def test_pause_mid_stream_keeps_tokens_and_resumes(engine, make_prompts):
     for sample, score in zip(samples, engine.score(samples), strict=True):
         sample.check()
         assert sample.finish_reason == "length" and sample.response_length == 40
-        torch.testing.assert_close(
-            torch.tensor(sample.rollout_logprobs[sample.prompt_length :]),
-            torch.tensor(score[sample.prompt_length :]),
-            atol=1e-4,
-            rtol=0,
-        )
+        assert_response_logprobs(sample, score)
 
 
 def test_update_weights_reloads_on_the_server(engine, tiny_llama, tiny_llama_dir, make_prompts):
@@ -115,10 +95,7 @@ def test_update_weights_reloads_on_the_server(engine, tiny_llama, tiny_llama_dir
     new_model.load_state_dict(new_state)
     engine.update_weights(new_state)
     assert engine.policy_version == 1 and (engine.weights_path / "model.safetensors").exists()
-    for sample, score in zip(prompts, engine.score(prompts), strict=True):
-        torch.testing.assert_close(
-            torch.tensor(score), reference_logprobs(new_model, sample.tokens), atol=1e-4, rtol=0
-        )
+    assert_scores_match(new_model, prompts, engine.score(prompts))
 
 
 def test_owned_server_killed_mid_batch_is_restarted_and_no_sample_is_lost(
@@ -139,15 +116,8 @@ def test_owned_server_killed_mid_batch_is_restarted_and_no_sample_is_lost(
         sample.check()
         assert sample.finish_reason == "length" and sample.response_length == LONG
         assert sample.policy_version[sample.prompt_length :] == [1] * LONG
-        torch.testing.assert_close(
-            torch.tensor(sample.rollout_logprobs[sample.prompt_length :]),
-            reference_logprobs(new_model, sample.tokens)[sample.prompt_length :],
-            atol=1e-4,
-            rtol=0,
-        )
-        torch.testing.assert_close(
-            torch.tensor(score), reference_logprobs(new_model, sample.tokens), atol=1e-4, rtol=0
-        )
+        assert_response_logprobs(sample, reference_logprobs(new_model, sample.tokens))
+        assert_scores_match(new_model, [sample], [score])
 
 
 def test_external_server_killed_mid_batch_names_the_failed_samples(server, make_prompts):

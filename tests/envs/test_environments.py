@@ -6,15 +6,13 @@ exactly as an engine appends what it generated, and the environment acts on them
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
-import torch
 
-from posttrain.data.chat import ChatRenderer, load_tokenizer
+from posttrain.data.chat import ChatRenderer
 from posttrain.data.sample import Sample
 from posttrain.data.tasks import TASK_FAMILIES, Episode
-from posttrain.engines import EmbeddedEngine, SamplingConfig
+from posttrain.engines import SamplingConfig
 from posttrain.envs.environments import (
     EPISODE_DONE,
     SUBMISSION_FEEDBACK,
@@ -23,23 +21,6 @@ from posttrain.envs.environments import (
     HarnessConfig,
     make_environment,
 )
-from posttrain.model import KimiK3ForCausalLM, load_model_config
-from posttrain.qat import QATConfig, apply_qat
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def renderer() -> ChatRenderer:
-    return ChatRenderer(load_tokenizer())
-
-
-@pytest.fixture(scope="module")
-def engine(renderer) -> EmbeddedEngine:
-    torch.manual_seed(0)
-    model = KimiK3ForCausalLM(load_model_config(REPO / "stages" / "models" / "tiny.yaml"))
-    apply_qat(model, QATConfig(scheme="k3"))
-    return EmbeddedEngine(model, pad_token_id=renderer.pad_id)
 
 
 def sampling(renderer: ChatRenderer, max_tokens: int = 6) -> SamplingConfig:
@@ -65,7 +46,9 @@ def first_turn(sample: Sample) -> dict:
     return next(family.demonstration(sample, Episode(family, sample, None)))
 
 
-def test_tool_calls_run_for_real_and_results_are_appended_never_rerendered(tmp_path, renderer, engine):
+def test_tool_calls_run_for_real_and_results_are_appended_never_rerendered(
+    tmp_path, renderer, tiny_k3_engine
+):
     cfg = EnvironmentConfig(families=["agent/order_total"], max_turns=2)
     with make_environment("agent", renderer, cfg, sandbox_dir=tmp_path) as env:
         prompt = env.prompts("train", 1, seed=3)[0]
@@ -73,7 +56,7 @@ def test_tool_calls_run_for_real_and_results_are_appended_never_rerendered(tmp_p
         assert sample.tokens == renderer.render_prompt(prompt.messages, prompt.tools, "high")
         turn = scripted(sample, renderer, first_turn(sample), "tool_call")
         before = list(sample.tokens)
-        env.play(engine, [sample], sampling(renderer))
+        env.play(tiny_k3_engine, [sample], sampling(renderer))
 
     tool_messages = [m for m in sample.messages if m["role"] == "tool"]
     assert [m["tool_call_id"] for m in tool_messages] == ["functions.search:0", "functions.search:1"]
@@ -90,7 +73,7 @@ def test_tool_calls_run_for_real_and_results_are_appended_never_rerendered(tmp_p
     assert sample.finish_reason in ("stop", "length", "tool_call")
 
 
-def test_agent_is_scored_on_the_sandbox_files_it_wrote(tmp_path, renderer, engine):
+def test_agent_is_scored_on_the_sandbox_files_it_wrote(tmp_path, renderer, tiny_k3_engine):
     cfg = EnvironmentConfig(families=["agent/staff_office"], max_turns=1)
     with make_environment("agent", renderer, cfg, sandbox_dir=tmp_path) as env:
         prompts = env.prompts("train", 2, seed=0)
@@ -111,7 +94,7 @@ def test_agent_is_scored_on_the_sandbox_files_it_wrote(tmp_path, renderer, engin
                 ],
             }
             scripted(sample, renderer, message, "tool_call")
-        env.play(engine, samples, sampling(renderer))
+        env.play(tiny_k3_engine, samples, sampling(renderer))
         assert env.sandboxes.lent == 0 and env.sandboxes.created == 2
     assert (right.reward, wrong.reward) == (1.0, 0.0)
     # max_turns 1: the write ended the episode, no tool result was appended to the tokens.
@@ -127,7 +110,9 @@ def test_hidden_tests_never_reach_the_prompt(tmp_path, renderer):
             assert "assert" not in text
 
 
-def test_coding_submissions_are_limited_and_failures_get_feedback_without_tests(tmp_path, renderer, engine):
+def test_coding_submissions_are_limited_and_failures_get_feedback_without_tests(
+    tmp_path, renderer, tiny_k3_engine
+):
     cfg = EnvironmentConfig(families=["coding/write_function"], max_submissions=2, max_turns=3)
     with make_environment("coding", renderer, cfg, sandbox_dir=tmp_path) as env:
         wrong, right = (
@@ -142,7 +127,7 @@ def test_coding_submissions_are_limited_and_failures_get_feedback_without_tests(
             "stop",
         )
         scripted(right, renderer, first_turn(right), "stop")
-        env.play(engine, [wrong, right], sampling(renderer))
+        env.play(tiny_k3_engine, [wrong, right], sampling(renderer))
 
     assert right.reward == 1.0 and right.metrics[SUBMISSIONS] == 1.0
     assert wrong.reward == 0.0 and wrong.metrics[SUBMISSIONS] == 2.0

@@ -3,28 +3,23 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-
-REPO = Path(__file__).resolve().parents[2]
-TINY_YAML = REPO / "stages" / "models" / "tiny.yaml"
 
 
 @pytest.fixture
 def tiny_config():
+    from posttrain.engines.testing import TINY_K3_PRESET
     from posttrain.model import load_model_config
 
-    return load_model_config(TINY_YAML)
+    return load_model_config(TINY_K3_PRESET)
 
 
 @pytest.fixture
-def tiny_model(tiny_config):
-    from posttrain.model import KimiK3ForCausalLM
+def tiny_model():
+    from posttrain.engines.testing import tiny_k3
 
-    torch.manual_seed(0)
-    return KimiK3ForCausalLM(tiny_config).eval()
+    return tiny_k3(0).eval()
 
 
 @pytest.fixture

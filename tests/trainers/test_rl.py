@@ -5,25 +5,19 @@ verdicts that cannot be parsed left out of training, and bit-for-bit resume afte
 from __future__ import annotations
 
 import json
-import logging
-import random
+from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from posttrain.checkpoint import CheckpointManager
-from posttrain.data.chat import ChatRenderer, load_tokenizer
 from posttrain.data.sample import Sample
-from posttrain.metrics import MetricsLogger, read_metrics
-from posttrain.model import KimiK3ForCausalLM, load_model_config
-from posttrain.qat import QATConfig
-from posttrain.stages import STAGE_KINDS, StageContext
+from posttrain.engines.testing import tiny_k3
+from posttrain.metrics import read_metrics
+from posttrain.stages import StageContext
 from posttrain.trainers.rl import RLConfig, trajectory_rewards
 
-REPO = Path(__file__).resolve().parents[2]
 TINY_BODY = {
     "train": {"steps": 2, "lr": 1e-3},
     "rollout": {"prompts": 2, "groups_per_step": 1, "group_size": 6},
@@ -41,23 +35,13 @@ TINY_BODY = {
 }
 
 
-class FakeCrash(RuntimeError):
-    """Stands in for a kill: raised by the progress hook right after iteration `at` was checkpointed."""
-
-
-@pytest.fixture(scope="module")
-def renderer() -> ChatRenderer:
-    return ChatRenderer(load_tokenizer())
-
-
 @pytest.fixture(scope="module")
 def sft_dir(tmp_path_factory, renderer) -> Path:
     """An untrained tiny K3 saved like the sft stage's model dir (weights + tokenizer), whose turns
     end after a spread of lengths: every token embedding carries a constant feature that only the
     end-of-turn row of the output layer reads, giving end of turn about a one-in-ten chance per
     token. Different lengths give different budget rewards, so there is something to learn."""
-    torch.manual_seed(0)
-    model = KimiK3ForCausalLM(load_model_config(REPO / "stages" / "models" / "tiny.yaml"))
+    model = tiny_k3(0)
     with torch.no_grad():
         model.model.embed_tokens.weight[:, 0] = 10.0
         model.lm_head.weight[renderer.end_of_turn_id] = 0.0
@@ -68,38 +52,25 @@ def sft_dir(tmp_path_factory, renderer) -> Path:
     return path
 
 
-def make_ctx(
-    run_dir: Path, body: dict, sft: Path, domain: str, effort: str, crash_at: int | None = None
-) -> StageContext:
-    """What orchestration.runner builds for a matrix instance rl-<domain>-<effort>."""
-    stage_dir = run_dir / f"rl-{domain}-{effort}"
-    stage_dir.mkdir(parents=True, exist_ok=True)
-    output = stage_dir / ".model-tmp"
-    output.mkdir(exist_ok=True)
-    random.seed(0)
-    np.random.seed(0)
-    torch.manual_seed(0)
-    metrics = MetricsLogger(stage_dir, tensorboard=False)
+@pytest.fixture
+def make_ctx(stage_runner, sft_dir) -> Callable[..., StageContext]:
+    """make_ctx(run_dir, body, domain, effort, crash_at=None): the matrix instance rl-<domain>-<effort>
+    as orchestration.runner builds it, its `sft` need the model of `sft_dir`."""
 
-    def progress(step: int, total: int | None, shown: dict) -> None:
-        if step == crash_at:
-            raise FakeCrash(f"killed after iteration {step}")
+    def make(
+        run_dir: Path, body: dict, domain: str, effort: str, crash_at: int | None = None
+    ) -> StageContext:
+        return stage_runner.context(
+            "rl",
+            run_dir,
+            body,
+            stage_id=f"rl-{domain}-{effort}",
+            inputs={"sft": sft_dir},
+            matrix={"domain": domain, "effort": effort},
+            crash_at=crash_at,
+        )
 
-    return StageContext(
-        stage_id=stage_dir.name, kind="rl", config=RLConfig.model_validate(body), seed=0,
-        inputs={"sft": sft}, model=REPO / "stages" / "models" / "tiny.yaml", qat=QATConfig(scheme="k3"),
-        matrix={"domain": domain, "effort": effort}, resources={"cpus": 1.0}, run_dir=run_dir,
-        stage_dir=stage_dir, output_dir=output, metrics=metrics,
-        checkpoints=CheckpointManager(stage_dir / "checkpoints", metrics=metrics),
-        log=logging.getLogger(f"test-{stage_dir.name}"), progress_sink=progress,
-    )  # fmt: skip
-
-
-def run(ctx: StageContext) -> dict[str, float]:
-    try:
-        return dict(STAGE_KINDS.get("rl").run(ctx))
-    finally:
-        ctx.metrics.close()
+    return make
 
 
 def test_budget_reward_is_minus_one_over_tau_times_b0_and_tau_anneals(renderer):
@@ -141,9 +112,9 @@ def test_budget_reward_is_minus_one_over_tau_times_b0_and_tau_anneals(renderer):
     assert rewards.tolist() == [-1.0]
 
 
-def test_rl_stage_end_to_end_and_b0_is_estimated_once_for_all_efforts(tmp_path, sft_dir):
-    low = make_ctx(tmp_path, TINY_BODY, sft_dir, "agent", "low")
-    final = run(low)
+def test_rl_stage_end_to_end_and_b0_is_estimated_once_for_all_efforts(tmp_path, make_ctx, stage_runner):
+    low = make_ctx(tmp_path, TINY_BODY, "agent", "low")
+    final = stage_runner.run(low)
     report = json.loads((low.stage_dir / "eval.json").read_text())
     assert (report["domain"], report["effort"], report["prompts"]) == ("agent", "low", 2)
     assert 0.0 <= report["accuracy"] <= 1.0 and 0 < report["mean_response_tokens"] <= 12
@@ -166,13 +137,13 @@ def test_rl_stage_end_to_end_and_b0_is_estimated_once_for_all_efforts(tmp_path, 
     assert type(AutoModelForCausalLM.from_pretrained(str(low.output_dir))).__name__ == "KimiK3ForCausalLM"
 
     body = {**TINY_BODY, "train": {"steps": 1, "lr": 1e-3}}
-    maximal = run(make_ctx(tmp_path, body, sft_dir, "agent", "max"))
+    maximal = stage_runner.run(make_ctx(tmp_path, body, "agent", "max"))
     assert maximal["budget/cold_start_prompts"] == 0
     assert maximal["budget/b0_mean"] == final["budget/b0_mean"]
     assert maximal["mean_response_tokens_before"] > 0
 
 
-def test_unparsable_judgements_are_counted_and_never_trained_on(tmp_path, sft_dir):
+def test_unparsable_judgements_are_counted_and_never_trained_on(tmp_path, sft_dir, make_ctx, stage_runner):
     body = json.loads(json.dumps(TINY_BODY))
     body["environments"]["general"]["reward"] = "genrm"
     body["genrm"] = {
@@ -181,8 +152,8 @@ def test_unparsable_judgements_are_counted_and_never_trained_on(tmp_path, sft_di
         "max_judge_tokens": 4,
         "max_candidate_tokens": 16,
     }
-    ctx = make_ctx(tmp_path, body, sft_dir, "general", "high")
-    final = run(ctx)
+    ctx = make_ctx(tmp_path, body, "general", "high")
+    final = stage_runner.run(ctx)
     steps = [r for r in read_metrics(ctx.stage_dir / "metrics.jsonl") if "unscored" in r]
     assert [r["unscored"] for r in steps] == [6.0, 6.0] and all(r["skipped"] == 1.0 for r in steps)
     assert steps[-1]["genrm/unparsable"] == steps[-1]["genrm/judged"] > 0
@@ -192,20 +163,20 @@ def test_unparsable_judgements_are_counted_and_never_trained_on(tmp_path, sft_di
     assert all(torch.equal(before[name], after[name]) for name in before)
 
 
-def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(tmp_path, sft_dir):
+def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(tmp_path, sft_dir, make_ctx, stage_runner):
     body = {
         **TINY_BODY,
         "train": {"steps": 3, "lr": 1e-3},
         "rollout": {**TINY_BODY["rollout"], "partial": {"fraction": 0.5}},
     }
-    straight = make_ctx(tmp_path / "straight", body, sft_dir, "agent", "high")
-    run(straight)
-    crashed = make_ctx(tmp_path / "resumed", body, sft_dir, "agent", "high", crash_at=2)
-    with pytest.raises(FakeCrash):
-        run(crashed)
+    straight = make_ctx(tmp_path / "straight", body, "agent", "high")
+    stage_runner.run(straight)
+    crashed = make_ctx(tmp_path / "resumed", body, "agent", "high", crash_at=2)
+    with pytest.raises(stage_runner.FakeCrash):
+        stage_runner.run(crashed)
     assert crashed.checkpoints.latest_step() == 2
-    resumed = make_ctx(tmp_path / "resumed", body, sft_dir, "agent", "high")
-    run(resumed)
+    resumed = make_ctx(tmp_path / "resumed", body, "agent", "high")
+    stage_runner.run(resumed)
 
     expected = load_file(str(straight.output_dir / "model.safetensors"))
     got = load_file(str(resumed.output_dir / "model.safetensors"))
@@ -224,11 +195,11 @@ def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(tmp_path, sft_dir):
     assert any(r["rollout/resumed"] > 0 for r in records)  # the queue crossed the crash
 
 
-def test_stage_errors_name_the_fix(tmp_path, sft_dir):
-    ctx = make_ctx(tmp_path, {**TINY_BODY, "init": "sftt"}, sft_dir, "general", "low")
+def test_stage_errors_name_the_fix(tmp_path, make_ctx, stage_runner):
+    ctx = make_ctx(tmp_path, {**TINY_BODY, "init": "sftt"}, "general", "low")
     with pytest.raises(ValueError, match="init 'sftt' is not a need of this stage"):
-        run(ctx)
+        stage_runner.run(ctx)
     with pytest.raises(ValueError, match="environments.general.reward is genrm; add a `genrm:` block"):
         body = json.loads(json.dumps(TINY_BODY))
         body["environments"]["general"]["reward"] = "genrm"
-        run(make_ctx(tmp_path, body, sft_dir, "general", "low"))
+        stage_runner.run(make_ctx(tmp_path, body, "general", "low"))

@@ -8,32 +8,15 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from posttrain.checkpoint import CheckpointManager
-from posttrain.data.chat import ChatRenderer, load_tokenizer
+from posttrain.data.chat import ChatRenderer
 from posttrain.data.sample import Sample
-from posttrain.engines import EmbeddedEngine, SamplingConfig
+from posttrain.engines import SamplingConfig
 from posttrain.envs.environments import EnvironmentConfig, HarnessConfig, make_environment
-from posttrain.model import KimiK3ForCausalLM, load_model_config
-from posttrain.qat import QATConfig, apply_qat
 from posttrain.trainers.rollout import PartialRolloutConfig, RolloutQueue, version_span
 
-REPO = Path(__file__).resolve().parents[2]
 EXTRA_STOPS = tuple(range(200, 420))  # about one draw in ten ends the turn
-
-
-@pytest.fixture(scope="module")
-def renderer() -> ChatRenderer:
-    return ChatRenderer(load_tokenizer())
-
-
-@pytest.fixture(scope="module")
-def engine(renderer) -> EmbeddedEngine:
-    torch.manual_seed(0)
-    model = KimiK3ForCausalLM(load_model_config(REPO / "stages" / "models" / "tiny.yaml"))
-    apply_qat(model, QATConfig(scheme="k3"))
-    return EmbeddedEngine(model, pad_token_id=renderer.pad_id)
 
 
 def groups_of(env, prompts: list[Sample], size: int) -> list[Sample]:
@@ -42,7 +25,9 @@ def groups_of(env, prompts: list[Sample], size: int) -> list[Sample]:
     ]
 
 
-def test_paused_trajectories_resume_under_the_next_policy_as_if_never_paused(tmp_path, renderer, engine):
+def test_paused_trajectories_resume_under_the_next_policy_as_if_never_paused(
+    tmp_path, renderer, tiny_k3_engine
+):
     sampling = SamplingConfig(
         max_tokens=40,
         stop_token_ids=(renderer.end_of_turn_id, *EXTRA_STOPS),
@@ -51,12 +36,12 @@ def test_paused_trajectories_resume_under_the_next_policy_as_if_never_paused(tmp
     )
     with make_environment("general", renderer, EnvironmentConfig(), sandbox_dir=tmp_path / "sb") as env:
         prompts = env.prompts("train", 4, seed=0)
-        engine.policy_version = 0
-        synchronous = RolloutQueue(env, engine, sampling, PartialRolloutConfig(fraction=1.0))
+        tiny_k3_engine.policy_version = 0
+        synchronous = RolloutQueue(env, tiny_k3_engine, sampling, PartialRolloutConfig(fraction=1.0))
         reference = {s.uid: s for s in synchronous.step(groups_of(env, prompts, 3)).samples}
         assert len(reference) == 12 and synchronous.waiting == []
 
-        queue = RolloutQueue(env, engine, sampling, PartialRolloutConfig(fraction=0.5))
+        queue = RolloutQueue(env, tiny_k3_engine, sampling, PartialRolloutConfig(fraction=0.5))
         first = queue.step(groups_of(env, prompts, 3))
         paused = [s for s in queue.waiting if s.finish_reason == "paused"]
         assert first.metrics["rollout/paused"] == len(paused) > 0
@@ -68,11 +53,11 @@ def test_paused_trajectories_resume_under_the_next_policy_as_if_never_paused(tmp
         manager.save(1, samples=queue.samples(), write_files=queue.write_files, rng=False)
         # max_staleness 1: a trajectory paused under version 0 is played to its end under version 1.
         bounded = PartialRolloutConfig(fraction=0.5, max_staleness=1)
-        resumed_queue = RolloutQueue(env, engine, sampling, bounded)
+        resumed_queue = RolloutQueue(env, tiny_k3_engine, sampling, bounded)
         resumed_queue.restore(manager.load(restore_rng=False))
         assert [s.to_json() for s in resumed_queue.waiting] == [s.to_json() for s in queue.waiting]
 
-        engine.policy_version = 1  # the optimizer stepped (weights kept, so tokens must match)
+        tiny_k3_engine.policy_version = 1  # the optimizer stepped (weights kept, so tokens must match)
         second = resumed_queue.step([])
     assert second.metrics["rollout/resumed"] == second.metrics["rollout/overdue"] == len(paused)
     assert resumed_queue.waiting == []
@@ -97,7 +82,7 @@ def test_paused_trajectories_resume_under_the_next_policy_as_if_never_paused(tmp
     assert second.metrics["rollout/partial_fraction"] > 0
 
 
-def test_a_paused_agent_resumes_from_a_checkpoint_with_its_sandbox_files(tmp_path, renderer, engine):
+def test_a_paused_agent_resumes_from_a_checkpoint_with_its_sandbox_files(tmp_path, renderer, tiny_k3_engine):
     harness = HarnessConfig(tool_sets=[["read_file"]])
     cfg = EnvironmentConfig(families=["agent/staff_office"], max_turns=4, harness=harness)
     sampling = SamplingConfig(
@@ -111,7 +96,7 @@ def test_a_paused_agent_resumes_from_a_checkpoint_with_its_sandbox_files(tmp_pat
         _turn(quick, renderer, "Done.", None, "stop")
         path, city = agent.task["path"], agent.task["answer"]
         _turn(agent, renderer, "", ("write_file", {"path": path, "content": city}), "tool_call")
-        queue = RolloutQueue(env, engine, sampling, PartialRolloutConfig(fraction=0.5))
+        queue = RolloutQueue(env, tiny_k3_engine, sampling, PartialRolloutConfig(fraction=0.5))
         rollout = queue.step([quick, agent])
         assert rollout.groups == [] and agent.finish_reason == "paused"
         snapshot = Path(agent.sandbox_snapshot)
@@ -122,14 +107,14 @@ def test_a_paused_agent_resumes_from_a_checkpoint_with_its_sandbox_files(tmp_pat
         manager.save(1, samples=queue.samples(), write_files=queue.write_files, rng=False)
 
     with make_environment("agent", renderer, cfg, sandbox_dir=tmp_path / "live-2") as env:
-        queue = RolloutQueue(env, engine, sampling, PartialRolloutConfig(fraction=0.5))
+        queue = RolloutQueue(env, tiny_k3_engine, sampling, PartialRolloutConfig(fraction=0.5))
         queue.restore(manager.load(restore_rng=False))
         agent = next(s for s in queue.waiting if s.uid == "a/1")
         assert Path(agent.sandbox_snapshot).parent == tmp_path / "live-2"
         assert agent.tokens == paused_tokens
         # The next turn reads the file back from the sandbox restored in this new environment.
         _turn(agent, renderer, "", ("read_file", {"path": path}), "tool_call")
-        env.play(engine, [agent], sampling)
+        env.play(tiny_k3_engine, [agent], sampling)
     assert agent.tokens[: len(paused_tokens)] == paused_tokens
     assert [m["content"] for m in agent.messages if m["role"] == "tool"][-1] == city
     assert agent.reward == 1.0  # verified on the restored sandbox's final files

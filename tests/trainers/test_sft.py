@@ -7,34 +7,25 @@ from __future__ import annotations
 import json
 import logging
 import math
-import random
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from pydantic import ValidationError
 from safetensors.torch import load_file
 
-from posttrain.checkpoint import CheckpointManager
 from posttrain.data.chat import CHAT_TEMPLATE
 from posttrain.data.mixture import DATA_RECIPES, MixtureSource, Recipe
 from posttrain.data.trajectory import BadTrajectoryError
-from posttrain.metrics import MetricsLogger, read_metrics
-from posttrain.model import KimiK3ForCausalLM, load_model_config
-from posttrain.qat import QATConfig
-from posttrain.stages import STAGE_KINDS, StageContext
+from posttrain.engines.testing import tiny_k3
+from posttrain.metrics import read_metrics
+from posttrain.model import KimiK3ForCausalLM
 from posttrain.trainers.common import AccelerateConfig, NonFiniteLossError, WarmupCosine, accelerator_plugins
 from posttrain.trainers.sft import SFTConfig
 
 REPO = Path(__file__).resolve().parents[2]
-TINY = REPO / "stages" / "models" / "tiny.yaml"
 SHIPPED = REPO / "data_recipes" / "data" / "agent_sft.jsonl"
 BAD_ROW_INDEX = 24
-
-
-class FakeCrash(RuntimeError):
-    """Stands in for a kill: raised by the progress hook right after step `at` was checkpointed."""
 
 
 @pytest.fixture(scope="module")
@@ -60,45 +51,9 @@ def small_recipe(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A seeded tiny K3 saved with save_pretrained (a need's model dir)."""
-    torch.manual_seed(3)
-    model = KimiK3ForCausalLM(load_model_config(TINY))
     path = tmp_path_factory.mktemp("tiny-k3")
-    model.save_pretrained(str(path))
+    tiny_k3(3).save_pretrained(str(path))
     return path
-
-
-def make_ctx(stage_dir: Path, body: dict, *, model: Path = TINY, crash_at: int | None = None) -> StageContext:
-    """What orchestration.runner builds for a stage: seeded RNGs, metrics, checkpoints, output dir."""
-    stage_dir.mkdir(parents=True, exist_ok=True)
-    output = stage_dir / ".model-tmp"
-    output.mkdir(exist_ok=True)
-    random.seed(0)
-    np.random.seed(0)
-    torch.manual_seed(0)
-    metrics = MetricsLogger(stage_dir, tensorboard=False)
-
-    def progress(step: int, total: int | None, shown: dict) -> None:
-        if step == crash_at:
-            raise FakeCrash(f"killed after step {step}")
-
-    return StageContext(
-        stage_id="sft",
-        kind="sft",
-        config=STAGE_KINDS.get("sft").config.model_validate(body),
-        seed=0,
-        inputs={},
-        model=model,
-        qat=QATConfig(scheme="k3"),
-        matrix={},
-        resources={"cpus": 1.0},
-        run_dir=stage_dir.parent,
-        stage_dir=stage_dir,
-        output_dir=output,
-        metrics=metrics,
-        checkpoints=CheckpointManager(stage_dir / "checkpoints", metrics=metrics),
-        log=logging.getLogger(f"test-sft-{stage_dir.name}"),
-        progress_sink=progress,
-    )
 
 
 def body(recipe: str, **train) -> dict:
@@ -110,21 +65,14 @@ def body(recipe: str, **train) -> dict:
     }
 
 
-def run(ctx: StageContext) -> dict[str, float]:
-    try:
-        return dict(STAGE_KINDS.get("sft").run(ctx))
-    finally:
-        ctx.metrics.close()
-
-
-def test_sft_learns_and_saves_a_loadable_model(tmp_path, small_recipe):
+def test_sft_learns_and_saves_a_loadable_model(tmp_path, small_recipe, stage_runner):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     name, _ = small_recipe
     cfg = body(name, steps=8)
     cfg["eval"] = {"tool_prompts": 2, "max_new_tokens": 8, "max_turns": 2}
-    ctx = make_ctx(tmp_path / "sft", cfg)
-    final = run(ctx)
+    ctx = stage_runner.context("sft", tmp_path, cfg)
+    final = stage_runner.run(ctx)
 
     assert final["eval_loss_after"] < final["eval_loss_before"] - 0.3
     for when in ("before", "after"):
@@ -146,19 +94,19 @@ def test_sft_learns_and_saves_a_loadable_model(tmp_path, small_recipe):
     assert sorted(model.generation_config.eos_token_id) == sorted(stops)
 
 
-def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(tmp_path, small_recipe):
+def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(tmp_path, small_recipe, stage_runner):
     name, _ = small_recipe
     cfg = body(name, steps=4, grad_accum=2, micro_batch_tokens=256)
     cfg["data"]["max_length"] = 256
-    straight = make_ctx(tmp_path / "straight", cfg)
-    run(straight)
+    straight = stage_runner.context("sft", tmp_path / "straight", cfg)
+    stage_runner.run(straight)
 
-    crashed = make_ctx(tmp_path / "resumed", cfg, crash_at=3)
-    with pytest.raises(FakeCrash):
-        run(crashed)
+    crashed = stage_runner.context("sft", tmp_path / "resumed", cfg, crash_at=3)
+    with pytest.raises(stage_runner.FakeCrash):
+        stage_runner.run(crashed)
     assert crashed.checkpoints.latest_step() == 2
-    resumed = make_ctx(tmp_path / "resumed", cfg)
-    final = run(resumed)
+    resumed = stage_runner.context("sft", tmp_path / "resumed", cfg)
+    final = stage_runner.run(resumed)
 
     expected = load_file(str(straight.output_dir / "model.safetensors"))
     got = load_file(str(resumed.output_dir / "model.safetensors"))
@@ -173,31 +121,31 @@ def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(tmp_path, small_rec
     )
 
 
-def test_nan_loss_names_the_step_and_the_fix(tmp_path, small_recipe, tiny_model_dir):
+def test_nan_loss_names_the_step_and_the_fix(tmp_path, small_recipe, tiny_model_dir, stage_runner):
     broken = tmp_path / "nan-model"
     model = KimiK3ForCausalLM.from_pretrained(str(tiny_model_dir))
     with torch.no_grad():
         model.lm_head.weight[5] = float("nan")
     model.save_pretrained(str(broken))
-    ctx = make_ctx(tmp_path / "sft", body(small_recipe[0], steps=2), model=broken)
+    ctx = stage_runner.context("sft", tmp_path, body(small_recipe[0], steps=2), model=broken)
     with pytest.raises(NonFiniteLossError, match=r"loss is nan at optimizer step 1 .*train\.lr"):
-        run(ctx)
+        stage_runner.run(ctx)
 
 
-def test_strict_data_fails_naming_file_row_and_reason(tmp_path, small_recipe):
+def test_strict_data_fails_naming_file_row_and_reason(tmp_path, small_recipe, stage_runner):
     name, path = small_recipe
     cfg = body(name)
     cfg["data"]["strict"] = True
     with pytest.raises(BadTrajectoryError) as error:
-        run(make_ctx(tmp_path / "sft", cfg))
+        stage_runner.run(stage_runner.context("sft", tmp_path, cfg))
     assert f"{path} row {BAD_ROW_INDEX}: malformed_tool_call_json" in str(error.value)
 
 
-def test_lora_trains_only_the_adapters(tmp_path, small_recipe, tiny_model_dir):
+def test_lora_trains_only_the_adapters(tmp_path, small_recipe, tiny_model_dir, stage_runner):
     cfg = body(small_recipe[0], steps=2)
     cfg["lora"] = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "o_proj"]}
-    ctx = make_ctx(tmp_path / "sft", cfg, model=tiny_model_dir)
-    run(ctx)
+    ctx = stage_runner.context("sft", tmp_path, cfg, model=tiny_model_dir)
+    stage_runner.run(ctx)
     before = load_file(str(tiny_model_dir / "model.safetensors"))
     after = load_file(str(ctx.output_dir / "model.safetensors"))
     changed = {n for n in before if not torch.equal(before[n], after[n])}
@@ -206,15 +154,18 @@ def test_lora_trains_only_the_adapters(tmp_path, small_recipe, tiny_model_dir):
     assert targeted <= changed
 
 
-def test_gradient_checkpointing_changes_memory_not_the_result(tmp_path, small_recipe, tiny_model_dir):
+def test_gradient_checkpointing_changes_memory_not_the_result(
+    tmp_path, small_recipe, tiny_model_dir, stage_runner
+):
     runs = {}
     for flag in (False, True):
-        ctx = make_ctx(
+        ctx = stage_runner.context(
+            "sft",
             tmp_path / f"gc-{flag}",
             body(small_recipe[0], steps=2, gradient_checkpointing=flag),
             model=tiny_model_dir,
         )
-        run(ctx)
+        stage_runner.run(ctx)
         losses = [r["loss"] for r in read_metrics(ctx.stage_dir / "metrics.jsonl") if "loss" in r]
         runs[flag] = (load_file(str(ctx.output_dir / "model.safetensors")), losses)
     (plain, plain_losses), (checkpointed, checkpointed_losses) = runs[False], runs[True]
