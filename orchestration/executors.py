@@ -2,8 +2,9 @@
 
 Both share one driver loop; they differ only in how a stage is started and watched.
 Local: each stage is its own process, forked from a server process that has torch and the
-plug-ins imported, up to `max_parallel` at a time; a stage process kills itself when the driver
-dies, so `kill -9` of `posttrain run` stops everything and the rerun resumes.
+plug-ins imported, as many at a time as their `resources.cpus` fit in this machine's CPUs (and
+at most `max_parallel`); a stage process kills itself when the driver dies, so `kill -9` of
+`posttrain run` stops everything and the rerun resumes.
 Ray: each stage is a Ray task on a fresh worker process with the stage file's cpus/gpus as its
 resource request; the run dir must be on storage every node sees.
 
@@ -86,15 +87,23 @@ def execute(
     even when done. Needs outside `scope` must already be done."""
     display = display or QuietDisplay()
     backend: _Backend = _RayBackend(run_dir, ray_address) if executor == "ray" else _LocalBackend(run_dir)
-    limit = max_parallel or (len(scope) if executor == "ray" else 1)
+    limit = max_parallel or len(scope)
+    # Local stages share this machine: one starts only while the CPUs the running ones asked for
+    # (resources.cpus) leave room for its own, so two 1-CPU RL stages share a 2-core laptop and a
+    # 2-CPU stage runs alone. Ray does this accounting itself, per node.
+    budget = float(os.cpu_count() or 1) if executor == "local" else float("inf")
     outcome = Outcome()
     waiting = list(scope)
     running: dict[str, Any] = {}
+    claimed: dict[str, float] = {}
     try:
         while waiting or running:
             for sid in list(waiting):
                 if len(running) >= limit:
                     break
+                wanted = float(pipeline.stages[sid].resources.get("cpus", 1.0))
+                if running and sum(claimed.values()) + wanted > budget:
+                    continue
                 needs = pipeline.stages[sid].needs
                 if any(outcome.status.get(n) in ("failed", "blocked") for n in needs):
                     waiting.remove(sid)
@@ -113,6 +122,7 @@ def execute(
                 write_request(pipeline, run_dir, sid, restart=sid in forced)
                 log(f"stage {sid} starting ({state.status}: {state.reason})")
                 running[sid] = backend.launch(sid, pipeline.stages[sid].resources)
+                claimed[sid] = wanted
                 display.started(sid)
             for sid, handle in list(running.items()):
                 progress = read_progress(stage_dir(run_dir, sid))
@@ -122,6 +132,7 @@ def execute(
                 if code is None:
                     continue
                 del running[sid]
+                claimed.pop(sid, None)
                 status = _settle(run_dir, sid, code)
                 outcome.status[sid] = status
                 display.finished(sid, status)

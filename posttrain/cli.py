@@ -71,7 +71,8 @@ def _parser(command: str) -> argparse.ArgumentParser:
             "--max-parallel",
             type=int,
             metavar="N",
-            help="stages running at once (default: 1 local, unlimited ray)",
+            help="stages running at once (default: as many as their resources.cpus fit in this machine "
+            "(local) or the cluster (ray))",
         )
         parser.add_argument(
             "--ray-address", help="Ray cluster address (default: $RAY_ADDRESS, else a local instance)"

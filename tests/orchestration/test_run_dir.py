@@ -4,6 +4,7 @@ a config change, --restart / --from / --only, failures, report and status."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 STAGES = ("a", "b", "c")
@@ -151,3 +152,31 @@ def test_independent_stages_run_concurrently_up_to_max_parallel(write, posttrain
     assert code == 0, out + err
     assert sorted(p.name for p in meeting.iterdir()) == ["rl-low", "rl-max"]
     assert int((tmp_path / "run" / "rl-max" / "model" / "value.txt").read_text()) == 2
+
+
+def test_local_stages_run_together_while_their_cpus_fit_the_machine(write, posttrain, tmp_path: Path) -> None:
+    # No --max-parallel: stages asking for no CPUs always fit, so the rendezvous (which only
+    # completes when both run at once) succeeds.
+    toy = 'kind: toy-sum\nplugins: ["{toy}"]\n'
+    write("sft.yaml", toy)
+    meeting = tmp_path / "meeting"
+    dag = write(
+        "rl.yaml",
+        toy,
+        f"needs: [sft.yaml]\nmatrix: {{effort: [low, max]}}\nrendezvous: {meeting}\nresources: {{cpus: 0}}\n",
+    )
+    code, out, err = posttrain("run", dag, "--run-dir", tmp_path / "run")
+    assert code == 0, out + err
+    assert sorted(p.name for p in meeting.iterdir()) == ["rl-low", "rl-max"]
+
+
+def test_local_stages_that_each_want_every_cpu_run_one_at_a_time(write, posttrain, tmp_path: Path) -> None:
+    toy = 'kind: toy-sum\nplugins: ["{toy}"]\n'
+    write("sft.yaml", toy)
+    every_cpu = f"resources: {{cpus: {os.cpu_count()}}}\n"
+    dag = write("rl.yaml", toy, f"needs: [sft.yaml]\nmatrix: {{effort: [low, max]}}\n{every_cpu}")
+    run = tmp_path / "run"
+    code, out, err = posttrain("run", dag, "--run-dir", run)
+    assert code == 0, out + err
+    low, high = sorted((manifest(run, s) for s in ("rl-low", "rl-max")), key=lambda m: m["started"])
+    assert high["started"] >= low["finished"]
