@@ -21,6 +21,7 @@ from posttrain.config.errors import ConfigError, Issue, did_you_mean, key_path
 from posttrain.config.overrides import apply_overrides, parse_overrides
 from posttrain.config.stage_file import (
     GENERIC_KEYS,
+    NEEDS_CONTEXT,
     STAGE_ID,
     STRUCTURAL_KEYS,
     StageHeader,
@@ -329,7 +330,9 @@ def _validate(
     if registered:
         config = STAGE_KINDS.get(kind).config
         try:
-            config.model_validate(body)
+            # With the needs as context a kind checks its keys that name a need's model now, not when
+            # the stage runs (posttrain.config.stage_file.check_model_reference).
+            config.model_validate(body, context={NEEDS_CONTEXT: list(inst.needs)})
         except ValidationError as exc:
             issues.extend(pydantic_issues(exc, config, inst.display, inst.lines, overridden, GENERIC_KEYS))
     else:

@@ -76,21 +76,30 @@ def _origin(obj: object) -> str:
 
 _loaded = False
 
-# The plug-in packages shipped in this repository. They are found through the same entry-point
-# group an outside package uses (see pyproject.toml); this list only covers running from a source
-# tree that was never pip-installed.
-_BUILTIN_PLUGINS = ("posttrain.trainers", "teachers", "rewards", "data_recipes")
-
 
 def load_plugins(extra_modules: tuple[str, ...] = ()) -> None:
-    """Import every plug-in module once: entry points, the built-in packages, and ``extra_modules``
-    (module names or ``path/to/file.py`` listed in a stage file)."""
+    """Import every plug-in module once: the ``posttrain.plugins`` entry points (this repository's
+    own packages, posttrain.trainers among them, are listed there by pyproject.toml, so the engine
+    never names them), then ``extra_modules`` (module names or ``path/to/file.py`` listed in a stage
+    file). Every registry lookup calls this first, so a stage process has its plug-ins before a
+    trainer looks one up."""
     global _loaded
     if not _loaded:
+        modules = sorted({ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)})
+        if not modules:
+            raise RegistryError(
+                f"no {ENTRY_POINT_GROUP!r} entry points in {sys.executable}: posttrain is not installed "
+                "there; run `pip install -e .` in the repository so its stage kinds and plug-ins register"
+            )
+        # Set before importing: a plug-in that looks something up while it imports must not start
+        # a second round of imports.
         _loaded = True
-        names = {ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
-        for module in sorted(names | set(_BUILTIN_PLUGINS)):
-            importlib.import_module(module)
+        try:
+            for module in modules:
+                importlib.import_module(module)
+        except BaseException:
+            _loaded = False  # the next lookup raises the same import error, not "unknown name"
+            raise
     for module in extra_modules:
         import_plugin(module)
 

@@ -6,8 +6,10 @@ T(y) > tau * b0(x) gets reward -1 whatever its task reward, so the specialist fo
 to finish within its multiple tau of what the prompt needed. tau is largest for max effort and is
 annealed down over the run for high and low.
 
-b0 is cached on disk per prompt and shared by all nine RL runs: one JSON file per prompt id,
-entries keyed by the prompt's hash and the cold-start configuration, written atomically.
+The `rl` stage reaches this module only through the reward registry: `AnnealedBudgetReward` is
+registered as "budget" (posttrain.rewards_registry.budget_reward looks it up), its config schema is
+posttrain.config.rewards.BudgetRewardConfig, and the stage plays the cold start and caches b0 for
+all nine runs itself (posttrain.envs.env_budget).
 
 Usage T(y) is counted from the trajectory's tokens (exactly what the policy sampled, no
 re-tokenisation): `thinking` counts generated tokens inside thinking spans (general domain);
@@ -18,85 +20,13 @@ not generated and never count).
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import hashlib
-import json
 import math
-import os
-import re
-import tempfile
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from collections.abc import Sequence
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
+from posttrain.config.rewards import BudgetRewardConfig, UsageKind
 from posttrain.data.sample import EFFORTS, Sample
-from rewards.registry import REWARDS
-
-UsageKind = Literal["thinking", "output"]
-
-DEFAULT_USAGE: dict[str, UsageKind] = {"general": "thinking", "agent": "output", "coding": "output"}
-
-
-class TauSchedule(BaseModel):
-    """tau for one effort, annealed from tau_start (step 0) to tau_end (last step)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    tau_start: float = Field(gt=0)
-    tau_end: float = Field(gt=0)
-
-
-def _default_tau() -> dict[str, TauSchedule]:
-    return {
-        "low": TauSchedule(tau_start=1.0, tau_end=0.5),
-        "high": TauSchedule(tau_start=1.5, tau_end=1.0),
-        "max": TauSchedule(tau_start=2.0, tau_end=2.0),
-    }
-
-
-class BudgetRewardConfig(BaseModel):
-    """The budget reward's knobs (defaults are ours: K3 does not publish its values).
-
-    quantile: which quantile of the cold-start usages is b0 (0.5 = median).
-    min_budget_tokens: floor on b0, so a prompt the cold-start policy solved without thinking does
-        not make every thinking token over budget.
-    tau: per effort; must order max > high > low at both ends of the run (then it does at every
-        step, since all efforts share the schedule's shape).
-    schedule: "linear" or "cosine" interpolation from tau_start to tau_end.
-    usage: domain -> how usage is counted ("thinking" or "output"); add custom domains here.
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    quantile: float = Field(0.5, gt=0.0, le=1.0)
-    min_budget_tokens: float = Field(1.0, ge=0.0)
-    tau: dict[str, TauSchedule] = Field(default_factory=_default_tau)
-    schedule: Literal["linear", "cosine"] = "linear"
-    usage: dict[str, UsageKind] = Field(default_factory=lambda: dict(DEFAULT_USAGE))
-
-    @model_validator(mode="after")
-    def _efforts_ordered(self) -> BudgetRewardConfig:
-        if set(self.tau) != set(EFFORTS):
-            raise ValueError(f"tau must have exactly the efforts {list(EFFORTS)}; got {sorted(self.tau)}")
-        for end in ("tau_start", "tau_end"):
-            low, high, top = (getattr(self.tau[e], end) for e in ("low", "high", "max"))
-            if not top > high > low:
-                raise ValueError(
-                    f"tau.*.{end} must order max > high > low; got max={top}, high={high}, low={low}"
-                )
-        return self
-
-    def usage_kind(self, domain: str) -> UsageKind:
-        if domain not in self.usage:
-            raise ValueError(
-                f"domain {domain!r} has no budget usage counting; add `usage: {{{domain}: thinking}}` "
-                f"or `output` to the budget config (known: {sorted(self.usage)})"
-            )
-        return self.usage[domain]
+from posttrain.rewards_registry import REWARDS, BaseBudget, BudgetOutcome
 
 
 def anneal(
@@ -123,7 +53,6 @@ def tau_at(config: BudgetRewardConfig, effort: str, step: int, total_steps: int)
     return anneal(step, total_steps, t.tau_start, t.tau_end, config.schedule)
 
 
-@REWARDS.register("budget")
 def budget_reward(task_reward: float, usage: float, b0: float, tau: float) -> float:
     """-1 if usage > tau * b0, else task_reward. Using exactly tau * b0 tokens is within budget."""
     return -1.0 if usage > tau * b0 else task_reward
@@ -158,19 +87,6 @@ def usage_tokens(sample: Sample, kind: UsageKind, thinking_markers: tuple[int, i
         elif inside and gen:
             count += 1
     return count
-
-
-@dataclass(frozen=True)
-class BaseBudget:
-    """b0(x) and where it came from. source is "successes" normally, "all" when no cold-start
-    sample succeeded (then the quantile of all samples' usage stands in: the prompt is hard, and
-    its budget should be what the policy spends trying, not zero)."""
-
-    tokens: float
-    quantile: float
-    num_samples: int
-    num_successes: int
-    source: Literal["successes", "all"]
 
 
 def quantile(values: Sequence[float], q: float) -> float:
@@ -211,13 +127,6 @@ def estimate_base_budget(
     return base_budget(usages, successes, config)
 
 
-class BudgetOutcome(NamedTuple):
-    reward: float
-    usage: int
-    limit: float
-    over_budget: bool
-
-
 def sample_budget_reward(
     sample: Sample,
     task_reward: float,
@@ -235,93 +144,25 @@ def sample_budget_reward(
     return BudgetOutcome(reward, usage, tau * b0, usage > tau * b0)
 
 
-def prompt_hash(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] = ()) -> str:
-    """sha256 of the prompt's canonical JSON: an edited prompt under the same id misses the cache."""
-    payload = json.dumps(
-        {"messages": list(messages), "tools": list(tools)}, sort_keys=True, ensure_ascii=False
-    )
-    return hashlib.sha256(payload.encode()).hexdigest()
+@REWARDS.register("budget")
+class AnnealedBudgetReward:
+    """The budget reward with tau annealed per effort: posttrain.rewards_registry.BudgetReward over
+    this module's formulas, bound to one stage's `config` and the renderer's thinking markers
+    (think_start_id, think_end_id; needed for domains counted by thinking tokens)."""
 
+    def __init__(self, config: BudgetRewardConfig, thinking_markers: tuple[int, int] | None = None) -> None:
+        self.config = config
+        self.thinking_markers = thinking_markers
 
-def config_key(cold_start: Mapping[str, Any]) -> str:
-    """sha256 of the cold-start configuration (policy, n, sampling, quantile, counting...)."""
-    return hashlib.sha256(json.dumps(cold_start, sort_keys=True).encode()).hexdigest()[:16]
+    def base_budget(self, samples: Sequence[Sample], successes: Sequence[bool]) -> BaseBudget:
+        return estimate_base_budget(samples, successes, self.config, self.thinking_markers)
 
+    def outcome(
+        self, sample: Sample, task_reward: float, b0: float, step: int, total_steps: int
+    ) -> BudgetOutcome:
+        return sample_budget_reward(
+            sample, task_reward, b0, self.config, step, total_steps, self.thinking_markers
+        )
 
-class BudgetCache:
-    """b0 per prompt on disk, shared by concurrent RL runs.
-
-    One file per prompt id: {"prompt_id": ..., "entries": {"<prompt_hash>/<config_key>":
-    {"config": {...}, "budget": {...}}}}. Writes go to a temporary file in the same directory,
-    are fsynced and renamed over the old one, so a reader never sees half a file; a per-file lock
-    serialises read-modify-write so two runs adding entries do not lose one.
-    """
-
-    def __init__(self, directory: str | os.PathLike[str]) -> None:
-        self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
-
-    def path_for(self, prompt_id: str) -> Path:
-        safe = re.sub(r"[^A-Za-z0-9._-]", "_", prompt_id)[:80]
-        digest = hashlib.sha256(prompt_id.encode()).hexdigest()[:12]
-        return self.directory / f"{safe}-{digest}.json"
-
-    def get(self, prompt_id: str, prompt_digest: str, cold_start: Mapping[str, Any]) -> BaseBudget | None:
-        entry = self._read(prompt_id)["entries"].get(f"{prompt_digest}/{config_key(cold_start)}")
-        return None if entry is None else BaseBudget(**entry["budget"])
-
-    def put(
-        self, prompt_id: str, prompt_digest: str, cold_start: Mapping[str, Any], budget: BaseBudget
-    ) -> None:
-        with self._locked(prompt_id):
-            data = self._read(prompt_id)
-            data["entries"][f"{prompt_digest}/{config_key(cold_start)}"] = {
-                "config": dict(cold_start),
-                "budget": asdict(budget),
-            }
-            self._write_atomic(self.path_for(prompt_id), data)
-
-    def _read(self, prompt_id: str) -> dict[str, Any]:
-        path = self.path_for(prompt_id)
-        if not path.exists():
-            return {"prompt_id": prompt_id, "entries": {}}
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
-            raise ValueError(
-                f"budget cache file {path} is not valid JSON ({err}); delete it to recompute"
-            ) from err
-        if data.get("prompt_id") != prompt_id or not isinstance(data.get("entries"), dict):
-            raise ValueError(
-                f"budget cache file {path} holds prompt_id {data.get('prompt_id')!r}, expected "
-                f"{prompt_id!r}, or has no 'entries' mapping; delete it to recompute"
-            )
-        return data
-
-    @contextlib.contextmanager
-    def _locked(self, prompt_id: str) -> Iterator[None]:
-        lock_path = self.path_for(prompt_id).with_suffix(".lock")
-        with open(lock_path, "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
-
-    def _write_atomic(self, path: Path, data: dict[str, Any]) -> None:
-        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as handle:
-                json.dump(data, handle, indent=1, sort_keys=True)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
-        dir_fd = os.open(self.directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+    def tau(self, effort: str, step: int, total_steps: int) -> float:
+        return tau_at(self.config, effort, step, total_steps)

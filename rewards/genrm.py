@@ -8,6 +8,10 @@ penalty puts any over-cap candidate at or below every candidate within the cap. 
 output is capped at `max_judge_tokens`. The score is read from one fixed format on the judge's
 last line, "Score: N/<score_max>"; a judgement without it is counted and returned as None, never
 silently scored 0.
+
+Registered as the "genrm" reward; the `rl` stage builds it through
+posttrain.rewards_registry.generative_reward_model from its `genrm:` block, whose schema is
+posttrain.config.rewards.GenRMConfig.
 """
 
 from __future__ import annotations
@@ -17,10 +21,9 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field
-
+from posttrain.config.rewards import GenRMConfig
 from posttrain.data.sample import Sample
-from rewards.registry import REWARDS
+from posttrain.rewards_registry import REWARDS
 
 
 class TextTokenizer(Protocol):
@@ -35,20 +38,6 @@ class JudgeEngine(Protocol):
     """Any engine of posttrain.engines: generate appends the judge's tokens to each sample."""
 
     def generate(self, samples: list[Sample], sampling: Any) -> list[Sample]: ...
-
-
-class GenRMConfig(BaseModel):
-    """rubric: what a good answer is, in the judge's words. score_max: N in "Score: N/score_max".
-    over_cap_penalty: subtracted from the [0, 1] score of a candidate longer than
-    max_candidate_tokens (>= 1 makes any over-cap candidate score <= 0)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    rubric: str = Field(min_length=1)
-    max_candidate_tokens: int = Field(1024, gt=0)
-    max_judge_tokens: int = Field(512, gt=0)
-    score_max: int = Field(10, gt=0)
-    over_cap_penalty: float = Field(1.0, ge=0.0)
 
 
 class CappedCandidate(NamedTuple):

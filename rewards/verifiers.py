@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from posttrain.data.sample import Sample
-from rewards.registry import REWARDS
+from posttrain.rewards_registry import REWARDS
 
 
 def _last_boxed(text: str) -> str | None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from posttrain.engines import EmbeddedEngine, Engine
 from posttrain.qat import restore_qat
-from posttrain.trainers.mopd import TEACHER_BACKENDS
+from posttrain.trainers.mopd_teachers import TEACHER_BACKENDS
 
 
 @TEACHER_BACKENDS.register("embedded")

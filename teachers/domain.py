@@ -2,8 +2,8 @@
 
 A teacher domain is what MOPD needs to distil a domain: an environment (posttrain.envs.environments:
 its task families are the prompt recipe and verifier, its tools run in its sandboxes) and a teacher
-for each reasoning effort. Entries land in posttrain.trainers.mopd.TEACHER_DOMAINS, where the
-`mopd` stage looks them up by the names listed under `domains:`.
+for each reasoning effort. Entries land in posttrain.trainers.mopd_teachers.TEACHER_DOMAINS, where
+the `mopd` stage looks them up by the names listed under `domains:`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from posttrain.data.sample import EFFORTS
 from posttrain.envs.environments import Environment
-from posttrain.trainers.mopd import TEACHER_DOMAINS
+from posttrain.trainers.mopd_teachers import TEACHER_DOMAINS
 
 
 @dataclass(frozen=True)

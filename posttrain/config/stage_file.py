@@ -15,7 +15,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo
 
 from posttrain.config.errors import Issue, did_you_mean, key_path
 from posttrain.config.yaml_source import KeyPath, line_of
@@ -61,6 +61,25 @@ class StageHeader(BaseModel):
 GENERIC_KEYS: frozenset[str] = frozenset(StageHeader.model_fields)
 # Keys that shape the DAG itself: a command-line override may not change them.
 STRUCTURAL_KEYS: frozenset[str] = frozenset({"stage", "kind", "needs", "plugins", "matrix"})
+# Validation-context key under which the orchestrator passes a stage's need ids to its kind's
+# config, so keys naming a need's model are checked when the pipeline loads, not when the stage runs.
+NEEDS_CONTEXT = "needs"
+
+
+def check_model_reference(ref: str, info: ValidationInfo, what: str) -> str:
+    """`ref` if it names one of the stage's needs or a model directory (with config.json), for a
+    kind's key whose value is "a need's stage id or a model dir". Validated without the needs
+    context (a test, or the stage process re-validating) it passes: the kind resolves it when it
+    runs, with the same rule."""
+    needs = (info.context or {}).get(NEEDS_CONTEXT)
+    if needs is None or ref in needs or (Path(ref).expanduser() / "config.json").is_file():
+        return ref
+    hint = did_you_mean(ref, needs)
+    raise ValueError(
+        f"{what} {ref!r} is neither one of this stage's needs ({', '.join(needs) or 'none'}) nor a "
+        "model directory with config.json; "
+        + (hint or "add the stage file that trains it to `needs` or give a model dir")
+    )
 
 
 def split_body(data: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -1,5 +1,5 @@
 """The budget reward's base budget b0(x): estimated once per training prompt by the cold-start
-policy (the SFT model) and cached on disk for all nine RL runs (rewards.budget).
+policy (the SFT model) and cached on disk for all nine RL runs.
 
 The cold-start policy plays each training prompt `cold_start.samples` times through the domain's
 environment (the same episode loop, tools and token counting as RL), at one effort marker for every
@@ -7,21 +7,34 @@ run, so the entries of a prompt do not depend on the specialist that asks first.
 the successful samples' usage (of all samples' when none succeeded). The cache key holds everything
 b0 depends on (policy weights, sampling, counting, episode limits), so a new SFT model or a changed
 setting re-estimates instead of reusing a stale budget.
+
+The formulas (usage counting, the quantile, tau) are the registered "budget" reward's
+(posttrain.rewards_registry); playing the cold start and keeping its results is this stage's job.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import re
+import tempfile
 import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from posttrain.checkpoint import sha256_file
+from posttrain.config.rewards import BudgetRewardConfig
 from posttrain.data.sample import Sample
 from posttrain.engines.base import Engine, SamplingConfig
 from posttrain.envs.environments import Environment
-from rewards.budget import BudgetCache, BudgetRewardConfig, estimate_base_budget, prompt_hash
+from posttrain.rewards_registry import BaseBudget, budget_reward
 
 Effort = Literal["low", "high", "max"]
 
@@ -38,7 +51,7 @@ class ColdStartConfig(BaseModel):
 
 
 class BudgetConfig(BudgetRewardConfig):
-    """rewards.budget.BudgetRewardConfig plus the cold start and where b0 is cached."""
+    """posttrain.config.rewards.BudgetRewardConfig plus the cold start and where b0 is cached."""
 
     cold_start: ColdStartConfig = Field(default_factory=ColdStartConfig)
     cache_dir: str | None = Field(
@@ -100,13 +113,13 @@ def base_budgets(
             tool_call_token_ids=(env.renderer.tool_calls_end_id,),
         )
         env.play(engine, samples, sampling)
-        markers = (env.renderer.token_ids["think_begin"], env.renderer.token_ids["think_end"])
+        reward = budget_reward(
+            cfg, (env.renderer.token_ids["think_begin"], env.renderer.token_ids["think_end"])
+        )
         for prompt in missing:
             group = [s for s in samples if s.group == prompt.uid]
             successes = [s.reward is not None and s.reward >= 1.0 for s in group]
-            cache.put(
-                prompt.uid, digests[prompt.uid], key, estimate_base_budget(group, successes, cfg, markers)
-            )
+            cache.put(prompt.uid, digests[prompt.uid], key, reward.base_budget(group, successes))
     found = {p.uid: cache.get(p.uid, digests[p.uid], key) for p in prompts}
     budgets = {uid: budget.tokens for uid, budget in found.items() if budget is not None}
     if len(budgets) < len(prompts):
@@ -118,3 +131,95 @@ def base_budgets(
         "budget/from_successes": sum(b.source == "successes" for b in found.values() if b) / len(budgets),
     }
     return budgets, metrics
+
+
+def prompt_hash(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] = ()) -> str:
+    """sha256 of the prompt's canonical JSON: an edited prompt under the same id misses the cache."""
+    payload = json.dumps(
+        {"messages": list(messages), "tools": list(tools)}, sort_keys=True, ensure_ascii=False
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def config_key(cold_start: Mapping[str, Any]) -> str:
+    """sha256 of the cold-start configuration (policy, n, sampling, quantile, counting...)."""
+    return hashlib.sha256(json.dumps(cold_start, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class BudgetCache:
+    """b0 per prompt on disk, shared by concurrent RL runs.
+
+    One file per prompt id: {"prompt_id": ..., "entries": {"<prompt_hash>/<config_key>":
+    {"config": {...}, "budget": {...}}}}. Writes go to a temporary file in the same directory,
+    are fsynced and renamed over the old one, so a reader never sees half a file; a per-file lock
+    serialises read-modify-write so two runs adding entries do not lose one.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    def path_for(self, prompt_id: str) -> Path:
+        safe = re.sub(r"[^A-Za-z0-9._-]", "_", prompt_id)[:80]
+        digest = hashlib.sha256(prompt_id.encode()).hexdigest()[:12]
+        return self.directory / f"{safe}-{digest}.json"
+
+    def get(self, prompt_id: str, prompt_digest: str, cold_start: Mapping[str, Any]) -> BaseBudget | None:
+        entry = self._read(prompt_id)["entries"].get(f"{prompt_digest}/{config_key(cold_start)}")
+        return None if entry is None else BaseBudget(**entry["budget"])
+
+    def put(
+        self, prompt_id: str, prompt_digest: str, cold_start: Mapping[str, Any], budget: BaseBudget
+    ) -> None:
+        with self._locked(prompt_id):
+            data = self._read(prompt_id)
+            data["entries"][f"{prompt_digest}/{config_key(cold_start)}"] = {
+                "config": dict(cold_start),
+                "budget": asdict(budget),
+            }
+            self._write_atomic(self.path_for(prompt_id), data)
+
+    def _read(self, prompt_id: str) -> dict[str, Any]:
+        path = self.path_for(prompt_id)
+        if not path.exists():
+            return {"prompt_id": prompt_id, "entries": {}}
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(
+                f"budget cache file {path} is not valid JSON ({err}); delete it to recompute"
+            ) from err
+        if data.get("prompt_id") != prompt_id or not isinstance(data.get("entries"), dict):
+            raise ValueError(
+                f"budget cache file {path} holds prompt_id {data.get('prompt_id')!r}, expected "
+                f"{prompt_id!r}, or has no 'entries' mapping; delete it to recompute"
+            )
+        return data
+
+    @contextlib.contextmanager
+    def _locked(self, prompt_id: str) -> Iterator[None]:
+        lock_path = self.path_for(prompt_id).with_suffix(".lock")
+        with open(lock_path, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def _write_atomic(self, path: Path, data: dict[str, Any]) -> None:
+        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as handle:
+                json.dump(data, handle, indent=1, sort_keys=True)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        dir_fd = os.open(self.directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)

@@ -6,39 +6,34 @@ prompt's (domain, effort) prefills the student's trajectory, and every student-s
 r_t = clip(log p_teacher(y_t) - log p_student(y_t), -R_max, R_max), trained with the RL stage's
 per-token policy loss. It is dense, on-policy reverse KL: the student learns where it samples.
 
-In reading order:
-- teacher domains (`TEACHER_DOMAINS`, filled by plug-ins; the shipped ones live in teachers/): a
-  domain's environment (prompt recipe, tools, verifier) and its teacher for each effort;
-- routing: (domain, effort) -> teacher model dir + backend, strict: a pair without a teacher is an
-  error before anything runs, naming the pair and the fix;
-- `TeacherPool`: one engine per distinct (checkpoint, backend), shared by the teachers using it;
-  a failing engine is rebuilt and its trajectories re-scored, never skipped;
-- the episode loop over every domain at once (finished episodes are scored by their teachers
-  between turns, batched), the training step, the before/after evaluation (DIR/mopd/eval.json).
+Which teacher scores which trajectory (teacher domains, routing, the pool of teacher engines that
+survives a dying engine) is posttrain.trainers.mopd_teachers. Here, in reading order: the stage's
+config, the episode loop over every domain at once (finished episodes are scored by their teachers
+between turns, batched), the per-token rewards (posttrain.algos.mopd_reward on each trajectory),
+the training step, and the stage with its before/after evaluation (DIR/mopd/eval.json). The
+student starts from the `student` need, the SFT model by default.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from posttrain.algos.mismatch import mismatch_stats
+from posttrain.algos.mopd_reward import mopd_token_rewards, reverse_kl
 from posttrain.algos.policy_loss import PolicyLoss, PolicyLossConfig, policy_loss
 from posttrain.checkpoint import atomic_write_text, remove_tree
+from posttrain.config.stage_file import check_model_reference
 from posttrain.data.chat import ChatRenderer, load_tokenizer
-from posttrain.data.sample import EFFORTS, Sample
+from posttrain.data.sample import Sample
 from posttrain.engines import EmbeddedEngine, Engine, SamplingConfig
 from posttrain.engines.embedded import left_pad, positions_from_mask
 from posttrain.envs.environments import EPISODE_DONE, Environment, EnvironmentConfig
-from posttrain.registry import Registry
 from posttrain.stages import StageContext, stage_kind
 from posttrain.trainers.common import (
     AccelerateConfig,
@@ -48,55 +43,19 @@ from posttrain.trainers.common import (
     load_policy,
     save_final_model,
 )
-from rewards.mopd import mopd_sample_rewards, reverse_kl
+from posttrain.trainers.mopd_teachers import (
+    TEACHER_DOMAINS,
+    TeacherPool,
+    TeacherRoutingConfig,
+    TeacherScoreError,
+    pair_name,
+    resolve_model,
+    route_teachers,
+    student_mask,
+)
 
-Pair = tuple[str, str]  # (domain, effort)
 EVAL_FILE = "eval.json"
 RESULT_KEYS = ("kl", "accuracy", "tokens")
-
-
-def pair_name(pair: Pair) -> str:
-    """'coding-max': the key of a (domain, effort) pair in stage files, eval.json and metrics."""
-    return f"{pair[0]}-{pair[1]}"
-
-
-# Teacher domains and backends ---------------------------------------------------------------------
-
-
-class TeacherDomain(Protocol):
-    """A registered teacher domain as MOPD reads it (`teachers.teacher_domain` registers them): the
-    environment class that makes and plays the domain's episodes (prompt recipe, tools, verifier),
-    and effort -> its teacher, a need's stage id or a model dir."""
-
-    environment: type[Environment]
-    teachers: Mapping[str, str]
-
-
-TEACHER_DOMAINS: Registry[TeacherDomain] = Registry("teacher domain")
-# backend name -> build(model_dir, work_dir) -> Engine; the shipped ones are in teachers/backends.py
-TEACHER_BACKENDS: Registry[Callable[[Path, Path], Engine]] = Registry("teacher backend")
-
-
-# Configuration ------------------------------------------------------------------------------------
-
-
-class TeacherConfig(BaseModel):
-    """One (domain, effort) teacher declared in the stage file, over the domain's default."""
-
-    model_config = ConfigDict(extra="forbid")
-    model: str | None = Field(None, description="a need's stage id or a model dir; null: the domain's")
-    engine: str | None = Field(None, description="embedded, vllm, vllm_server; null: teacher_engine")
-
-    @field_validator("engine")
-    @classmethod
-    def _backend(cls, engine: str | None) -> str | None:
-        return None if engine is None else registered_backend(engine)
-
-
-def registered_backend(name: str) -> str:
-    if name not in TEACHER_BACKENDS:
-        raise ValueError(f"unknown teacher backend {name!r} (registered: {', '.join(TEACHER_BACKENDS)})")
-    return name
 
 
 class RolloutConfig(BaseModel):
@@ -122,20 +81,16 @@ class EvalConfig(BaseModel):
     seed: int = Field(0, description="draws them; the RL stages' held-out prompts use the same default")
 
 
-class MOPDConfig(BaseModel):
-    """Keys of a `mopd` stage file besides the generic ones (docs/mopd.md)."""
+class MOPDConfig(TeacherRoutingConfig):
+    """Keys of a `mopd` stage file besides the generic ones (docs/mopd.md): the teacher routing
+    keys (posttrain.trainers.mopd_teachers) and the student's."""
 
     model_config = ConfigDict(extra="forbid")
-    domains: list[str] = Field(default_factory=lambda: ["general", "agent", "coding"])
-    efforts: list[str] = Field(default_factory=lambda: list(EFFORTS))
-    teachers: dict[str, TeacherConfig] = Field(
-        default_factory=dict,
+    student: str = Field(
+        "sft",
         validate_default=True,
-        description="'<domain>-<effort>' -> teacher; other pairs use the domain's",
+        description="a need's stage id or a model dir: the model the student starts from",
     )
-    teacher_engine: str = Field("embedded", description="default teacher backend")
-    max_teacher_retries: int = Field(2, ge=0, description="engine rebuilds per scoring call before failing")
-    student: str | None = Field(None, description="a need's stage id or model dir; null: the SFT model")
     tokenizer: str | None = Field(None, description="tokenizer dir; null: the student's")
     r_max: float = Field(5.0, gt=0, description="clip bound R_max of the per-token reward")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
@@ -148,51 +103,10 @@ class MOPDConfig(BaseModel):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint_every: int = Field(5, gt=0, description="optimizer steps between checkpoints")
 
-    @field_validator("domains")
+    @field_validator("student")
     @classmethod
-    def _registered(cls, domains: list[str]) -> list[str]:
-        for domain in domains:
-            if domain not in TEACHER_DOMAINS:
-                raise ValueError(
-                    f"{domain!r} is not a registered teacher domain (registered: "
-                    f"{', '.join(TEACHER_DOMAINS)}); register it with @teacher_domain in a plug-in "
-                    "listed under `plugins:`"
-                )
-        return domains
-
-    @field_validator("efforts")
-    @classmethod
-    def _known(cls, efforts: list[str]) -> list[str]:
-        if set(efforts) - set(EFFORTS):
-            raise ValueError(f"{sorted(set(efforts) - set(EFFORTS))} are not efforts; use {list(EFFORTS)}")
-        return efforts
-
-    @field_validator("teachers")
-    @classmethod
-    def _every_pair_has_a_teacher(cls, teachers: dict[str, TeacherConfig], info: ValidationInfo) -> dict:
-        domains, efforts = info.data.get("domains"), info.data.get("efforts")
-        if domains is None or efforts is None:
-            return teachers  # their own errors are reported
-        pairs = {pair_name((d, e)): (d, e) for d in domains for e in efforts}
-        for key in sorted(set(teachers) - set(pairs)):
-            raise ValueError(
-                f"{key}: not a trained pair; keys are '<domain>-<effort>' with domain in {domains} and "
-                f"effort in {efforts}"
-            )
-        for key, (domain, effort) in pairs.items():
-            registered = TEACHER_DOMAINS.get(domain).teachers
-            if (key not in teachers or teachers[key].model is None) and effort not in registered:
-                raise ValueError(
-                    f"no teacher for (domain {domain!r}, effort {effort!r}): the domain registers teachers "
-                    f"for {sorted(registered)}; add `teachers: {{{key}: {{model: <need stage id or model "
-                    f"dir>}}}}` or remove {effort!r} from `efforts`"
-                )
-        return teachers
-
-    @field_validator("teacher_engine")
-    @classmethod
-    def _backend(cls, engine: str) -> str:
-        return registered_backend(engine)
+    def _student_is_a_need_or_a_model(cls, student: str, info: ValidationInfo) -> str:
+        return check_model_reference(student, info, "student")
 
     @field_validator("environments")
     @classmethod
@@ -208,174 +122,30 @@ class MOPDConfig(BaseModel):
         return self.environments.get(domain) or EnvironmentConfig()
 
 
-# Routing ------------------------------------------------------------------------------------------
-
-
-class TeacherRoutingError(ValueError):
-    """A (domain, effort) pair has no usable teacher; the message names the pair and the fix."""
-
-
-@dataclass(frozen=True)
-class Teacher:
-    """The teacher of one (domain, effort): a model dir served by a backend."""
-
-    domain: str
-    effort: str
-    model_dir: Path
-    engine: str
-
-    @property
-    def engine_key(self) -> tuple[str, str]:
-        """Teachers with equal keys share one engine (same checkpoint, same backend)."""
-        return (str(self.model_dir.resolve()), self.engine)
-
-
-def resolve_model(ref: str, inputs: Mapping[str, Path], what: str) -> Path:
-    """A need's stage id -> its model dir; anything else must be a checkpoint dir."""
-    if ref in inputs:
-        return Path(inputs[ref])
-    path = Path(ref).expanduser()
-    if (path / "config.json").is_file():
-        return path.resolve()
-    raise TeacherRoutingError(
-        f"{what}: {ref!r} is neither a need of this stage (needs: {', '.join(sorted(inputs)) or 'none'}) "
-        "nor a model directory with config.json; add the stage that trains it to `needs` or give a path"
-    )
-
-
-def route_teachers(cfg: MOPDConfig, inputs: Mapping[str, Path]) -> dict[Pair, Teacher]:
-    """Every trained (domain, effort) -> its Teacher, resolved against the stage's needs."""
-    routes = {}
-    for domain in cfg.domains:
-        registered = TEACHER_DOMAINS.get(domain).teachers
-        for effort in cfg.efforts:
-            declared = cfg.teachers.get(pair_name((domain, effort))) or TeacherConfig()
-            path = resolve_model(
-                declared.model or registered[effort],
-                inputs,
-                f"teacher of (domain {domain!r}, effort {effort!r})",
-            )
-            routes[(domain, effort)] = Teacher(domain, effort, path, declared.engine or cfg.teacher_engine)
-    return routes
-
-
-# Teacher engines ----------------------------------------------------------------------------------
-
-
-class TeacherScoreError(RuntimeError):
-    """A teacher could not score trajectories (after its rebuilds): the stage stops, untrained."""
-
-
-class TeacherPool:
-    """The routed teachers' engines, built once per distinct (checkpoint, backend).
-
-    score(samples) sets each sample's teacher_logprobs with its (domain, effort) teacher. A backend
-    that fails is closed, rebuilt and asked again, up to max_retries times per call; `retries`
-    counts those rebuilds plus restarts a backend did by itself (the vLLM server engine restarts a
-    dead server before it gives up).
-    """
-
-    def __init__(self, routes: Mapping[Pair, Teacher], work_dir: Path, max_retries: int, log: Any) -> None:
-        self.routes = dict(routes)
-        self.work_dir = work_dir
-        self.max_retries = max_retries
-        self.log = log
-        self.retries = 0
-        self.engines: dict[tuple[str, str], Engine] = {}
-
-    def teacher_for(self, sample: Sample) -> Teacher:
-        teacher = self.routes.get((sample.domain, sample.effort))
-        if teacher is None:
-            name = pair_name((sample.domain, sample.effort))
-            raise TeacherRoutingError(
-                f"sample {sample.uid}: (domain {sample.domain!r}, effort {sample.effort!r}) has no teacher "
-                f"(routed: {', '.join(pair_name(p) for p in self.routes)}); add the domain to `domains` and "
-                f"the effort to `efforts`, or declare `teachers: {{{name}: {{model: ...}}}}`"
-            )
-        return teacher
-
-    def engine(self, key: tuple[str, str]) -> Engine:
-        if key not in self.engines:
-            self.log.info("teacher engine %s for %s", key[1], key[0])
-            self.engines[key] = TEACHER_BACKENDS.get(key[1])(Path(key[0]), self.work_dir)
-        return self.engines[key]
-
-    def start(self) -> None:
-        """Build every engine now, so a broken teacher fails before the first rollout."""
-        for teacher in self.routes.values():
-            self.engine(teacher.engine_key)
-
-    def score(self, samples: list[Sample]) -> None:
-        groups: dict[tuple[str, str], list[Sample]] = {}
-        for sample in samples:
-            groups.setdefault(self.teacher_for(sample).engine_key, []).append(sample)
-        for key, group in groups.items():
-            self._score_group(key, group)
-
-    def _score_group(self, key: tuple[str, str], group: list[Sample]) -> None:
-        for attempt in range(self.max_retries + 1):
-            engine = self.engine(key)
-            restarts = getattr(engine, "restarts", 0)
-            try:
-                scores = engine.score(group)
-                check_teacher_scores(group, scores)
-            except (ValueError, TypeError):
-                raise  # a request the engine rejects: rebuilding it would not help
-            except Exception as error:
-                if attempt == self.max_retries:
-                    raise TeacherScoreError(
-                        f"teacher {key[1]}:{key[0]} failed {attempt + 1} times scoring "
-                        f"{[s.uid for s in group]} ({error}); no trajectory is trained unscored"
-                    ) from error
-                self.retries += 1
-                self.log.warning(
-                    "teacher %s failed (%s); rebuilding it, re-scoring %d trajectories",
-                    key[0],
-                    error,
-                    len(group),
-                )
-                self._drop(key)
-                continue
-            self.retries += getattr(engine, "restarts", 0) - restarts
-            for sample, score in zip(group, scores, strict=True):
-                sample.teacher_logprobs = [float(x) for x in score]
-            return
-
-    def _drop(self, key: tuple[str, str]) -> None:
-        engine = self.engines.pop(key, None)
-        if engine is not None:
-            try:
-                engine.close()
-            except Exception as error:  # a dead engine may fail to close; it is dropped either way
-                self.log.warning("closing teacher engine %s failed: %s", key[0], error)
-
-    def close(self) -> None:
-        for key in list(self.engines):
-            self._drop(key)
-
-
-def check_teacher_scores(samples: list[Sample], scores: list[list[float]]) -> None:
-    """Scores that do not fit the trajectories (a dying engine's output) are a failure."""
-    if len(scores) != len(samples):
-        raise TeacherScoreError(f"teacher returned {len(scores)} score rows for {len(samples)} samples")
-    for sample, score in zip(samples, scores, strict=True):
-        if len(score) != len(sample.tokens):
-            raise TeacherScoreError(
-                f"sample {sample.uid}: {len(score)} teacher log-probs, {len(sample.tokens)} tokens"
-            )
-        bad = [t for t, m in enumerate(student_mask(sample)) if m and not math.isfinite(score[t])]
-        if bad:
-            raise TeacherScoreError(
-                f"sample {sample.uid}: non-finite teacher log-probs at positions {bad[:8]}"
-            )
-
-
 # Episodes and what they measure --------------------------------------------------------------------
 
 
-def student_mask(sample: Sample) -> list[int]:
-    """1 on the tokens the student sampled (after the prompt; tool results are 0 in loss_mask)."""
-    return [0] * sample.prompt_length + sample.loss_mask[sample.prompt_length :]
+def mopd_sample_rewards(
+    sample: Sample, r_max: float, student_logprobs: list[float] | None = None
+) -> list[float]:
+    """Per-token MOPD rewards of one scored trajectory, aligned with sample.tokens (for
+    Sample.token_rewards): mopd_token_rewards on its student tokens, 0 elsewhere. Student log-probs
+    default to sample.rollout_logprobs, which the engine records at temperature 1; pass recomputed
+    ones when the student sampled at another temperature."""
+    if sample.teacher_logprobs is None:
+        raise ValueError(f"sample {sample.uid} has no teacher_logprobs: score it with its teacher first")
+    student = sample.rollout_logprobs if student_logprobs is None else student_logprobs
+    n = len(sample.tokens)
+    if len(sample.teacher_logprobs) != n or len(student) != n or len(sample.loss_mask) != n:
+        raise ValueError(
+            f"sample {sample.uid}: {n} tokens, {len(sample.teacher_logprobs)} teacher log-probs, "
+            f"{len(student)} student log-probs, {len(sample.loss_mask)} mask entries"
+        )
+    teacher = torch.tensor(
+        [float("nan") if x is None else x for x in sample.teacher_logprobs], dtype=torch.float64
+    )
+    mask = torch.tensor(student_mask(sample), dtype=torch.bool)
+    return mopd_token_rewards(teacher, torch.tensor(student, dtype=torch.float64), mask, r_max).tolist()
 
 
 def act_on_turn(ended: int) -> bool:
@@ -588,30 +358,13 @@ class Distiller:
             env.close()
 
 
-def student_dir(cfg: MOPDConfig, ctx: StageContext) -> Path:
-    """The student's starting model: `student`; else the SFT model: the need "sft", or this run's
-    sft stage (every rl-* teacher needs it, so a change to it reaches this stage through the
-    teachers' hashes); else the stage's `model` when that is a need's dir."""
-    if cfg.student:
-        return resolve_model(cfg.student, ctx.inputs, "student")
-    if "sft" in ctx.inputs:
-        return Path(ctx.inputs["sft"])
-    if (ctx.run_dir / "sft" / "model" / "config.json").is_file():
-        return ctx.run_dir / "sft" / "model"
-    if ctx.model is not None and Path(ctx.model).is_dir():
-        return Path(ctx.model)
-    raise TeacherRoutingError(
-        f"stage {ctx.stage_id}: no student model; set `student:` to a need's stage id or a model dir, "
-        "or add sft.yaml to `needs` (the default student is the SFT model)"
-    )
-
-
 @stage_kind("mopd", config=MOPDConfig)
 def run_mopd(ctx: StageContext) -> dict[str, float]:
     """Multi-teacher on-policy distillation of the (domain, effort) specialists into one student."""
     cfg: MOPDConfig = ctx.config
     routes = route_teachers(cfg, ctx.inputs)
-    start = student_dir(cfg, ctx)
+    # The student's weights and architecture are the `student` model's (the SFT need by default).
+    start = resolve_model(cfg.student, ctx.inputs, f"stage {ctx.stage_id}: student")
     tokenizer = load_tokenizer(
         cfg.tokenizer or (start if (start / "tokenizer_config.json").is_file() else None)
     )

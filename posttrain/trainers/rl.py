@@ -7,7 +7,7 @@ section 2.2):
    a held-out set shared by the three efforts; the effort is a conditioning input (the renderer's
    effort marker in the system header), not a different model or prompt.
 2. Budget: the SFT policy samples every training prompt n times once; b0(x) is a quantile of the
-   successful samples' token usage, cached on disk for all nine runs (rewards.budget.BudgetCache).
+   successful samples' token usage, cached on disk for all nine runs (posttrain.envs.env_budget).
    A trajectory over tau(effort, step) * b0(x) tokens gets reward -1, tau annealed per effort.
 3. Each iteration: new prompt groups start beside the partial rollouts queued by the previous one
    (posttrain.trainers.rollout), episodes run against real tools and sandboxes, generation pauses
@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from posttrain.algos import group_advantages, mismatch_stats, policy_loss, staleness_stats, token_advantages
 from posttrain.algos.policy_loss import PolicyLossConfig
 from posttrain.checkpoint import atomic_write_text, remove_tree
+from posttrain.config.rewards import GenRMConfig
 from posttrain.data.chat import ChatRenderer, load_tokenizer
 from posttrain.data.sample import DOMAINS, EFFORTS, Sample
 from posttrain.engines import EmbeddedEngine, SamplingConfig
@@ -44,6 +45,7 @@ from posttrain.engines.embedded import left_pad, positions_from_mask
 from posttrain.envs.env_budget import BudgetConfig, base_budgets, model_digest
 from posttrain.envs.env_eval import EvalConfig, evaluate
 from posttrain.envs.environments import Environment, EnvironmentConfig, Judge, make_environment
+from posttrain.rewards_registry import budget_reward, generative_reward_model
 from posttrain.stages import StageContext, stage_kind
 from posttrain.trainers.common import (
     AccelerateConfig,
@@ -54,8 +56,6 @@ from posttrain.trainers.common import (
     save_final_model,
 )
 from posttrain.trainers.rollout import PartialRolloutConfig, RolloutQueue
-from rewards.budget import sample_budget_reward, tau_at
-from rewards.genrm import GenRM, GenRMConfig
 
 Effort = Literal["low", "high", "max"]
 EVAL_FILE = "eval.json"
@@ -100,7 +100,8 @@ class AdvantageConfig(BaseModel):
 
 
 class JudgeConfig(GenRMConfig):
-    """rewards.genrm.GenRMConfig plus the judge model: a need's stage id (e.g. sft) or a model dir."""
+    """posttrain.config.rewards.GenRMConfig plus the judge model: a need's stage id (e.g. sft) or a
+    model dir."""
 
     judge: str = "sft"
 
@@ -156,8 +157,9 @@ def _init_dir(cfg: RLConfig, ctx: StageContext) -> Path:
     return ctx.inputs[cfg.init]
 
 
-def _judge(cfg: JudgeConfig, ctx: StageContext) -> GenRM:
-    """GenRM over an embedded engine serving the judge model, greedy, output capped."""
+def _judge(cfg: JudgeConfig, ctx: StageContext) -> Judge:
+    """The registered "genrm" judge over an embedded engine serving the judge model, greedy,
+    output capped."""
     path = ctx.inputs.get(cfg.judge) or Path(cfg.judge)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
@@ -172,7 +174,7 @@ def _judge(cfg: JudgeConfig, ctx: StageContext) -> GenRM:
         stop_token_ids=(renderer.end_of_turn_id,),
         tool_call_token_ids=(renderer.tool_calls_end_id,),
     )
-    return GenRM(
+    return generative_reward_model(
         engine,
         tokenizer,
         GenRMConfig(**cfg.model_dump(exclude={"judge"})),
@@ -331,20 +333,14 @@ def trajectory_rewards(
 ) -> tuple[list[Sample], torch.Tensor, dict[str, float]]:
     """The scored samples (a judge's unparsable verdicts are left out), their budget rewards at
     iteration `step` (-1 over tau(effort) * b0(prompt), else the task reward) and metrics."""
-    markers = (renderer.token_ids["think_begin"], renderer.token_ids["think_end"])
+    budget = budget_reward(cfg.budget, (renderer.token_ids["think_begin"], renderer.token_ids["think_end"]))
     # tau_start on the first iteration, tau_end on the last.
     progress, span = step - 1, max(cfg.train.steps - 1, 1)
     scored = [s for s in samples if s.reward is not None]
     rewards, usages, over = [], [], 0
     for sample in scored:
-        outcome = sample_budget_reward(
-            sample,
-            float(sample.reward),
-            budgets[sample.task["prompt_uid"]],
-            cfg.budget,
-            progress,
-            span,
-            markers,
+        outcome = budget.outcome(
+            sample, float(sample.reward), budgets[sample.task["prompt_uid"]], progress, span
         )
         rewards.append(outcome.reward)
         usages.append(outcome.usage)
@@ -356,7 +352,7 @@ def trajectory_rewards(
         "task_reward_mean": sum(float(s.reward) for s in scored) / n,
         "over_budget_fraction": over / n,
         "usage_mean": sum(usages) / n,
-        "tau": tau_at(cfg.budget, effort, progress, span),
+        "tau": budget.tau(effort, progress, span),
         "response_tokens_mean": sum(s.num_generated for s in scored) / n,
         "unscored": float(len(samples) - len(scored)),
     }

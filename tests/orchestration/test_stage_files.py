@@ -3,6 +3,7 @@ written; matrices expand; overrides follow the documented targeting rules."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -322,9 +323,47 @@ def test_shipped_pipeline_is_the_eleven_stage_dag() -> None:
     pipeline = load_pipeline(REPO / "stages" / "mopd.yaml")
     rl = [f"rl-{d}-{e}" for d in ("general", "agent", "coding") for e in ("low", "high", "max")]
     assert list(pipeline.stages) == ["sft", *rl, "mopd"]
-    assert pipeline.stages["mopd"].needs == rl
-    assert all(pipeline.stages[s].needs == ["sft"] for s in rl)
+    # MOPD's student is the SFT model and its teachers the nine specialists: all of them are needs.
+    assert pipeline.stages["mopd"].needs == ["sft", *rl]
+    assert pipeline.stages["mopd"].body["student"] == "sft"
+    assert all(pipeline.stages[s].needs == ["sft"] and pipeline.stages[s].body["init"] == "sft" for s in rl)
     assert pipeline.stages["rl-agent-max"].matrix == {"domain": "agent", "effort": "max"}
+    # Only sft builds a model from the preset; the others continue a need's checkpoint.
+    assert pipeline.stages["sft"].model == str(REPO / "stages" / "models" / "tiny.yaml")
+    assert all(pipeline.stages[s].model is None for s in [*rl, "mopd"])
     for stage in pipeline.stages.values():
-        assert stage.model == str(REPO / "stages" / "models" / "tiny.yaml")
         assert stage.qat == {"scheme": "k3"}
+
+
+@pytest.mark.parametrize(
+    ("needs", "key", "message"),
+    [
+        (
+            "[rl.yaml]",
+            "student",
+            "student 'sft' is neither one of this stage's needs (rl-general-low, rl-general-high",
+        ),
+        (
+            "[sft.yaml]",
+            "teachers",
+            "teacher of (domain 'general', effort 'low') 'rl-general-low' is neither one of this "
+            "stage's needs (sft)",
+        ),
+    ],
+)
+def test_mopd_without_the_need_its_student_or_teachers_come_from_fails_plan(
+    posttrain, tmp_path: Path, needs: str, key: str, message: str
+) -> None:
+    stages = tmp_path / "stages"
+    shutil.copytree(REPO / "stages", stages)
+    shipped = (stages / "mopd.yaml").read_text()
+    assert "needs: [sft.yaml, rl.yaml]" in shipped
+    (stages / "mopd.yaml").write_text(shipped.replace("needs: [sft.yaml, rl.yaml]", f"needs: {needs}"))
+    # located at the key's line, or at line 1 when the key is left to its default (teachers)
+    line = next((i for i, text in enumerate(shipped.splitlines(), 1) if text.startswith(f"{key}:")), 1)
+    assert_user_error(
+        posttrain("plan", stages / "mopd.yaml", "--run-dir", tmp_path / "run"),
+        f"mopd.yaml:{line}: {key}: ",
+        message,
+    )
+    assert not (tmp_path / "run").exists()

@@ -1,4 +1,5 @@
-"""Budget reward: the -1 boundary, tau annealing, per-domain usage counting, b0 and its cache."""
+"""Budget reward: the -1 boundary, tau annealing, per-domain usage counting, b0, and the b0 cache
+the `rl` stage keeps for it (posttrain.envs.env_budget)."""
 
 import json
 import math
@@ -8,16 +9,15 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
+from posttrain.config.rewards import BudgetRewardConfig
 from posttrain.data.sample import Sample
+from posttrain.envs.env_budget import BudgetCache, prompt_hash
+from posttrain.rewards_registry import BaseBudget
 from rewards.budget import (
-    BaseBudget,
-    BudgetCache,
-    BudgetRewardConfig,
     anneal,
     base_budget,
     budget_reward,
     estimate_base_budget,
-    prompt_hash,
     quantile,
     sample_budget_reward,
     tau_at,

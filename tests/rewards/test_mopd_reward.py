@@ -1,14 +1,16 @@
-"""MOPD reward: the spec's sign examples, clip bounds, stop-gradient, masking of non-student
-tokens, and the per-sample helper."""
+"""MOPD reward (posttrain.algos.mopd_reward, a pure tensor function of the engine rather than a reward
+plug-in): the spec's sign examples, clip bounds, stop-gradient, masking of non-student tokens, and
+the per-sample helper the `mopd` stage applies to each trajectory."""
 
 import math
 
 import pytest
 import torch
 
+from posttrain.algos import mopd_token_rewards, reverse_kl
 from posttrain.algos.policy_loss import policy_loss
 from posttrain.data.sample import Sample
-from rewards.mopd import mopd_sample_rewards, mopd_token_rewards, reverse_kl
+from posttrain.trainers.mopd import mopd_sample_rewards
 
 
 def test_spec_sign_examples():

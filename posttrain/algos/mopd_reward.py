@@ -1,21 +1,18 @@
 """The MOPD reward: the teacher's log-probability of the token the student sampled, minus the
-student's own, clipped (K3 spec section 2.3).
+student's own, clipped (K3 spec section 2.3), and the reverse KL it estimates.
 
 It is dense, on-policy reverse KL: summed over a student trajectory its expectation is
 -KL(pi_student || pi_teacher). Only the sampled token is scored (top-k logit distillation gave no
 clear gain in K3), and the reward is a constant to the optimiser: no gradient reaches the student
-through it (stop-gradient), nor the teacher, which is not trained.
+through it (stop-gradient), nor the teacher, which is not trained. A pure tensor function of the
+engine, not a reward plug-in: the `mopd` stage kind is defined by it.
 """
 
 from __future__ import annotations
 
 import torch
 
-from posttrain.data.sample import Sample
-from rewards.registry import REWARDS
 
-
-@REWARDS.register("mopd")
 def mopd_token_rewards(
     teacher_logprobs: torch.Tensor, student_logprobs: torch.Tensor, mask: torch.Tensor, r_max: float
 ) -> torch.Tensor:
@@ -50,31 +47,6 @@ def mopd_token_rewards(
         raise ValueError(f"NaN teacher or student log-prob on sampled tokens at [row, position] {where[:8]}")
     rewards = delta.clamp(-r_max, r_max)
     return torch.where(mask, rewards, torch.zeros_like(rewards))
-
-
-def mopd_sample_rewards(
-    sample: Sample, r_max: float, student_logprobs: list[float] | None = None
-) -> list[float]:
-    """Per-token MOPD rewards of one trajectory, aligned with sample.tokens (for
-    Sample.token_rewards). Student log-probs default to sample.rollout_logprobs, which the engine
-    records at temperature 1; pass recomputed ones when the student sampled at another
-    temperature. Only generated tokens after the prompt are rewarded."""
-    if sample.teacher_logprobs is None:
-        raise ValueError(f"sample {sample.uid} has no teacher_logprobs: score it with its teacher first")
-    student = sample.rollout_logprobs if student_logprobs is None else student_logprobs
-    n = len(sample.tokens)
-    if len(sample.teacher_logprobs) != n or len(student) != n or len(sample.loss_mask) != n:
-        raise ValueError(
-            f"sample {sample.uid}: {n} tokens, {len(sample.teacher_logprobs)} teacher log-probs, "
-            f"{len(student)} student log-probs, {len(sample.loss_mask)} mask entries"
-        )
-    mask = torch.tensor(sample.loss_mask, dtype=torch.bool)
-    mask[: sample.prompt_length] = False
-    teacher = torch.tensor(
-        [float("nan") if x is None else x for x in sample.teacher_logprobs], dtype=torch.float64
-    )
-    rewards = mopd_token_rewards(teacher, torch.tensor(student, dtype=torch.float64), mask, r_max)
-    return rewards.tolist()
 
 
 def reverse_kl(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, mask: torch.Tensor) -> float:
