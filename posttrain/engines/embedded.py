@@ -11,14 +11,30 @@ step and finished rows are dropped with `batch_select_indices`. Each sampled tok
 comes from its own generator seeded by (seed, uid, position), so batch composition, pausing and
 resuming never change which token a row draws. Any causal LM with that cache protocol works
 (tests also run a transformers Llama through it for the cross-backend comparison with vLLM).
+
+Cache reuse (K3 only): an agent episode calls generate once per turn and a partial rollout resumes
+where it paused, each time with every earlier token unchanged. Re-prefilling the whole trajectory
+each call costs O(turns^2) tokens, so the engine keeps each sample's one-row cache when it leaves
+decoding (keyed by uid, least recently used dropped past `max_cached_samples`) and the next call
+prefills only the tokens appended since. A kept cache is used only when the sample's tokens extend
+exactly the tokens it consumed and it was computed under the same policy (policy_version, the
+parameters' and buffers' in-place version counters, the recorded QAT config); otherwise the row
+is prefilled in full. Tokens and the random stream are unchanged by reuse; log-probs differ from a
+full prefill only by float rounding (the KDA state is built chunk by chunk instead of in one pass).
+Rows continuing a kept cache are never padded (left padding between cached and new tokens would
+feed zeros, not the cached inputs, to KDA's short convolution): rows of equal suffix length share
+a forward (`suffix_prefill_plan`), then all rows decode as one batch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections import OrderedDict
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from posttrain.data.sample import Sample
@@ -32,6 +48,8 @@ from posttrain.engines.base import (
     sampling_key,
     tokens_already_generated,
 )
+from posttrain.model.cache import KimiK3Cache
+from posttrain.qat.apply import QAT_CONFIG_KEY
 
 
 def gumbel_noise(seed: int, uid: str, positions: list[int], vocab_size: int) -> torch.Tensor:
@@ -103,23 +121,121 @@ def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
     return (mask.cumsum(dim=-1) - 1).clamp(min=0)
 
 
+def cache_row(cache: KimiK3Cache, row: int, config: object) -> KimiK3Cache:
+    """A one-row copy of `row` of a batched cache with its padding positions left out.
+
+    Copies rather than views, so a kept row does not hold the whole batch's tensors alive.
+    """
+    real = cache.key_mask[row].nonzero().squeeze(1)
+    out = KimiK3Cache(config)
+    for source, target in (
+        (cache.conv_states, out.conv_states),
+        (cache.recurrent_states, out.recurrent_states),
+    ):
+        for layer, state in enumerate(source):
+            if state is not None:
+                target[layer] = state[row : row + 1].clone()
+    for source, target in ((cache.latents, out.latents), (cache.key_shared, out.key_shared)):
+        for layer, state in enumerate(source):
+            if state is not None:
+                target[layer] = state[row : row + 1].index_select(1, real.to(state.device))
+    out.key_mask = torch.ones(1, real.numel(), dtype=torch.long, device=cache.key_mask.device)
+    return out
+
+
+def stack_caches(caches: list[KimiK3Cache], config: object) -> KimiK3Cache:
+    """Rows of several caches as one batch; MLA positions are LEFT padded to the longest (key_mask 0
+    marks the padding). KDA states have no length and are concatenated as they are."""
+    width = max(cache.get_seq_length() for cache in caches)
+    out = KimiK3Cache(config)
+
+    def left_padded(tensor: torch.Tensor, length: int) -> torch.Tensor:
+        # [b, S, ...] -> [b, width, ...]: F.pad's pairs run from the last dim backwards
+        return F.pad(tensor, (0, 0) * (tensor.dim() - 2) + (width - length, 0))
+
+    for layer in range(out.num_layers):
+        for name in ("conv_states", "recurrent_states"):
+            states = [getattr(cache, name)[layer] for cache in caches]
+            if states[0] is not None:
+                getattr(out, name)[layer] = torch.cat(states)
+        for name in ("latents", "key_shared"):
+            states = [getattr(cache, name)[layer] for cache in caches]
+            if states[0] is not None:
+                getattr(out, name)[layer] = torch.cat(
+                    [left_padded(state, c.get_seq_length()) for state, c in zip(states, caches, strict=True)]
+                )
+    out.key_mask = torch.cat([left_padded(cache.key_mask, cache.get_seq_length()) for cache in caches])
+    return out
+
+
+def suffix_prefill_plan(lengths: list[int]) -> list[tuple[int, list[int]]]:
+    """Forwards that feed row r exactly its next lengths[r] tokens, in order: (width, rows), every
+    row of a forward taking `width` tokens, so none is padded.
+
+    Padding between a row's cached and new tokens would feed zeros, not the cached inputs, to KDA's
+    short convolution, hence the equal widths. Of two plans the one with fewer forwards: one per
+    distinct length, or one per binary digit (rows whose length has that digit set), which needs
+    at most bit_length(max length) forwards however varied the lengths.
+    """
+    by_length = [(n, [r for r, m in enumerate(lengths) if m == n]) for n in sorted(set(lengths))]
+    digits = max(lengths, default=0).bit_length()
+    by_digit = [(1 << d, [r for r, m in enumerate(lengths) if m >> d & 1]) for d in reversed(range(digits))]
+    by_digit = [(width, rows) for width, rows in by_digit if rows]
+    return by_length if len(by_length) <= len(by_digit) else by_digit
+
+
+@dataclass
+class KeptCache:
+    """One sample's cache between generate calls."""
+
+    tokens: list[int]  # the tokens the cache has consumed: all of the sample's but the last sampled
+    policy: Hashable  # the policy it was computed under (EmbeddedEngine._policy_key)
+    cache: KimiK3Cache  # one row, no padding
+
+
+@dataclass
+class CacheReuseStats:
+    """How generate prefilled its rows since the engine was built (what the cache saved)."""
+
+    reused: int = 0  # rows that continued a kept cache
+    prefilled: int = 0  # rows prefilled from their first token
+    stale: int = 0  # kept caches dropped: other weights, or the sample's tokens no longer extend them
+    evicted: int = 0  # kept caches dropped by the max_cached_samples cap
+    prefill_tokens: int = 0  # tokens run through prefill forwards (padding not counted)
+
+
 @ENGINES.register("embedded")
 class EmbeddedEngine(Engine):
     """Generate and score with an in-process causal LM (our KimiK3ForCausalLM by default).
 
-    EmbeddedEngine(model, *, max_batch_size=64, pad_token_id=None)
+    EmbeddedEngine(model, *, max_batch_size=64, pad_token_id=None, max_cached_samples=256)
       model: the module to sample from (shared with the trainer when in the same process).
       pad_token_id: id used for left padding (masked out; default config.pad_token_id or 0).
+      max_cached_samples: samples whose cache is kept between generate calls (least recently
+        used dropped first); 0 turns reuse off. Only a KimiK3Cache is kept. Memory per sample:
+        every KDA layer's fp32 state and conv window plus every MLA layer's latent and shared key
+        per token (docs/engines.md gives the arithmetic).
+    `cache_stats` counts reused and fully prefilled rows, stale and evicted caches, prefill tokens.
     """
 
     def __init__(
-        self, model: nn.Module, *, max_batch_size: int = 64, pad_token_id: int | None = None
+        self,
+        model: nn.Module,
+        *,
+        max_batch_size: int = 64,
+        pad_token_id: int | None = None,
+        max_cached_samples: int = 256,
     ) -> None:
+        if max_cached_samples < 0:
+            raise ValueError(f"max_cached_samples must be >= 0 (0 = no reuse), got {max_cached_samples}")
         self.model = model
         self.max_batch_size = max_batch_size
         config_pad = getattr(getattr(model, "config", None), "pad_token_id", None)
         self.pad_token_id = pad_token_id if pad_token_id is not None else (config_pad or 0)
         self.policy_version = 0
+        self.max_cached_samples = max_cached_samples
+        self.cache_stats = CacheReuseStats()
+        self._kept: OrderedDict[str, KeptCache] = OrderedDict()
 
     @classmethod
     def from_pretrained(cls, path: str | Path, **kwargs: object) -> EmbeddedEngine:
@@ -149,6 +265,105 @@ class EmbeddedEngine(Engine):
             use_cache=True,
         )
         return out.logits.float().cpu(), out.past_key_values
+
+    # -- cache reuse --------------------------------------------------------------------------
+    def _policy_key(self) -> Hashable:
+        """What a kept cache must have been computed under: the policy version, every parameter's
+        and buffer's in-place version counter (a trainer sharing the module steps the optimizer
+        without calling update_weights) and the QAT config apply_qat records."""
+        counters = tuple(t._version for t in (*self.model.parameters(), *self.model.buffers()))
+        qat = repr(getattr(getattr(self.model, "config", None), QAT_CONFIG_KEY, None))
+        return self.policy_version, counters, qat
+
+    def _take_kept(self, sample: Sample, policy: Hashable) -> KeptCache | None:
+        """The sample's kept cache when it is valid for its tokens now (removed from the store:
+        the caller extends it); None means a full prefill."""
+        kept = self._kept.pop(sample.uid, None)
+        if kept is None:
+            return None
+        n = len(kept.tokens)
+        if kept.policy != policy or len(sample.tokens) <= n or sample.tokens[:n] != kept.tokens:
+            self.cache_stats.stale += 1
+            return None
+        return kept
+
+    def _keep(self, sample: Sample, cache: object, row: int, policy: Hashable) -> None:
+        """Store row `row` of `cache` for the sample; it has consumed all tokens but the last."""
+        if self.max_cached_samples == 0 or not isinstance(cache, KimiK3Cache):
+            return
+        self._kept[sample.uid] = KeptCache(
+            sample.tokens[:-1], policy, cache_row(cache, row, self.model.config)
+        )
+        self._kept.move_to_end(sample.uid)
+        while len(self._kept) > self.max_cached_samples:
+            self._kept.popitem(last=False)
+            self.cache_stats.evicted += 1
+
+    def clear_cache(self) -> None:
+        """Drop every kept cache (the next call prefills each sample in full)."""
+        self._kept.clear()
+
+    def close(self) -> None:
+        self.clear_cache()
+
+    def _prefill(
+        self, batch: list[Sample], policy: Hashable
+    ) -> tuple[list[Sample], torch.Tensor, object, torch.Tensor]:
+        """Run the tokens of `batch` the model has not seen; returns (rows, last logits [B, V],
+        cache, mask [B, S] of every cached position), rows reordered as they were prefilled.
+
+        Rows without a valid kept cache are prefilled together from their first token (LEFT
+        padded). Rows continuing a kept cache feed their new tokens in the forwards of
+        `suffix_prefill_plan`, which never pads; then every row's cache joins one decoding batch.
+        """
+        fresh: list[Sample] = []
+        continuing: list[Sample] = []
+        caches: list[KimiK3Cache] = []  # each continuing row's one-row cache, as far as it is fed
+        suffixes: list[list[int]] = []  # each continuing row's tokens the cache has not consumed
+        for sample in batch:
+            kept = self._take_kept(sample, policy)
+            if kept is None:
+                fresh.append(sample)
+            else:
+                continuing.append(sample)
+                caches.append(kept.cache)
+                suffixes.append(sample.tokens[len(kept.tokens) :])
+        stats = self.cache_stats
+        # (rows, cache of those rows, their last logits [rows, V]) in prefill order
+        blocks: list[tuple[list[Sample], object, torch.Tensor]] = []
+        if fresh:
+            ids, fresh_mask = left_pad([sample.tokens for sample in fresh], self.pad_token_id)
+            out, cache = self._forward(ids, fresh_mask, None)
+            blocks.append((fresh, cache, out[:, -1]))
+            stats.prefilled += len(fresh)
+            stats.prefill_tokens += int(fresh_mask.sum())
+        stats.reused += len(continuing)
+        fed = [0] * len(continuing)
+        for width, members in suffix_prefill_plan([len(suffix) for suffix in suffixes]):
+            cache = stack_caches([caches[i] for i in members], self.model.config)
+            ids = torch.tensor([suffixes[i][fed[i] : fed[i] + width] for i in members], dtype=torch.long)
+            mask = torch.cat([cache.key_mask.cpu(), torch.ones_like(ids)], dim=1)
+            out, cache = self._forward(ids, mask, cache)
+            stats.prefill_tokens += ids.numel()
+            for i in members:
+                fed[i] += width
+            done = [fed[i] == len(suffixes[i]) for i in members]
+            if all(done):
+                blocks.append(([continuing[i] for i in members], cache, out[:, -1]))
+                continue
+            for row, i in enumerate(members):
+                caches[i] = cache_row(cache, row, self.model.config)
+                if done[row]:
+                    blocks.append(([continuing[i]], caches[i], out[row : row + 1, -1]))
+        rows = [sample for block_rows, _, _ in blocks for sample in block_rows]
+        logits = torch.cat([block_logits for _, _, block_logits in blocks])
+        if not continuing:  # the one path for models without a KimiK3Cache
+            return rows, logits, blocks[0][1], fresh_mask
+        if len(blocks) == 1:
+            cache = blocks[0][1]
+        else:
+            cache = stack_caches([block_cache for _, block_cache, _ in blocks], self.model.config)
+        return rows, logits, cache, cache.key_mask.cpu()
 
     # -- generate ---------------------------------------------------------------------------
     @torch.no_grad()
@@ -191,11 +406,10 @@ class EmbeddedEngine(Engine):
         pause_when: PauseWhen | None,
         samples: list[Sample],
     ) -> bool:
-        """Decode `batch` until every row finishes; True when pause_when stopped it."""
-        ids, mask = left_pad([sample.tokens for sample in batch], self.pad_token_id)
-        logits, cache = self._forward(ids, mask, None)
-        logits = logits[:, -1]
-        rows = list(batch)
+        """Decode `batch` until every row finishes; True when pause_when stopped it. Each row's
+        cache is kept as the row leaves decoding (finished or paused)."""
+        policy = self._policy_key()
+        rows, logits, cache, mask = self._prefill(batch, policy)
         while True:
             noise = None
             if sampling.temperature > 0:
@@ -217,11 +431,13 @@ class EmbeddedEngine(Engine):
                     keep.append(row)
                 else:
                     sample.finish_reason = reason
+                    self._keep(sample, cache, row, policy)
             if not keep:
                 return False
             if pause_when is not None and pause_when(samples):
                 for row in keep:
                     rows[row].finish_reason = "paused"
+                    self._keep(rows[row], cache, row, policy)
                 return True
             if len(keep) < len(rows):
                 index = torch.tensor(keep, dtype=torch.long)
@@ -278,6 +494,7 @@ class EmbeddedEngine(Engine):
         """
         state = dict(weights) if isinstance(weights, Mapping) else self._read_checkpoint(Path(weights))
         result = self.model.load_state_dict(state, strict=False)
+        self.clear_cache()  # even when the check below fails: some weights may have been replaced
         own = self.model.state_dict()
         loaded_storage = {own[name].data_ptr() for name in state if name in own}
         missing = [name for name in result.missing_keys if own[name].data_ptr() not in loaded_storage]
