@@ -1,31 +1,27 @@
-"""Tiny students, teachers and stage contexts for MOPD tests, built in seconds on a CPU.
+"""Tiny students, teachers and MOPD stage runs for tests, built in seconds on a CPU.
 
 A freshly initialised tiny K3 has near-uniform next-token distributions, so student and teacher
 would agree on everything and a distillation test could not fail. `save_tiny_k3(sharpen=s)`
 multiplies the LM head by s: the teacher keeps the student's preferences but is far more peaked,
 a gap that on-policy distillation closes in a few steps. The RL stages play the same role in the
-real pipeline.
+real pipeline. Stage runs go through posttrain.testing.StageRunner, the runner every stage kind's
+tests use.
 """
 
 from __future__ import annotations
 
-import logging
-import random
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from posttrain.checkpoint import CheckpointManager
-from posttrain.metrics import MetricsLogger
-from posttrain.model import KimiK3ForCausalLM, load_model_config
+from posttrain.engines.testing import tiny_k3
 from posttrain.qat import QATConfig, apply_qat
-from posttrain.stages import STAGE_KINDS, StageContext
+from posttrain.stages import StageContext
+from posttrain.testing import ProgressHook, StageRunner
 
-TINY_PRESET = Path(__file__).resolve().parents[1] / "stages" / "models" / "tiny.yaml"
+RUNNER = StageRunner()
 
 
 def save_tiny_k3(
@@ -34,8 +30,7 @@ def save_tiny_k3(
     """A tiny K3 (QAT k3 recorded, as every stage trains it) with its LM head scaled by `sharpen`,
     saved with `tokenizer` in HF format. Returns the directory."""
     directory = Path(directory)
-    torch.manual_seed(seed)
-    model = KimiK3ForCausalLM(load_model_config(TINY_PRESET))
+    model = tiny_k3(seed)
     with torch.no_grad():
         model.lm_head.weight.mul_(sharpen)
     apply_qat(model, QATConfig(scheme="k3"))
@@ -45,45 +40,16 @@ def save_tiny_k3(
 
 
 def mopd_context(
-    stage_dir: Path,
-    body: dict[str, Any],
-    inputs: dict[str, Path],
-    *,
-    seed: int = 0,
-    progress: Callable[[int, int | None, dict], None] | None = None,
+    stage_dir: Path, body: dict[str, Any], inputs: dict[str, Path], *, progress: ProgressHook | None = None
 ) -> StageContext:
-    """What orchestration.runner builds for a `mopd` stage: the validated body, seeded RNGs,
-    metrics (no TensorBoard), checkpoints, a temp output dir."""
-    stage_dir.mkdir(parents=True, exist_ok=True)
-    output = stage_dir / ".model-tmp"
-    output.mkdir(exist_ok=True)
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    metrics = MetricsLogger(stage_dir, tensorboard=False)
-    return StageContext(
-        stage_id="mopd",
-        kind="mopd",
-        config=STAGE_KINDS.get("mopd").config.model_validate(body),
-        seed=seed,
-        inputs=dict(inputs),
-        model=TINY_PRESET,
-        qat=QATConfig(scheme="k3"),
-        matrix={},
-        resources={"cpus": 1.0},
-        run_dir=stage_dir.parent,
-        stage_dir=stage_dir,
-        output_dir=output,
-        metrics=metrics,
-        checkpoints=CheckpointManager(stage_dir / "checkpoints", metrics=metrics),
-        log=logging.getLogger(f"mopd-test-{stage_dir.name}"),
-        progress_sink=progress or (lambda *a: None),
+    """What orchestration.runner builds for a `mopd` stage in `stage_dir` (its name is the stage
+    id): the validated body, RNGs seeded 0, metrics (no TensorBoard), checkpoints, a temp output
+    dir. `progress(step, total, shown)` receives every ctx.progress call."""
+    return RUNNER.context(
+        "mopd", stage_dir.parent, body, stage_id=stage_dir.name, inputs=inputs, progress=progress
     )
 
 
 def run_mopd_stage(ctx: StageContext) -> dict[str, float]:
     """Run the registered `mopd` kind on `ctx` (closing its metrics writer either way)."""
-    try:
-        return dict(STAGE_KINDS.get("mopd").run(ctx))
-    finally:
-        ctx.metrics.close()
+    return RUNNER.run(ctx)

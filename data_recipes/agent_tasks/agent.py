@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from data_recipes.agent_tasks.common import ToolFamily, system_message, thinking
@@ -34,10 +34,45 @@ def _read(results: list[str], pattern: str) -> re.Match[str]:
     raise RuntimeError(f"no tool result matched {pattern!r}: {results}")
 
 
+# (plan, working, checks) of one turn's thinking, as common.thinking takes them.
+Thought = tuple[str, Sequence[str], Sequence[str]]
+
+
+def write_then_report(
+    episode: Episode, effort: str, path: str, value: str, write: Thought, written: Thought, report: str
+) -> Iterator[dict[str, Any]]:
+    """The last two turns of every file task: write `value` to `path`, then, once the tool has
+    confirmed the write, say `report`."""
+    yield episode.assistant(
+        thinking(effort, *write), calls=[("write_file", {"path": path, "content": value})]
+    )
+    yield episode.assistant(thinking(effort, *written), content=report)
+
+
 class FileAnswerFamily(ToolFamily):
     """Solved when the workspace file task["path"] holds exactly task["answer"]."""
 
+    domain = "agent"
     tool_names = ("search", "calculator", "write_file")
+
+    def file_task(
+        self,
+        rng: random.Random,
+        effort: str,
+        question: str | tuple[str, ...],
+        answer: str,
+        path: str,
+        values: dict[str, str],
+    ) -> Sample:
+        """The prompt: a system prompt drawn from `rng`, then `question` (or one of its phrasings,
+        drawn after the system prompt: that order keeps the shipped rows regenerating). The hidden
+        task: `answer` written to `path`; `values` are what the demonstration looks up."""
+        system = system_message(self.domain, rng)
+        if not isinstance(question, str):
+            question = rng.choice(question)
+        messages = [system, {"role": "user", "content": question}]
+        task = {"answer": answer, "path": path, "values": values}
+        return self.sample(f"{self.name}-{rng.getrandbits(40):010x}", effort, messages, task)
 
     def verify(self, sample: Sample, state: FinalState) -> float:
         written = state.files.get(sample.task["path"])
@@ -46,6 +81,8 @@ class FileAnswerFamily(ToolFamily):
 
 PRODUCT = r"(?P<product>[A-Z]\w+ [A-Z]\w+): price (?P<price>\d+) dollars, weight (?P<weight>\d+) grams\."
 REGION = r"(?P<region>\w+) region: shipping fee (?P<fee>\d+) dollars per order\."
+STAFF = r"(?P<person>\w+ \w+) works in the (?P<team>\w+) team at the (?P<city>\w+) office\."
+OFFICE = r"(?P<city>\w+) office: opened in (?P<year>\d+), (?P<floors>\d+) floors, (?P<desks>\d+) desks\."
 
 
 @TASK_FAMILIES.register("agent/order_total")
@@ -53,7 +90,6 @@ class OrderTotal(FileAnswerFamily):
     """Price x quantity + shipping fee, looked up in two documents, written to a file."""
 
     name = "agent/order_total"
-    domain = "agent"
 
     def make_prompt(self, rng: random.Random, effort: str) -> Sample:
         product = rng.choice(_facts("catalog.txt", PRODUCT))
@@ -64,13 +100,8 @@ class OrderTotal(FileAnswerFamily):
             f"Find the total cost in dollars and write only the number to {path}."
         )
         total = quantity * int(product["price"]) + int(region["fee"])
-        messages = [system_message(self.domain, rng), {"role": "user", "content": question}]
-        task = {
-            "answer": str(total),
-            "path": path,
-            "values": {"product": product["product"], "region": region["region"], "quantity": str(quantity)},
-        }
-        return self.sample(f"{self.name}-{rng.getrandbits(40):010x}", effort, messages, task)
+        values = {"product": product["product"], "region": region["region"], "quantity": str(quantity)}
+        return self.file_task(rng, effort, question, str(total), path, values)
 
     def demonstration(self, sample: Sample, episode: Episode) -> Iterator[dict[str, Any]]:
         values, path, effort = sample.task["values"], sample.task["path"], sample.effort
@@ -97,23 +128,15 @@ class OrderTotal(FileAnswerFamily):
             calls=[("calculator", {"expression": expression})],
         )
         total = episode.results()[0]
-        yield episode.assistant(
-            thinking(
-                effort,
-                f"The total is {total}. I write it to {path}.",
-                [],
-                ["Only the number goes in the file."],
-            ),
-            calls=[("write_file", {"path": path, "content": total})],
+        yield from write_then_report(
+            episode,
+            effort,
+            path,
+            total,
+            (f"The total is {total}. I write it to {path}.", [], ["Only the number goes in the file."]),
+            ("The file is written.", [], [f"The tool confirmed the write to {path}."]),
+            f"The total is {total} dollars. I wrote it to {path}.",
         )
-        yield episode.assistant(
-            thinking(effort, "The file is written.", [], [f"The tool confirmed the write to {path}."]),
-            content=f"The total is {total} dollars. I wrote it to {path}.",
-        )
-
-
-STAFF = r"(?P<person>\w+ \w+) works in the (?P<team>\w+) team at the (?P<city>\w+) office\."
-OFFICE = r"(?P<city>\w+) office: opened in (?P<year>\d+), (?P<floors>\d+) floors, (?P<desks>\d+) desks\."
 
 
 @TASK_FAMILIES.register("agent/staff_office")
@@ -121,7 +144,6 @@ class StaffOffice(FileAnswerFamily):
     """Find the city a person works in and save it."""
 
     name = "agent/staff_office"
-    domain = "agent"
 
     def make_prompt(self, rng: random.Random, effort: str) -> Sample:
         person, path = rng.choice(_facts("staff.txt", STAFF)), rng.choice(FILE_NAMES)
@@ -129,9 +151,7 @@ class StaffOffice(FileAnswerFamily):
             f"In which city does {person['person']} work? Save the city name to {path}.",
             f"Look up the office city of {person['person']} and write it to {path}.",
         )
-        messages = [system_message(self.domain, rng), {"role": "user", "content": rng.choice(asks)}]
-        task = {"answer": person["city"], "path": path, "values": {"person": person["person"]}}
-        return self.sample(f"{self.name}-{rng.getrandbits(40):010x}", effort, messages, task)
+        return self.file_task(rng, effort, asks, person["city"], path, {"person": person["person"]})
 
     def demonstration(self, sample: Sample, episode: Episode) -> Iterator[dict[str, Any]]:
         person, path, effort = sample.task["values"]["person"], sample.task["path"], sample.effort
@@ -145,13 +165,14 @@ class StaffOffice(FileAnswerFamily):
             calls=[("search", {"query": person})],
         )
         city = _read(episode.results(), rf"{person} works in the \w+ team at the (\w+) office").group(1)
-        yield episode.assistant(
-            thinking(effort, f"{person} works at the {city} office.", [f"I save {city} to {path}."], []),
-            calls=[("write_file", {"path": path, "content": city})],
-        )
-        yield episode.assistant(
-            thinking(effort, "Saved.", [], [f"The write to {path} succeeded."]),
-            content=f"{person} works in {city}. I saved it to {path}.",
+        yield from write_then_report(
+            episode,
+            effort,
+            path,
+            city,
+            (f"{person} works at the {city} office.", [f"I save {city} to {path}."], []),
+            ("Saved.", [], [f"The write to {path} succeeded."]),
+            f"{person} works in {city}. I saved it to {path}.",
         )
 
 
@@ -160,7 +181,6 @@ class DesksPerFloor(FileAnswerFamily):
     """Average desks per floor of an office: search, divide, write."""
 
     name = "agent/desks_per_floor"
-    domain = "agent"
 
     def make_prompt(self, rng: random.Random, effort: str) -> Sample:
         office, path = rng.choice(_facts("offices.txt", OFFICE)), rng.choice(FILE_NAMES)
@@ -168,10 +188,8 @@ class DesksPerFloor(FileAnswerFamily):
             f"How many desks per floor does the {office['city']} office have on average? "
             f"Write the number to {path}."
         )
-        messages = [system_message(self.domain, rng), {"role": "user", "content": question}]
         answer = str(int(office["desks"]) // int(office["floors"]))
-        task = {"answer": answer, "path": path, "values": {"city": office["city"]}}
-        return self.sample(f"{self.name}-{rng.getrandbits(40):010x}", effort, messages, task)
+        return self.file_task(rng, effort, question, answer, path, {"city": office["city"]})
 
     def demonstration(self, sample: Sample, episode: Episode) -> Iterator[dict[str, Any]]:
         city, path, effort = sample.task["values"]["city"], sample.task["path"], sample.effort
@@ -194,16 +212,16 @@ class DesksPerFloor(FileAnswerFamily):
             calls=[("calculator", {"expression": expression})],
         )
         average = episode.results()[0]
-        yield episode.assistant(
-            thinking(
-                effort,
+        yield from write_then_report(
+            episode,
+            effort,
+            path,
+            average,
+            (
                 f"The average is {average}.",
                 [f"I write {average} to {path}."],
                 [f"{average}*{floors} = {desks}."],
             ),
-            calls=[("write_file", {"path": path, "content": average})],
-        )
-        yield episode.assistant(
-            thinking(effort, "Written.", [], [f"The file {path} now holds {average}."]),
-            content=f"The {city} office has {average} desks per floor on average. I wrote it to {path}.",
+            ("Written.", [], [f"The file {path} now holds {average}."]),
+            f"The {city} office has {average} desks per floor on average. I wrote it to {path}.",
         )

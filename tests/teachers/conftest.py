@@ -1,6 +1,6 @@
-"""Shared fixtures of the teacher tests: the shipped tokenizer's renderer, tiny K3 checkpoints
-(a student and one teacher per effort, different seeds so each route is recognisable), one torch
-thread per test (tiny matmuls on a shared 2-core machine: more threads only add contention)."""
+"""Shared fixtures of the teacher tests: tiny K3 checkpoints (a student and one teacher per effort,
+different seeds so each route is recognisable). The renderer and the one-torch-thread setting are
+the suite's (tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -8,14 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.data.chat import ChatRenderer, load_tokenizer
 from posttrain.data.sample import EFFORTS
 from teachers.testing import save_tiny_k3
-
-
-@pytest.fixture(scope="session")
-def renderer() -> ChatRenderer:
-    return ChatRenderer(load_tokenizer())
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 import posttrain.model  # noqa: F401  (registers kimi_k3 with AutoModelForCausalLM)
 from posttrain.algos.policy_loss import PolicyLossConfig
-from posttrain.data.chat import ChatRenderer, load_tokenizer
+from posttrain.data.chat import ChatRenderer
 from posttrain.data.sample import DOMAINS, EFFORTS, Sample
 from posttrain.data.tasks import TASK_FAMILIES, Episode
 from posttrain.engines import EmbeddedEngine, SamplingConfig
@@ -26,22 +26,13 @@ from posttrain.metrics import read_metrics
 from posttrain.qat import qat_config_of, restore_qat
 from posttrain.trainers.mopd import MOPDConfig, distillation_loss, mopd_sample_rewards, play_episodes
 from posttrain.trainers.mopd_teachers import TeacherPool, route_teachers
-from teachers.testing import mopd_context, run_mopd_stage, save_tiny_k3
+from teachers.testing import save_tiny_k3
 
 R_MAX = 5.0
 # log-ratios on student tokens: the spec's two examples, two beyond the clip, one small
 STUDENT_DELTAS = (math.log(0.6) - math.log(0.2), math.log(0.05) - math.log(0.2), 9.0, -9.0, 0.3)
 EVAL_KEYS = {"kl_before", "kl_after", "accuracy_before", "accuracy_after", "tokens_before", "tokens_after"}
 TIMINGS = {"time", "rollout_s", "teacher_score_s"}
-
-
-class FakeCrash(RuntimeError):
-    """Stands in for a kill: raised by the progress hook right after step 1 was checkpointed."""
-
-
-@pytest.fixture(scope="module")
-def renderer() -> ChatRenderer:
-    return ChatRenderer(load_tokenizer())
 
 
 @pytest.fixture(scope="module")
@@ -180,9 +171,11 @@ def stage_inputs(dirs: dict[str, Path]) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(dirs, tmp_path_factory) -> tuple[Path, dict]:
-    ctx = mopd_context(tmp_path_factory.mktemp("run-a") / "mopd", stage_body(), stage_inputs(dirs))
-    return ctx.stage_dir, run_mopd_stage(ctx)
+def uninterrupted(dirs, tmp_path_factory, stage_runner) -> tuple[Path, dict]:
+    ctx = stage_runner.context(
+        "mopd", tmp_path_factory.mktemp("run-a"), stage_body(), inputs=stage_inputs(dirs)
+    )
+    return ctx.stage_dir, stage_runner.run(ctx)
 
 
 def test_the_stage_trains_the_sft_student_and_writes_eval_json(uninterrupted, dirs):
@@ -215,16 +208,12 @@ def test_the_stage_trains_the_sft_student_and_writes_eval_json(uninterrupted, di
     )  # trained from the SFT model
 
 
-def test_a_killed_stage_resumes_bit_for_bit(uninterrupted, dirs, tmp_path):
+def test_a_killed_stage_resumes_bit_for_bit(uninterrupted, dirs, tmp_path, stage_runner):
     stage_dir, _ = uninterrupted
-
-    def crash(step: int, total: int | None, shown: dict) -> None:
-        if step == 1:
-            raise FakeCrash("killed after step 1")
-
-    with pytest.raises(FakeCrash):
-        run_mopd_stage(mopd_context(tmp_path / "mopd", stage_body(), stage_inputs(dirs), progress=crash))
-    run_mopd_stage(mopd_context(tmp_path / "mopd", stage_body(), stage_inputs(dirs)))
+    crashed = stage_runner.context("mopd", tmp_path, stage_body(), inputs=stage_inputs(dirs), crash_at=1)
+    with pytest.raises(stage_runner.FakeCrash):
+        stage_runner.run(crashed)
+    stage_runner.run(stage_runner.context("mopd", tmp_path, stage_body(), inputs=stage_inputs(dirs)))
 
     assert (
         load_file(tmp_path / "mopd" / ".model-tmp" / "model.safetensors").keys()

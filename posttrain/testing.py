@@ -1,0 +1,97 @@
+"""Run a registered stage kind in this process, on a context built the way orchestration.runner
+builds one, for tests of stage kinds: the engine's own and a plug-in author's alike.
+
+No run directory manifest, no subprocess, no executor: the kind's `run` gets a real StageContext
+(validated body, seeded RNGs, metrics, checkpoints, a temp output dir), so a test can stop it at a
+step as a kill would and run it again to check that it resumes.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from posttrain.checkpoint import CheckpointManager
+from posttrain.engines.testing import TINY_K3_PRESET
+from posttrain.metrics import MetricsLogger
+from posttrain.qat import QATConfig
+from posttrain.stages import STAGE_KINDS, StageContext
+
+ProgressHook = Callable[[int, int | None, dict], None]
+
+
+class FakeCrash(RuntimeError):
+    """Stands in for a kill: raised by a stage's progress hook right after step `crash_at` was
+    checkpointed."""
+
+
+class StageRunner:
+    """Runs registered stage kinds for real on contexts built as orchestration.runner builds them."""
+
+    FakeCrash = FakeCrash
+
+    def context(
+        self,
+        kind: str,
+        run_dir: Path,
+        body: dict[str, Any],
+        *,
+        stage_id: str | None = None,
+        model: Path | None = None,
+        inputs: dict[str, Path] | None = None,
+        matrix: dict[str, Any] | None = None,
+        crash_at: int | None = None,
+        progress: ProgressHook | None = None,
+    ) -> StageContext:
+        """Stage `stage_id` (default: the kind's name) of `kind` in `run_dir`: the body validated by
+        the kind's config, RNGs seeded 0, metrics without TensorBoard, checkpoints, a temp output
+        dir, QAT k3, the tiny K3 preset unless `model` is given. `progress(step, total, shown)`
+        receives every ctx.progress call, as the runner's progress file does; with `crash_at`, the
+        hook then raises FakeCrash right after that step."""
+        stage_id = stage_id or kind
+        stage_dir = run_dir / stage_id
+        stage_dir.mkdir(parents=True, exist_ok=True)
+        output = stage_dir / ".model-tmp"
+        output.mkdir(exist_ok=True)
+        random.seed(0)
+        np.random.seed(0)
+        torch.manual_seed(0)
+        metrics = MetricsLogger(stage_dir, tensorboard=False)
+
+        def hook(step: int, total: int | None, shown: dict) -> None:
+            if progress is not None:
+                progress(step, total, shown)
+            if step == crash_at:
+                raise FakeCrash(f"killed after step {step}")
+
+        return StageContext(
+            stage_id=stage_id,
+            kind=kind,
+            config=STAGE_KINDS.get(kind).config.model_validate(body),
+            seed=0,
+            inputs=dict(inputs or {}),
+            model=model or TINY_K3_PRESET,
+            qat=QATConfig(scheme="k3"),
+            matrix=dict(matrix or {}),
+            resources={"cpus": 1.0},
+            run_dir=run_dir,
+            stage_dir=stage_dir,
+            output_dir=output,
+            metrics=metrics,
+            checkpoints=CheckpointManager(stage_dir / "checkpoints", metrics=metrics),
+            log=logging.getLogger(f"test-{run_dir.name}-{stage_id}"),
+            progress_sink=hook,
+        )
+
+    def run(self, ctx: StageContext) -> dict[str, float]:
+        """The final metrics of running `ctx`'s kind on it (its metrics writer closed either way)."""
+        try:
+            return dict(STAGE_KINDS.get(ctx.kind).run(ctx))
+        finally:
+            ctx.metrics.close()
