@@ -1,6 +1,6 @@
 """The shipped data recipes (registered in posttrain.data.mixture.DATA_RECIPES).
 
-agent_sft: the default run's SFT data, every shipped trajectory once (all three domains), with 10%
+agent_sft: the default run's SFT data, every shipped trajectory once (all three domains), with 5%
 held out for eval loss and tool-task success. agent_sft_agentic: the same trajectories with the
 multi-turn agent domain weighted twice, an example of a weighted mixture.
 """
@@ -17,7 +17,7 @@ SHIPPED_SFT = str(Path(__file__).resolve().parent / "data" / "agent_sft.jsonl")
 @DATA_RECIPES.register("agent_sft")
 def agent_sft() -> Recipe:
     return Recipe(
-        sources=(MixtureSource(SHIPPED_SFT),), eval_fraction=0.1, description="shipped agent SFT set"
+        sources=(MixtureSource(SHIPPED_SFT),), eval_fraction=0.05, description="shipped agent SFT set"
     )
 
 

@@ -9,6 +9,7 @@ FAMILIES: tuple[str, ...] = (
     general.Arithmetic.name,
     general.Elements.name,
     general.Ordering.name,
+    general.Lookup.name,
     agent.OrderTotal.name,
     agent.StaffOffice.name,
     agent.DesksPerFloor.name,

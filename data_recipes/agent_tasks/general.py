@@ -213,3 +213,59 @@ class Ordering(ExactAnswerFamily):
             f"Check: nobody is {relation} than {people[0]}, and {people[-1]} is {relation} than nobody."
         ]
         yield episode.assistant(thinking(sample.effort, plan, working, checks), content=sample.task["answer"])
+
+
+# (fact template, question template, what the answer is) over one attribute of several people.
+LOOKUP_ATTRIBUTES = (
+    ("{n} is {v} years old.", "How old is {n}?", "age", tuple(str(v) for v in range(6, 61))),
+    ("{n} lives in {v}.", "Where does {n} live?", "city", ("Oslo", "Lima", "Rome", "Kyiv", "Hanoi", "Quito")),
+    (
+        "{n} has {v} books.",
+        "How many books does {n} have?",
+        "number of books",
+        tuple(str(v) for v in range(2, 41)),
+    ),
+    ("{n}'s desk is in room {v}.", "Which room is {n}'s desk in?", "room", tuple(map(str, range(101, 131)))),
+)
+
+
+@TASK_FAMILIES.register("general/lookup")
+class Lookup(ExactAnswerFamily):
+    """Reading: the answer is one fact among several stated in the question. No tools.
+
+    The working restates the facts and picks the asked one, so a longer thinking puts the answer
+    next to where it is written, which is what makes higher effort more accurate here.
+    """
+
+    name = "general/lookup"
+    domain = "general"
+    tool_names = ()
+
+    def make_prompt(self, rng: random.Random, effort: str) -> Sample:
+        attribute = rng.randrange(len(LOOKUP_ATTRIBUTES))
+        fact, question, _, values = LOOKUP_ATTRIBUTES[attribute]
+        people = rng.sample(NAMES, rng.choice((3, 4)))
+        chosen = rng.sample(values, len(people))
+        asked = rng.randrange(len(people))
+        facts = " ".join(fact.format(n=name, v=value) for name, value in zip(people, chosen, strict=True))
+        content = f"{facts} {question.format(n=people[asked])}"
+        messages = [system_message(self.domain, rng), {"role": "user", "content": content}]
+        task = {
+            "answer": chosen[asked],
+            "attribute": str(attribute),
+            "people": people,
+            "values": chosen,
+            "asked": people[asked],
+        }
+        return self.sample(f"{self.name}-{rng.getrandbits(40):010x}", effort, messages, task)
+
+    def demonstration(self, sample: Sample, episode: Episode) -> Iterator[dict[str, Any]]:
+        fact, _, what, _ = LOOKUP_ATTRIBUTES[int(sample.task["attribute"])]
+        asked, answer = sample.task["asked"], sample.task["answer"]
+        plan = f"The question asks for the {what} of {asked}."
+        stated = zip(sample.task["people"], sample.task["values"], strict=True)
+        working = [fact.format(n=name, v=value) for name, value in stated]
+        working.append(f"So {fact.format(n=asked, v=answer)}")
+        others = [name for name in sample.task["people"] if name != asked]
+        checks = [f"Check: the fact about {asked} is the only one naming {asked}, not {' or '.join(others)}."]
+        yield episode.assistant(thinking(sample.effort, plan, working, checks), content=answer)

@@ -18,7 +18,7 @@ from posttrain.data.sample import EFFORTS
 from posttrain.data.tasks import TASK_FAMILIES
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parents[1] / "data" / "agent_sft.jsonl"
-DEFAULT_PER_FAMILY = 40
+DEFAULT_PER_FAMILY = 200
 
 
 def generate_trajectory(family_name: str, index: int, seed: int = 0) -> dict[str, Any]:

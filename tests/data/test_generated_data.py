@@ -27,7 +27,8 @@ def test_domains_efforts_and_size(shipped):
     assert {r["effort"] for r in shipped} == set(EFFORTS)
     assert {r["task"]["family"] for r in shipped} == set(FAMILIES)
     assert len({r["uid"] for r in shipped}) == len(shipped)
-    assert DEFAULT_OUTPUT.stat().st_size < 2_000_000
+    # 200 rows per family: enough for the tiny K3 to learn to copy names and numbers; kept small.
+    assert DEFAULT_OUTPUT.stat().st_size < 4_000_000
 
 
 def test_every_row_is_valid_and_short(renderer, shipped):

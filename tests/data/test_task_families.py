@@ -135,3 +135,20 @@ def test_a_resumed_episode_continues_the_call_numbering():
         resumed = Episode(family, sample, sandbox)
     call = resumed.assistant("again", calls=[("calculator", {"expression": "2+2"})])["tool_calls"][0]
     assert call["id"] == "functions.calculator:1"
+
+
+def test_lookup_answer_is_the_asked_persons_fact_and_max_thinking_restates_it():
+    family = TASK_FAMILIES.get("general/lookup")()
+    for index in range(20):
+        sample = family.make_prompt(random.Random(f"lookup:{index}"), "max")
+        question = sample.messages[1]["content"]
+        people, values, asked = sample.task["people"], sample.task["values"], sample.task["asked"]
+        assert len(set(values)) == len(values) and asked in people  # one right answer, no tie
+        assert sample.task["answer"] == values[people.index(asked)]
+        assert asked in question.split(".")[-1]  # the question names the person asked about
+        for name, value in zip(people, values, strict=True):
+            assert name in question and value in question
+        thinking = family.demonstrate(sample)[2]["reasoning_content"]
+        assert thinking.count(asked) >= 3  # the plan, the restated facts, the conclusion
+    low = family.demonstrate(family.make_prompt(random.Random("lookup:0"), "low"))[2]["reasoning_content"]
+    assert low.startswith("The question asks for") and len(low) < len(thinking)

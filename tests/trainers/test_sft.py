@@ -14,6 +14,7 @@ import torch
 from pydantic import ValidationError
 from safetensors.torch import load_file
 
+from data_recipes.agent_tasks import FAMILIES
 from posttrain.data.chat import CHAT_TEMPLATE
 from posttrain.data.mixture import DATA_RECIPES, MixtureSource, Recipe
 from posttrain.data.trajectory import BadTrajectoryError
@@ -25,12 +26,12 @@ from posttrain.trainers.sft import SFTConfig
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = REPO / "data_recipes" / "data" / "agent_sft.jsonl"
-BAD_ROW_INDEX = 24
+BAD_ROW_INDEX = 3 * len(FAMILIES)  # 3 rows per shipped family come first
 
 
 @pytest.fixture(scope="module")
 def small_recipe(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
-    """A recipe over 3 shipped trajectories per task family plus, at row 24, one whose tool-call
+    """A recipe over 3 shipped trajectories per task family plus, after them, one whose tool-call
     arguments are not JSON. Returns (recipe name, file)."""
     rows = [json.loads(line) for line in SHIPPED.read_text().splitlines()]
     by_family: dict[str, list[dict]] = {}
@@ -77,7 +78,7 @@ def test_sft_learns_and_saves_a_loadable_model(tmp_path, small_recipe, stage_run
     assert final["eval_loss_after"] < final["eval_loss_before"] - 0.3
     for when in ("before", "after"):
         assert 0.0 <= final[f"tool_success_{when}"] <= 1.0
-    assert final["data/kept"] == 24 and final["data/skipped/malformed_tool_call_json"] == 1
+    assert final["data/kept"] == BAD_ROW_INDEX and final["data/skipped/malformed_tool_call_json"] == 1
     logged = {r["step"]: r for r in read_metrics(ctx.stage_dir / "metrics.jsonl") if "loss" in r}
     assert sorted(logged) == list(range(1, 9))
     assert all(math.isfinite(r["grad_norm"]) and r["tokens_per_s"] > 0 for r in logged.values())
