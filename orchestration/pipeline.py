@@ -43,7 +43,8 @@ PRESET_SUFFIXES = (".yaml", ".yml", ".json")
 class Stage:
     """One validated stage, as the orchestrator and a worker process see it (JSON-serialisable).
 
-    model: absolute path of a preset file, or a need's stage id when `model_is_input`.
+    model: absolute path of a preset file or a model directory, or a need's stage id when
+    `model_is_input`.
     body: the kind-specific keys after overrides (validated again by the worker).
     """
 
@@ -402,10 +403,14 @@ def _resolve_model(
             return None, False
         return str(target), False
     if value not in inst.needs:
+        directory = ((Path.cwd() if from_cli else inst.path.parent) / value).resolve()
+        if (directory / "config.json").is_file():
+            # A pretrained model directory (Hugging Face format): the stage continues its weights.
+            return str(directory), False
         issues.append(
             Issue(
-                message=f"model {value!r} is neither a preset file (.yaml/.json) nor one of this "
-                f"stage's needs ({', '.join(inst.needs) or 'none'})",
+                message=f"model {value!r} is neither a preset file (.yaml/.json), a model directory "
+                f"with config.json, nor one of this stage's needs ({', '.join(inst.needs) or 'none'})",
                 hint=did_you_mean(value, inst.needs),
                 **where,
             )
@@ -464,12 +469,17 @@ def _shift(located: dict[Any, Any]) -> dict[Any, Any]:
 
 
 def config_hash(stage: Stage) -> str:
-    """What decides a stage's result: kind, body, seed, model (a preset's content), qat, matrix
+    """What decides a stage's result: kind, body, seed, model (a preset's or model dir's content), qat, matrix
     values and needs. Resources, plug-in paths and the description do not, so moving a run to a
     bigger machine does not invalidate it."""
     model: Any = stage.model
     if stage.model and not stage.model_is_input:
-        model = {"preset": Path(stage.model).name, "sha256": sha256_file(Path(stage.model))}
+        path = Path(stage.model)
+        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+        model = {
+            "preset": path.name,
+            "sha256": {str(f.relative_to(path) if path.is_dir() else f.name): sha256_file(f) for f in files},
+        }
     content = {
         "kind": stage.kind,
         "body": stage.body,

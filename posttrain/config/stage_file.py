@@ -45,7 +45,8 @@ class StageHeader(BaseModel):
         default_factory=list, description="stage files (relative to this file) or stage ids this stage needs"
     )
     model: str | None = Field(
-        None, description="model preset file (relative to this file) or a need's stage id"
+        None,
+        description="preset file or pretrained model dir (relative to this file), or a need's stage id",
     )
     seed: int = 0
     resources: Resources = Field(default_factory=Resources)

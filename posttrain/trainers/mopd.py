@@ -74,7 +74,8 @@ class MOPDTrainConfig(OptimConfig):
 
 
 class EvalConfig(BaseModel):
-    """Held-out prompts of each domain, played at every effort (temperature 1) before and after."""
+    """Held-out prompts of each domain, played at every effort before and after (sampled at
+    temperature 1 for the KL, greedy for accuracy and length)."""
 
     model_config = ConfigDict(extra="forbid")
     prompts_per_domain: int = Field(4, gt=0, description="held-out prompts per domain")
@@ -348,10 +349,16 @@ class Distiller:
         return {"rollout_s": time.perf_counter() - started - scoring[0], "teacher_score_s": scoring[0]}
 
     def evaluate(self) -> dict[str, dict[str, float]]:
-        """pair_results on the held-out prompts; the same uids (hence sampling noise) every time."""
-        samples = self.episodes(self.eval_prompts, "eval")
-        self.rollout(samples, temperature=1.0)
-        return pair_results(samples)
+        """Per pair on the held-out prompts: kl from episodes sampled at temperature 1 (the
+        student's own distribution, which the reverse KL is defined on), accuracy and tokens from
+        greedy episodes, the protocol of the RL stages' eval.json so the two compare. Same uids,
+        hence the same sampling noise, every time."""
+        sampled = self.episodes(self.eval_prompts, "eval")
+        self.rollout(sampled, temperature=1.0)
+        greedy = self.episodes(self.eval_prompts, "eval-greedy")
+        self.rollout(greedy, temperature=0.0)
+        kl, decoded = pair_results(sampled), pair_results(greedy)
+        return {pair: {**decoded[pair], "kl": kl[pair]["kl"]} for pair in kl}
 
     def close(self) -> None:
         for env in self.envs.values():
