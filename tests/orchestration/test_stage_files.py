@@ -328,8 +328,9 @@ def test_shipped_pipeline_is_the_eleven_stage_dag() -> None:
     assert pipeline.stages["mopd"].body["student"] == "sft"
     assert all(pipeline.stages[s].needs == ["sft"] and pipeline.stages[s].body["init"] == "sft" for s in rl)
     assert pipeline.stages["rl-agent-max"].matrix == {"domain": "agent", "effort": "max"}
-    # Only sft builds a model from the preset; the others continue a need's checkpoint.
-    assert pipeline.stages["sft"].model == str(REPO / "stages" / "models" / "tiny.yaml")
+    # sft continues the shipped pretrained base; the others continue a need's checkpoint.
+    assert pipeline.stages["sft"].model == str(REPO / "data_recipes" / "base")
+    assert not pipeline.stages["sft"].model_is_input
     assert all(pipeline.stages[s].model is None for s in [*rl, "mopd"])
     for stage in pipeline.stages.values():
         assert stage.qat == {"scheme": "k3"}
@@ -367,3 +368,15 @@ def test_mopd_without_the_need_its_student_or_teachers_come_from_fails_plan(
         message,
     )
     assert not (tmp_path / "run").exists()
+
+
+def test_a_model_directory_is_hashed_by_its_content(write, tmp_path: Path) -> None:
+    base = tmp_path / "base"
+    base.mkdir(parents=True)
+    (base / "config.json").write_text('{"model_type": "kimi_k3"}')
+    (base / "model.safetensors").write_bytes(b"weights-1")
+    stage = write("sft.yaml", HEADER, "model: base\n")
+    first = load_pipeline(stage).stages["sft"]
+    assert first.model == str(base.resolve()) and not first.model_is_input
+    (base / "model.safetensors").write_bytes(b"weights-2")
+    assert load_pipeline(stage).stages["sft"].config_hash != first.config_hash
