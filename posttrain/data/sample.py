@@ -83,8 +83,9 @@ class Sample:
     def num_generated(self) -> int:
         return sum(self.loss_mask[self.prompt_length :])
 
-    def append(self, token_ids: list[int], *, generated: bool, logprobs: list[float] | None = None,
-               version: int = -1) -> None:
+    def append(
+        self, token_ids: list[int], *, generated: bool, logprobs: list[float] | None = None, version: int = -1
+    ) -> None:
         """Extend the trajectory, keeping every per-token list aligned with `tokens`."""
         n = len(token_ids)
         if logprobs is not None and len(logprobs) != n:

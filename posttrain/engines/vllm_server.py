@@ -462,7 +462,8 @@ class VLLMServerEngine(Engine):
 
     # -- weights ----------------------------------------------------------------------------
     def update_weights(self, weights: WeightsSource) -> None:
-        """Reload from an HF checkpoint dir, or write a state dict there first (safetensors)."""
+        """Reload from an HF checkpoint dir, or write a state dict to `weights_dir` first
+        (safetensors; the version it replaces is deleted once the server holds the new one)."""
         self._restarts_this_call = 0
         if isinstance(weights, Mapping):
             path = save_state_dict(weights, self.weights_dir / f"version-{self.policy_version + 1}")
@@ -479,7 +480,11 @@ class VLLMServerEngine(Engine):
                 break
             except ServerFailed as error:
                 self._recover([], error)
-        self.weights_path = path
+        previous, self.weights_path = self.weights_path, path
+        if previous is not None and previous != path and previous.parent == self.weights_dir:
+            # A version this engine wrote: the server holds the new one, and a restart reloads
+            # only the newest, so an RL run keeps one copy on disk, not one per update.
+            shutil.rmtree(previous, ignore_errors=True)
         self.policy_version += 1
 
     def _reload(self, path: Path) -> None:

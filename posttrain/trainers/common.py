@@ -122,8 +122,13 @@ def load_policy(
     model_path: Path | None = None,
 ) -> Policy:
     """The stage's model, ready to train: a fresh seeded KimiK3ForCausalLM from a preset file, or
-    from_pretrained from a model dir (`model_path`, default ctx.model); embeddings grown to
-    `vocab_size` when the tokenizer has more tokens; QAT hooks from ctx.qat; LoRA adapters.
+    from_pretrained from a model dir (`model_path`, default ctx.model; K3 or any transformers causal
+    LM); embeddings grown to `vocab_size` when the tokenizer has more tokens; QAT hooks from ctx.qat;
+    LoRA adapters.
+
+    QAT quantises K3's routed experts: asked of a model without them (`qat: {scheme: k3}` on a
+    Llama) it is an error naming the stage and the fix. Router balancing needs no request: it runs
+    after each optimizer step on models that have it (`update_router_bias`) and is absent otherwise.
     """
     import posttrain.model as k3
     from posttrain.qat import apply_qat
@@ -149,7 +154,10 @@ def load_policy(
         source = "preset"
     if model.get_input_embeddings().num_embeddings < vocab_size:
         model.resize_token_embeddings(vocab_size)
-    applied = apply_qat(model, ctx.qat)
+    try:
+        applied = apply_qat(model, ctx.qat)
+    except ValueError as error:
+        raise ValueError(f"stage {ctx.stage_id} (model {path}): {error}") from error
     if applied:
         ctx.log.info("QAT %s on %d routed-expert modules", getattr(ctx.qat, "scheme", ctx.qat), len(applied))
     if gradient_checkpointing:

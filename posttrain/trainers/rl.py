@@ -15,12 +15,14 @@ section 2.2):
    the budget), get group-relative advantages, and one optimizer step of the per-token policy loss
    (truncated IS against the behaviour log-probs, per-token log-ratio penalty, loss on
    policy-generated tokens only), followed by router balancing.
-4. The policy sampled is the policy trained: the embedded engine shares the trained module, QAT
-   hooks included, and its policy version advances with every optimizer step.
+4. The policy sampled is the policy trained (`rollout.engine`): the embedded engine shares the
+   trained module, QAT hooks included; a vLLM engine (in-process or a server) is sent the weights
+   after every iteration's update. Either way the policy version advances with each update.
 5. Held-out accuracy and response length before (the SFT model) and after, in eval.json.
 
 Checkpoints hold weights, optimizer, schedule, RNGs, the policy version, the pre-training eval and
-the rollout queue with its sandbox snapshots, so a killed stage resumes bit for bit.
+the rollout queue with its sandbox snapshots, so a killed stage resumes bit for bit (checked with
+the embedded engine; a vLLM engine is sent the restored weights, its numerics are its own).
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from torch import nn
+from transformers.core_model_loading import revert_weight_conversion
+from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
 from posttrain.algos import group_advantages, mismatch_stats, policy_loss, staleness_stats, token_advantages
 from posttrain.algos.policy_loss import PolicyLossConfig
@@ -40,11 +45,13 @@ from posttrain.checkpoint import atomic_write_text, remove_tree
 from posttrain.config.rewards import GenRMConfig
 from posttrain.data.chat import ChatRenderer, load_tokenizer
 from posttrain.data.sample import DOMAINS, EFFORTS, Sample
-from posttrain.engines import EmbeddedEngine, SamplingConfig
+from posttrain.engines import ENGINES, EmbeddedEngine, Engine, SamplingConfig
 from posttrain.engines.embedded import left_pad, positions_from_mask
 from posttrain.envs.env_budget import BudgetConfig, base_budgets, model_digest
 from posttrain.envs.env_eval import EvalConfig, evaluate
 from posttrain.envs.environments import Environment, EnvironmentConfig, Judge, make_environment
+from posttrain.qat import qat_config_of
+from posttrain.qat.export import dequantized_state_dict
 from posttrain.rewards_registry import budget_reward, generative_reward_model
 from posttrain.stages import StageContext, stage_kind
 from posttrain.trainers.common import (
@@ -80,6 +87,11 @@ class RolloutConfig(BaseModel):
     group_size: int = Field(4, ge=2, description="trajectories per prompt (advantages are group-relative)")
     temperature: float = Field(
         1.0, gt=0, description="sampling temperature; the trainer scores tokens at the same temperature"
+    )
+    engine: Literal["embedded", "vllm", "vllm_server"] = Field(
+        "embedded",
+        description="embedded: the trained module itself; vllm: vllm.LLM in this process; vllm_server: "
+        "vLLM's OpenAI server as a subprocess (both synced from the trainer after every update)",
     )
     partial: PartialRolloutConfig = Field(default_factory=PartialRolloutConfig)
 
@@ -128,6 +140,24 @@ class RLConfig(BaseModel):
     accelerate: AccelerateConfig = Field(default_factory=AccelerateConfig)
     tokenizer: str | None = Field(None, description="tokenizer dir; null: the init model's")
     checkpoint_every: int = Field(1, gt=0, description="iterations between checkpoints")
+
+    @model_validator(mode="after")
+    def _one_logprob_kind_per_vllm_engine(self) -> RLConfig:
+        # vLLM records one kind of log-prob per engine: processed ones, for the rollouts. The cold
+        # start and evaluation request raw ones, the same numbers only when sampling is plain.
+        if self.rollout.engine == "embedded":
+            return self
+        for key, temperature in (
+            ("eval.temperature", self.eval.temperature),
+            ("budget.cold_start.temperature", self.budget.cold_start.temperature),
+        ):
+            if temperature not in (0.0, 1.0):
+                raise ValueError(
+                    f"{key} is {temperature} but rollout.engine {self.rollout.engine!r} can only sample "
+                    "the cold start and evaluation at temperature 0 (greedy) or 1; set it to one of "
+                    "those, or use rollout.engine: embedded"
+                )
+        return self
 
 
 # Setup -----------------------------------------------------------------------------------------
@@ -184,6 +214,56 @@ def _judge(cfg: JudgeConfig, ctx: StageContext) -> Judge:
     )
 
 
+def rollout_engine(
+    cfg: RolloutConfig, policy: nn.Module, init: Path, renderer: ChatRenderer, ctx: StageContext
+) -> Engine:
+    """The engine rollouts, the cold start and evaluation sample from (`rollout.engine`).
+
+    embedded shares the trained module `policy`. vllm and vllm_server serve the `init` checkpoint
+    (the architecture vLLM loads; the weights come from `publish_policy`) and record processed
+    log-probs: of the distribution sampled at rollout.temperature, which the trainer recomputes.
+    """
+    engine_class = ENGINES.get(cfg.engine)
+    if cfg.engine == "embedded":
+        return engine_class(policy, pad_token_id=renderer.pad_id)
+    if cfg.engine == "vllm":
+        return engine_class(init, seed=ctx.seed, logprobs_mode="processed")
+    from posttrain.engines.vllm_server import VLLMServer
+
+    log_path = ctx.stage_dir / "vllm-rollout.log"
+    ctx.log.info("rollout engine: vLLM server for %s, log %s", init, log_path)
+    return engine_class(VLLMServer(model=init, logprobs_mode="processed", log_path=log_path))
+
+
+def rollout_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """`model`'s weights named as save_pretrained writes them, the names a vLLM engine loaded (K3's
+    batched routed experts split per expert, tied copies dropped). Under QAT the routed experts
+    hold their MXFP4 values (`dequantized_state_dict`): a vLLM engine computes with the weights the
+    trainer's forward uses, though not with its MXFP8 activation rounding."""
+    qat = qat_config_of(getattr(model, "config", None))
+    if qat is not None and qat.enabled:
+        state = dequantized_state_dict(model, qat)
+    else:
+        state = remove_tied_weights_from_state_dict(model.state_dict(), model)
+    return revert_weight_conversion(model, state)
+
+
+def _serve_policy(engine: Engine, model: nn.Module, version: int) -> None:
+    """Point the engine at `model`'s current weights as policy `version` (start and resume)."""
+    publish_policy(engine, model)
+    engine.policy_version = version
+
+
+def publish_policy(engine: Engine, model: nn.Module) -> None:
+    """Make the next rollouts sample `model`'s current weights under the next policy version: an
+    embedded engine over the module itself already does (only its version advances); any other
+    engine is sent the weights (`update_weights`, which advances its version)."""
+    if isinstance(engine, EmbeddedEngine) and engine.model is model:
+        engine.policy_version += 1
+    else:
+        engine.update_weights(rollout_weights(model))
+
+
 # The loop --------------------------------------------------------------------------------------
 
 
@@ -201,7 +281,7 @@ def run_rl(ctx: StageContext) -> dict[str, float]:
     state = TrainState.create(
         ctx, policy.model, cfg.train, cfg.accelerate, cfg.train.steps * cfg.train.updates_per_iteration
     )
-    engine = EmbeddedEngine(base_without_peft(state.unwrapped), pad_token_id=renderer.pad_id)
+    model = base_without_peft(state.unwrapped)
     judge: Judge | None = None
     env_cfg = cfg.environments.get(domain, EnvironmentConfig())
     if env_cfg.reward == "genrm":
@@ -221,7 +301,13 @@ def run_rl(ctx: StageContext) -> dict[str, float]:
         # Behaviour log-probs of the distribution actually sampled, which the trainer recomputes.
         logprobs="processed",
     )
-    with make_environment(domain, renderer, env_cfg, sandbox_dir=sandbox_dir, judge=judge) as env:
+    with (
+        rollout_engine(cfg.rollout, model, init, renderer, ctx) as engine,
+        make_environment(domain, renderer, env_cfg, sandbox_dir=sandbox_dir, judge=judge) as env,
+    ):
+        # From the first rollout on the engine samples the trainer's weights (a vLLM engine loaded
+        # the init checkpoint as written, without QAT's rounding).
+        _serve_policy(engine, model, version=0)
         held_out = env.prompts("eval", cfg.eval.prompts, cfg.eval.seed)
         train_prompts = env.prompts("train", cfg.rollout.prompts, ctx.seed, exclude=held_out)
         ctx.log.info(
@@ -247,7 +333,7 @@ def run_rl(ctx: StageContext) -> dict[str, float]:
         checkpoint = state.restore()
         if checkpoint is not None:
             step, before = checkpoint.step, dict(checkpoint.extra["before"])
-            engine.policy_version = int(checkpoint.extra["policy_version"])
+            _serve_policy(engine, model, version=int(checkpoint.extra["policy_version"]))
             queue.restore(checkpoint)
         else:
             step, before = 0, evaluate(env, engine, held_out, effort, cfg.eval, ctx.seed, "before")
@@ -361,7 +447,7 @@ def trajectory_rewards(
 
 def _train_step(
     state: TrainState,
-    engine: EmbeddedEngine,
+    engine: Engine,
     samples: list[Sample],
     budgets: dict[str, float],
     cfg: RLConfig,
@@ -420,11 +506,12 @@ def _train_step(
             _accumulate(stats, chunk_stats, float(out.num_tokens) / max(total, 1) / updates)
         metrics.update(state.optimizer_step(step))
     metrics.update(stats)
-    # The engine shares the trained module: from the next iteration on it samples the new policy.
-    engine.policy_version += 1
+    synced = time.perf_counter()
+    publish_policy(engine, base_without_peft(state.unwrapped))
     metrics.update(
         trained_tokens=float(total),
-        train_s=time.perf_counter() - started,
+        train_s=synced - started,
+        weight_sync_s=time.perf_counter() - synced,
         policy_version=float(engine.policy_version),
     )
     return metrics
