@@ -99,6 +99,8 @@ class RolloutQueue:
     def step(self, new_samples: list[Sample]) -> Rollout:
         version = self.engine.policy_version
         resumed = [s for s in self.waiting if s.finish_reason == "paused"]
+        # Taken before playing: a resumed trajectory that ends now must count once (in inflight).
+        finished_waiting = [s for s in self.waiting if s.finish_reason != "paused"]
         inflight = resumed + list(new_samples)
         overdue = [s for s in resumed if version - _oldest(s, version) >= self.config.max_staleness]
         rest = [s for s in inflight if not any(s is o for o in overdue)]
@@ -112,7 +114,7 @@ class RolloutQueue:
         self.env.play(self.engine, rest, self.sampling, should_pause)
         elapsed = time.perf_counter() - started
 
-        everything = [s for s in self.waiting if s.finish_reason != "paused"] + inflight
+        everything = finished_waiting + inflight
         groups: dict[str, list[Sample]] = {}
         for sample in everything:
             groups.setdefault(sample.group, []).append(sample)

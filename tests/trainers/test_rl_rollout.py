@@ -63,6 +63,9 @@ def test_paused_trajectories_resume_under_the_next_policy_as_if_never_paused(
     assert resumed_queue.waiting == []
     finished = {s.uid: s for s in first.samples + second.samples}
     assert sorted(finished) == sorted(reference)
+    # Every trajectory is trained exactly once: a resumed one is not counted twice in its group.
+    assert len(first.samples) + len(second.samples) == 12
+    assert all(len({s.uid for s in group}) == len(group) == 3 for group in first.groups + second.groups)
     for uid, sample in finished.items():
         assert sample.tokens == reference[uid].tokens
         assert sample.rollout_logprobs == pytest.approx(reference[uid].rollout_logprobs, abs=1e-4)
