@@ -28,6 +28,6 @@ def agent_sft_agentic() -> Recipe:
             MixtureSource(SHIPPED_SFT, weight=1.0, domains=("general", "coding")),
             MixtureSource(SHIPPED_SFT, weight=2.0, domains=("agent",)),
         ),
-        eval_fraction=0.1,
+        eval_fraction=0.05,
         description="shipped agent SFT set, agent domain twice",
     )

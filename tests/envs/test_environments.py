@@ -161,7 +161,8 @@ def test_eval_prompts_are_excluded_from_training_prompts(tmp_path, renderer):
         train = env.prompts("train", 40, seed=0, exclude=held_out)
     questions = {p.messages[-1]["content"] for p in held_out}
     assert not questions & {p.messages[-1]["content"] for p in train}
-    assert {p.task["family"] for p in train} == {"general/arithmetic", "general/elements", "general/ordering"}
+    general = {"general/arithmetic", "general/elements", "general/ordering", "general/lookup"}
+    assert {p.task["family"] for p in train} == general
 
 
 def test_configuration_errors_name_the_fix(tmp_path, renderer):
