@@ -5,6 +5,7 @@ stage starts in milliseconds instead of paying those imports again.
 
 import torch.utils.tensorboard  # noqa: F401
 
+import orchestration._quiet  # noqa: F401  (before the plug-ins import transformers)
 import orchestration.runner  # noqa: F401
 from posttrain.registry import load_plugins
 

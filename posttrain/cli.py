@@ -19,6 +19,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+import orchestration._quiet  # noqa: F401  (first: before anything imports transformers)
 from orchestration.console import (
     RichDisplay,
     plan_table,
