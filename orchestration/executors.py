@@ -92,17 +92,19 @@ def execute(
     # (resources.cpus) leave room for its own, so two 1-CPU RL stages share a 2-core laptop and a
     # 2-CPU stage runs alone. Ray does this accounting itself, per node.
     budget = float(os.cpu_count() or 1) if executor == "local" else float("inf")
+
+    def cpus(sid: str) -> float:
+        return float(pipeline.stages[sid].resources.get("cpus", 1.0))
+
     outcome = Outcome()
     waiting = list(scope)
     running: dict[str, Any] = {}
-    claimed: dict[str, float] = {}
     try:
         while waiting or running:
             for sid in list(waiting):
                 if len(running) >= limit:
                     break
-                wanted = float(pipeline.stages[sid].resources.get("cpus", 1.0))
-                if running and sum(claimed.values()) + wanted > budget:
+                if running and sum(map(cpus, running)) + cpus(sid) > budget:
                     continue
                 needs = pipeline.stages[sid].needs
                 if any(outcome.status.get(n) in ("failed", "blocked") for n in needs):
@@ -122,7 +124,6 @@ def execute(
                 write_request(pipeline, run_dir, sid, restart=sid in forced)
                 log(f"stage {sid} starting ({state.status}: {state.reason})")
                 running[sid] = backend.launch(sid, pipeline.stages[sid].resources)
-                claimed[sid] = wanted
                 display.started(sid)
             for sid, handle in list(running.items()):
                 progress = read_progress(stage_dir(run_dir, sid))
@@ -132,7 +133,6 @@ def execute(
                 if code is None:
                     continue
                 del running[sid]
-                claimed.pop(sid, None)
                 status = _settle(run_dir, sid, code)
                 outcome.status[sid] = status
                 display.finished(sid, status)
