@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from posttrain.checkpoint import sha256_file
+from posttrain.checkpoint import hash_tree, sha256_file
 from posttrain.config.errors import ConfigError, Issue, did_you_mean, key_path
 from posttrain.config.overrides import apply_overrides, parse_overrides
 from posttrain.config.stage_file import (
@@ -388,8 +388,8 @@ def _resolve_model(
         key="model",
         line=None if from_cli else line_of(inst.lines, ("model",)),
     )
+    base = Path.cwd() if from_cli else inst.path.parent
     if value.endswith(PRESET_SUFFIXES):
-        base = Path.cwd() if from_cli else inst.path.parent
         target = (base / value).resolve()
         if not target.is_file():
             issues.append(
@@ -403,7 +403,7 @@ def _resolve_model(
             return None, False
         return str(target), False
     if value not in inst.needs:
-        directory = ((Path.cwd() if from_cli else inst.path.parent) / value).resolve()
+        directory = (base / value).resolve()
         if (directory / "config.json").is_file():
             # A pretrained model directory (Hugging Face format): the stage continues its weights.
             return str(directory), False
@@ -469,17 +469,13 @@ def _shift(located: dict[Any, Any]) -> dict[Any, Any]:
 
 
 def config_hash(stage: Stage) -> str:
-    """What decides a stage's result: kind, body, seed, model (a preset's or model dir's content), qat, matrix
-    values and needs. Resources, plug-in paths and the description do not, so moving a run to a
+    """What decides a stage's result: kind, body, seed, model (a preset's or model dir's content),
+    qat, matrix values and needs. Resources, plug-in paths and the description do not, so moving a run to a
     bigger machine does not invalidate it."""
     model: Any = stage.model
     if stage.model and not stage.model_is_input:
         path = Path(stage.model)
-        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-        model = {
-            "preset": path.name,
-            "sha256": {str(f.relative_to(path) if path.is_dir() else f.name): sha256_file(f) for f in files},
-        }
+        model = {"preset": path.name, "sha256": hash_tree(path)[1] if path.is_dir() else sha256_file(path)}
     content = {
         "kind": stage.kind,
         "body": stage.body,

@@ -18,7 +18,6 @@ decided from manifests, so skipping done stages costs no hashing of weights.
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import os
 import time
@@ -27,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestration.pipeline import Pipeline, Stage
-from posttrain.checkpoint import atomic_write_text, latest_checkpoint_step, sha256_file
+from posttrain.checkpoint import atomic_write_text, latest_checkpoint_step
 
 MANIFEST = "manifest.json"
 LOCK = ".lock"
@@ -52,20 +51,6 @@ def read_manifest(directory: Path) -> dict[str, Any] | None:
 
 def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
     atomic_write_text(Path(directory) / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
-
-
-def hash_tree(directory: Path) -> tuple[dict[str, str], str]:
-    """({relative file: sha256}, digest of that listing) for a model dir."""
-    files = {
-        str(p.relative_to(directory)): sha256_file(p)
-        for p in sorted(Path(directory).rglob("*"))
-        if p.is_file()
-    }
-    return files, _digest(files)
-
-
-def _digest(files: dict[str, str]) -> str:
-    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
 
 
 class StageLock:

@@ -32,14 +32,13 @@ from orchestration.rundir import (
     LOCK,
     PROGRESS,
     StageLock,
-    hash_tree,
     input_hashes,
     read_json,
     read_manifest,
     stage_dir,
     write_manifest,
 )
-from posttrain.checkpoint import CheckpointManager, fsync_dir, fsync_file, remove_tree
+from posttrain.checkpoint import CheckpointManager, fsync_dir, fsync_file, hash_tree, remove_tree
 from posttrain.metrics import MetricsLogger
 from posttrain.registry import import_plugin, load_plugins
 from posttrain.stages import STAGE_KINDS, StageContext

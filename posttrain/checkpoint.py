@@ -62,6 +62,16 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+def hash_tree(directory: Path) -> tuple[dict[str, str], str]:
+    """({relative file: sha256}, digest of that listing) for a model dir."""
+    files = {
+        str(p.relative_to(directory)): sha256_file(p)
+        for p in sorted(Path(directory).rglob("*"))
+        if p.is_file()
+    }
+    return files, hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Replace `path` with `text` so a reader sees the old or the new content, never a mix."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
