@@ -73,18 +73,19 @@ def test_stop_token_ends_the_turn(engine, make_prompts):
 
 
 def test_pause_mid_stream_keeps_tokens_and_resumes(engine, make_prompts):
-    sampling = SamplingConfig(max_tokens=40, seed=6)
+    # LONG, not 40: on a fast machine the server streamed all 40 tokens before the first check.
+    sampling = SamplingConfig(max_tokens=LONG, seed=6)
 
     def pause_once_streaming(samples):
         return any(generated_tokens(s) >= 3 for s in samples)
 
     samples = engine.generate(make_prompts("p"), sampling, pause_when=pause_once_streaming)
     assert all(s.finish_reason in ("paused", "length") for s in samples)
-    assert any(s.finish_reason == "paused" and 3 <= tokens_already_generated(s) < 40 for s in samples)
+    assert any(s.finish_reason == "paused" and 3 <= tokens_already_generated(s) < LONG for s in samples)
     engine.generate(samples, sampling)
     for sample, score in zip(samples, engine.score(samples), strict=True):
         sample.check()
-        assert sample.finish_reason == "length" and sample.response_length == 40
+        assert sample.finish_reason == "length" and sample.response_length == LONG
         assert_response_logprobs(sample, score)
 
 
