@@ -73,6 +73,7 @@ def policy_loss(
     mask: torch.Tensor,
     *,
     old_logp: torch.Tensor | None = None,
+    token_weights: torch.Tensor | None = None,
     config: PolicyLossConfig | None = None,
 ) -> PolicyLoss:
     """Per-token clipped policy-gradient loss with truncated importance correction and a per-token
@@ -88,6 +89,8 @@ def policy_loss(
         old_logp: [B, T] log pi_prox recomputed by the trainer before this step. None means one
             optimisation step per batch: pi_prox = pi_theta (detached), so rho = 1, the clip never
             binds, and w_t = min(pi_theta / pi_behav, C).
+        token_weights: [B, T] a non-negative weight on each token's loss (None: 1), e.g. MOPD's
+            weighting that gives every (domain, effort) pair the same share of a step's loss.
         config: PolicyLossConfig (defaults when None).
 
     Returns:
@@ -100,8 +103,11 @@ def policy_loss(
     for name, tensor in (("rollout_logp", rollout_logp), ("advantages", advantages), ("mask", mask)):
         if tensor.shape != shape:
             raise ValueError(f"policy_loss: {name} has shape {tuple(tensor.shape)}, logp has {tuple(shape)}")
-    if old_logp is not None and old_logp.shape != shape:
-        raise ValueError(f"policy_loss: old_logp has shape {tuple(old_logp.shape)}, logp has {tuple(shape)}")
+    for name, optional in (("old_logp", old_logp), ("token_weights", token_weights)):
+        if optional is not None and optional.shape != shape:
+            raise ValueError(
+                f"policy_loss: {name} has shape {tuple(optional.shape)}, logp has {tuple(shape)}"
+            )
     mask = mask.bool()
     dtype = torch.promote_types(logp.dtype, torch.float32)
     logp = logp.to(dtype)
@@ -121,6 +127,8 @@ def policy_loss(
     delta = torch.where(mask, logp - rollout_logp, zero)
     penalty = cfg.penalty_coef * log_ratio_penalty(delta, cfg.penalty)
     per_token = torch.where(mask, weights * pg + penalty, zero)
+    if token_weights is not None:
+        per_token = per_token * token_weights.detach().to(dtype)
 
     num_tokens = mask.sum()
     total = per_token.sum()

@@ -20,6 +20,7 @@ import json
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
@@ -55,7 +56,7 @@ from posttrain.trainers.mopd_teachers import (
 )
 
 EVAL_FILE = "eval.json"
-RESULT_KEYS = ("kl", "accuracy", "tokens")
+RESULT_KEYS = ("kl", "kl_tokens", "accuracy", "tokens")
 
 
 class RolloutConfig(BaseModel):
@@ -71,6 +72,12 @@ class MOPDTrainConfig(OptimConfig):
 
     steps: int = Field(gt=0, description="optimizer steps (one rollout batch each)")
     micro_batch_size: int = Field(16, gt=0, description="trajectories per forward/backward")
+    balance: Literal["pair", "token"] = Field(
+        "pair",
+        description="pair: each (domain, effort) pair of a step carries the same share of the loss "
+        "(the mean over its student tokens), so short general episodes are not outweighed by long "
+        "agent ones; token: the mean over all student tokens of the step",
+    )
 
 
 class EvalConfig(BaseModel):
@@ -79,6 +86,12 @@ class EvalConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     prompts_per_domain: int = Field(4, gt=0, description="held-out prompts per domain")
+    samples_per_prompt: int = Field(
+        4,
+        gt=0,
+        description="sampled episodes per held-out prompt and effort for the KL: its estimate "
+        "averages the student's tokens, so its noise falls as 1/sqrt(samples)",
+    )
     seed: int = Field(0, description="draws them; the RL stages' held-out prompts use the same default")
 
 
@@ -183,8 +196,9 @@ def play_episodes(
 
 def pair_results(samples: list[Sample]) -> dict[str, dict[str, float]]:
     """Per pair: kl, the reverse KL to its teacher (token mean over the student's tokens of
-    log p_student - log p_teacher); accuracy, the mean verifier reward (0 when unscored); tokens,
-    the mean student-generated tokens per episode (tool results excluded)."""
+    log p_student - log p_teacher) and kl_tokens, how many tokens that mean is over (its noise
+    falls as 1/sqrt of it); accuracy, the mean verifier reward (0 when unscored); tokens, the mean
+    student-generated tokens per episode (tool results excluded)."""
     by_pair: dict[str, list[Sample]] = {}
     for sample in samples:
         by_pair.setdefault(pair_name((sample.domain, sample.effort)), []).append(sample)
@@ -196,6 +210,7 @@ def pair_results(samples: list[Sample]) -> dict[str, dict[str, float]]:
                 torch.tensor([x for s in group for x in s.teacher_logprobs or []], dtype=torch.float64),
                 torch.tensor([m for s in group for m in student_mask(s)], dtype=torch.bool),
             ),
+            "kl_tokens": float(sum(sum(student_mask(s)) for s in group)),
             "accuracy": sum(s.reward or 0.0 for s in group) / len(group),
             "tokens": sum(s.num_generated for s in group) / len(group),
         }
@@ -229,11 +244,16 @@ def batch_metrics(samples: list[Sample], rewards: list[list[float]], r_max: floa
 
 
 def distillation_loss(
-    model: torch.nn.Module, samples: list[Sample], rewards: list[list[float]], loss: PolicyLossConfig
+    model: torch.nn.Module,
+    samples: list[Sample],
+    rewards: list[list[float]],
+    loss: PolicyLossConfig,
+    sample_weights: list[float] | None = None,
 ) -> PolicyLoss:
     """The per-token policy loss of one micro-batch with A_t = r_t (`rewards`, aligned with each
-    sample's tokens), the student's recorded log-probs as behaviour, on student tokens only. Its
-    stats also hold the train/rollout mismatch (posttrain.algos.mismatch_stats)."""
+    sample's tokens), the student's recorded log-probs as behaviour, on student tokens only, each
+    sample's tokens weighted by `sample_weights` (None: 1). Its stats also hold the train/rollout
+    mismatch (posttrain.algos.mismatch_stats)."""
     device = next(model.parameters()).device
     ids, attention = left_pad([s.tokens for s in samples], 0)
     width = ids.shape[1]
@@ -250,21 +270,38 @@ def distillation_loss(
     logp = torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
     mask = padded([student_mask(s) for s in samples], torch.bool)
     behaviour = padded([s.rollout_logprobs for s in samples])
-    out = policy_loss(logp, behaviour, padded(rewards), mask, config=loss)
+    weights = None
+    if sample_weights is not None:
+        weights = padded([[w] * len(s.tokens) for s, w in zip(samples, sample_weights, strict=True)])
+    out = policy_loss(logp, behaviour, padded(rewards), mask, token_weights=weights, config=loss)
     out.stats.update(mismatch_stats(logp, behaviour, mask, loss.tis_cap))
     return out
 
 
+def pair_balance_weights(samples: list[Sample]) -> list[float]:
+    """Per sample, total / (pairs x its pair's tokens) (student tokens): a token-mean loss weighted
+    by these is the mean over the step's (domain, effort) pairs of each pair's token-mean."""
+    tokens: dict[tuple, int] = {}
+    for sample in samples:
+        key = (sample.domain, sample.effort)
+        tokens[key] = tokens.get(key, 0) + sum(student_mask(sample))
+    total = sum(tokens.values())
+    return [total / (len(tokens) * max(tokens[(s.domain, s.effort)], 1)) for s in samples]
+
+
 def train_on(state: TrainState, samples: list[Sample], cfg: MOPDConfig, step: int) -> dict[str, float]:
     """One optimizer step over every trajectory of the step; the loss is the mean over all student
-    tokens of the batch (micro-batch sums divided once by the batch's token count)."""
+    tokens of the batch (micro-batch sums divided once by the batch's token count), each pair's
+    tokens reweighted to an equal share under `train.balance: pair`."""
     rewards = [mopd_sample_rewards(s, cfg.r_max) for s in samples]
+    weights = pair_balance_weights(samples) if cfg.train.balance == "pair" else [1.0] * len(samples)
     loss_cfg = cfg.loss.model_copy(update={"reduction": "sum"})
     total = max(sum(sum(student_mask(s)) for s in samples), 1)
     sums: dict[str, float] = {"loss": 0.0}
     for start in range(0, len(samples), cfg.train.micro_batch_size):
         rows = samples[start : start + cfg.train.micro_batch_size]
-        out = distillation_loss(state.model, rows, rewards[start : start + len(rows)], loss_cfg)
+        chunk = slice(start, start + len(rows))
+        out = distillation_loss(state.model, rows, rewards[chunk], loss_cfg, weights[chunk])
         state.check_finite(out.loss, step, detail=f" (trajectories {[s.uid for s in rows][:4]} ...)")
         state.backward(out.loss / total)
         sums["loss"] += float(out.loss.detach()) / total
@@ -307,13 +344,17 @@ class Distiller:
             for d, env in self.envs.items()
         }
 
-    def episodes(self, prompts: Mapping[str, list[Sample]], tag: str) -> list[Sample]:
-        """Fresh trajectories, each prompt at every effort; routed now, so an unrouted pair fails here."""
+    def episodes(self, prompts: Mapping[str, list[Sample]], tag: str, copies: int = 1) -> list[Sample]:
+        """Fresh trajectories, each prompt at every effort `copies` times (distinct uids, hence
+        distinct sampling noise); routed now, so an unrouted pair fails here."""
         samples = [
-            self.envs[d].start(p, uid=f"{tag}-{d}-{e}-{i}", group=f"{tag}-{p.uid}", effort=e)
+            self.envs[d].start(
+                p, uid=f"{tag}-{d}-{e}-{i}" + (f"-{c}" if c else ""), group=f"{tag}-{p.uid}", effort=e
+            )
             for d, group in prompts.items()
             for i, p in enumerate(group)
             for e in self.cfg.efforts
+            for c in range(copies)
         ]
         for sample in samples:
             self.pool.teacher_for(sample)
@@ -353,12 +394,14 @@ class Distiller:
         student's own distribution, which the reverse KL is defined on), accuracy and tokens from
         greedy episodes, the protocol of the RL stages' eval.json so the two compare. Same uids,
         hence the same sampling noise, every time."""
-        sampled = self.episodes(self.eval_prompts, "eval")
+        sampled = self.episodes(self.eval_prompts, "eval", copies=self.cfg.eval.samples_per_prompt)
         self.rollout(sampled, temperature=1.0)
         greedy = self.episodes(self.eval_prompts, "eval-greedy")
         self.rollout(greedy, temperature=0.0)
         kl, decoded = pair_results(sampled), pair_results(greedy)
-        return {pair: {**decoded[pair], "kl": kl[pair]["kl"]} for pair in kl}
+        return {
+            pair: {**decoded[pair], "kl": kl[pair]["kl"], "kl_tokens": kl[pair]["kl_tokens"]} for pair in kl
+        }
 
     def close(self) -> None:
         for env in self.envs.values():
@@ -418,8 +461,8 @@ def run_mopd(ctx: StageContext) -> dict[str, float]:
 def write_eval(
     path: Path, before: Mapping[str, Mapping[str, float]], after: Mapping[str, Mapping[str, float]]
 ) -> dict:
-    """DIR/mopd/eval.json: {"<domain>-<effort>": {kl_before, kl_after, accuracy_before,
-    accuracy_after, tokens_before, tokens_after}}."""
+    """DIR/mopd/eval.json: {"<domain>-<effort>": {kl_before, kl_after, kl_tokens_before,
+    kl_tokens_after, accuracy_before, accuracy_after, tokens_before, tokens_after}}."""
     report = {
         name: {
             f"{key}_{when}": float(values[name][key])

@@ -170,3 +170,24 @@ def test_config_and_shape_errors():
     logp, rollout, adv, mask, _ = random_inputs(14)
     with pytest.raises(ValueError, match="advantages has shape"):
         policy_loss(logp, rollout, adv[:, :-1], mask)
+
+
+def test_token_weights_scale_each_tokens_loss_and_gradient():
+    logp, rollout, adv, mask, old = random_inputs(15)
+    cfg = PolicyLossConfig(reduction="sum", penalty="k3", penalty_coef=0.5)
+    weights = torch.rand(logp.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 3
+    out = policy_loss(logp, rollout, adv, mask, old_logp=old, token_weights=weights, config=cfg)
+    (grad,) = torch.autograd.grad(out.loss, logp)
+    # the token loop, each masked token's term (sum reduction: the loop's mean times its count) weighted
+    ref_logp = logp.detach().clone().requires_grad_(True)
+    ref = sum(
+        weights[b, t] * naive_policy_loss(ref_logp[b : b + 1, t : t + 1], rollout[b : b + 1, t : t + 1],
+                                          adv[b : b + 1, t : t + 1], mask[b : b + 1, t : t + 1],
+                                          old[b : b + 1, t : t + 1], cfg)
+        for b in range(logp.shape[0]) for t in range(logp.shape[1]) if mask[b, t]
+    )  # fmt: skip
+    (ref_grad,) = torch.autograd.grad(ref, ref_logp)
+    assert out.loss.item() == pytest.approx(ref.item(), rel=1e-10)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-9, atol=1e-12)
+    with pytest.raises(ValueError, match="token_weights has shape"):
+        policy_loss(logp, rollout, adv, mask, token_weights=weights[:, :-1])

@@ -67,7 +67,7 @@ def test_a_mopd_stage_distils_the_custom_domain(tiny_dirs, tmp_path):
         "student": str(tiny_dirs["student"]),
         "train": {"steps": 2, "lr": 1e-4},
         "rollout": {"prompts_per_domain": 2},
-        "eval": {"prompts_per_domain": 2},
+        "eval": {"prompts_per_domain": 2, "samples_per_prompt": 1},
         "environments": {"math": {"max_tokens_per_turn": 12}},
     }
     ctx = mopd_context(tmp_path / "mopd", body, inputs={})

@@ -24,14 +24,25 @@ from posttrain.engines import EmbeddedEngine, SamplingConfig
 from posttrain.envs.environments import EPISODE_DONE, EnvironmentConfig, make_environment
 from posttrain.metrics import read_metrics
 from posttrain.qat import qat_config_of, restore_qat
-from posttrain.trainers.mopd import MOPDConfig, distillation_loss, mopd_sample_rewards, play_episodes
+from posttrain.trainers.mopd import (
+    Distiller,
+    MOPDConfig,
+    distillation_loss,
+    mopd_sample_rewards,
+    pair_balance_weights,
+    pair_results,
+    play_episodes,
+)
 from posttrain.trainers.mopd_teachers import TeacherPool, route_teachers
 from teachers.testing import save_tiny_k3
 
 R_MAX = 5.0
 # log-ratios on student tokens: the spec's two examples, two beyond the clip, one small
 STUDENT_DELTAS = (math.log(0.6) - math.log(0.2), math.log(0.05) - math.log(0.2), 9.0, -9.0, 0.3)
-EVAL_KEYS = {"kl_before", "kl_after", "accuracy_before", "accuracy_after", "tokens_before", "tokens_after"}
+EVAL_KEYS = {
+    "kl_before", "kl_after", "kl_tokens_before", "kl_tokens_after",
+    "accuracy_before", "accuracy_after", "tokens_before", "tokens_after",
+}  # fmt: skip
 TIMINGS = {"time", "rollout_s", "teacher_score_s"}
 
 
@@ -160,7 +171,7 @@ def stage_body() -> dict:
     return {
         "train": {"steps": 2, "lr": 1e-4},
         "rollout": {"prompts_per_domain": 1},
-        "eval": {"prompts_per_domain": 1},
+        "eval": {"prompts_per_domain": 1, "samples_per_prompt": 1},
         "environments": {d: {"max_tokens_per_turn": 8, "max_turns": 2} for d in DOMAINS},
         "checkpoint_every": 1,
     }
@@ -231,3 +242,58 @@ def test_a_killed_stage_resumes_bit_for_bit(uninterrupted, dirs, tmp_path, stage
 
     assert logged(tmp_path / "mopd") == logged(stage_dir)
     assert (tmp_path / "mopd" / "eval.json").read_text() == (stage_dir / "eval.json").read_text()
+
+
+def test_the_kl_is_estimated_from_samples_per_prompt_episodes_of_each_held_out_prompt(
+    dirs, renderer, stage_runner, tmp_path
+):
+    body = stage_body() | {"eval": {"prompts_per_domain": 2, "samples_per_prompt": 3}}
+    ctx = stage_runner.context("mopd", tmp_path, body, inputs=stage_inputs(dirs))
+    pool = TeacherPool(route_teachers(ctx.config, ctx.inputs), tmp_path, 0, logging.getLogger("test-mopd"))
+    distiller = Distiller(ctx, ctx.config, load(dirs["sft"]), renderer, pool)
+    try:
+        sampled = distiller.episodes(distiller.eval_prompts, "eval", copies=3)
+        # every (domain, prompt, effort) three times, with distinct uids (distinct sampling noise)
+        assert len(sampled) == len(DOMAINS) * 2 * len(EFFORTS) * 3
+        assert len({s.uid for s in sampled}) == len(sampled)
+        by_pair = {}
+        for s in sampled:
+            by_pair.setdefault((s.domain, s.effort), []).append(s.tokens)
+        for tokens in by_pair.values():
+            assert len(tokens) == 6 and sum(t == tokens[0] for t in tokens) == 3  # 2 prompts x 3 copies
+        # kl_tokens counts exactly the student tokens the KL averages
+        for s in sampled[:3]:
+            s.append([5, 6], generated=True, logprobs=[-1.0, -2.0], version=0)
+            s.teacher_logprobs = [0.0] * (len(s.tokens) - 2) + [-1.5, -2.5]
+        results = pair_results(sampled[:3])
+        (pair,) = results
+        assert results[pair]["kl_tokens"] == 6.0 and results[pair]["kl"] == pytest.approx(0.5)
+    finally:
+        distiller.close()
+
+
+def test_pair_balance_gives_every_domain_effort_pair_the_same_share_of_the_loss():
+    def episode(uid: str, domain: str, effort: str, generated: int) -> Sample:
+        return Sample(
+            uid=uid,
+            domain=domain,
+            effort=effort,
+            tokens=[1] * (3 + generated),
+            prompt_length=3,
+            loss_mask=[0] * 3 + [1] * generated,
+            rollout_logprobs=[0.0] * (3 + generated),
+            policy_version=[-1] * 3 + [0] * generated,
+        )
+
+    # general-low: 2 short episodes (10 tokens in all); agent-max: one long one (30 tokens)
+    samples = [
+        episode("a", "general", "low", 4),
+        episode("b", "general", "low", 6),
+        episode("c", "agent", "max", 30),
+    ]
+    weights = pair_balance_weights(samples)
+    assert weights == pytest.approx([2.0, 2.0, 40 / 60])
+    shares = {}
+    for s, w in zip(samples, weights, strict=True):
+        shares[s.domain] = shares.get(s.domain, 0.0) + w * sum(s.loss_mask)
+    assert shares == pytest.approx({"general": 20.0, "agent": 20.0})  # equal, and the total stays 40
