@@ -88,3 +88,12 @@ def test_the_shipped_base_copies_a_span_it_has_read_and_random_weights_do_not():
     fresh = k3.KimiK3ForCausalLM(k3.load_model_config(pretrain_base.PRESET)).eval()
     first, repeated = pretrain_base.copy_nll(fresh, tokenizer, "cpu")
     assert repeated > 0.9 * first
+
+
+def test_the_shipped_base_recalls_most_stated_values_and_random_weights_none():
+    tokenizer = load_tokenizer(SHIPPED)
+    base = AutoModelForCausalLM.from_pretrained(SHIPPED, dtype=torch.float32).eval()
+    assert pretrain_base.recall_accuracy(base, tokenizer, "cpu", n=40) > 0.6  # 0.86 at n=100
+    torch.manual_seed(0)
+    fresh = k3.KimiK3ForCausalLM(k3.load_model_config(pretrain_base.PRESET)).eval()
+    assert pretrain_base.recall_accuracy(fresh, tokenizer, "cpu", n=40) == 0.0
