@@ -172,6 +172,7 @@ def main() -> None:
         if step < warmup:
             return args.lr * (step + 1) / warmup
         return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(progress(step), 1.0))))
+
     eos = tokenizer.eos_token_id
     log: list[dict] = []
     data = batches(tokenizer, args.seed, args.batch, args.length, eos)
