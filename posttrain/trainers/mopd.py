@@ -347,6 +347,7 @@ class Distiller:
     def episodes(self, prompts: Mapping[str, list[Sample]], tag: str, copies: int = 1) -> list[Sample]:
         """Fresh trajectories, each prompt at every effort `copies` times (distinct uids, hence
         distinct sampling noise); routed now, so an unrouted pair fails here."""
+        # Copy 0 keeps the uid a single episode always had, so its sampling noise is unchanged.
         samples = [
             self.envs[d].start(
                 p, uid=f"{tag}-{d}-{e}-{i}" + (f"-{c}" if c else ""), group=f"{tag}-{p.uid}", effort=e
