@@ -97,29 +97,13 @@ def base_budgets(
     }
     cache = BudgetCache(cache_dir)
     digests = {p.uid: prompt_hash(p.messages, p.tools) for p in prompts}
-    missing = [p for p in prompts if cache.get(p.uid, digests[p.uid], key) is None]
     started = time.perf_counter()
-    if missing:
-        samples = [
-            env.start(p, uid=f"cold-start/{p.uid}/{k}", group=p.uid, effort=cold.effort)
-            for p in missing
-            for k in range(cold.samples)
-        ]
-        sampling = SamplingConfig(
-            max_tokens=env.config.max_tokens_per_turn,
-            temperature=cold.temperature,
-            seed=seed,
-            stop_token_ids=(env.renderer.end_of_turn_id,),
-            tool_call_token_ids=(env.renderer.tool_calls_end_id,),
-        )
-        env.play(engine, samples, sampling)
-        reward = budget_reward(
-            cfg, (env.renderer.token_ids["think_begin"], env.renderer.token_ids["think_end"])
-        )
-        for prompt in missing:
-            group = [s for s in samples if s.group == prompt.uid]
-            successes = [s.reward is not None and s.reward >= 1.0 for s in group]
-            cache.put(prompt.uid, digests[prompt.uid], key, reward.base_budget(group, successes))
+    # The three efforts of a domain start together and need the same b0: one cold start per
+    # domain at a time, so a stage that finds another estimating waits and reads its entries.
+    with cache.cold_start_lock(env.domain):
+        missing = [p for p in prompts if cache.get(p.uid, digests[p.uid], key) is None]
+        if missing:
+            estimate(env, engine, missing, cfg, seed, cache, digests, key)
     found = {p.uid: cache.get(p.uid, digests[p.uid], key) for p in prompts}
     budgets = {uid: budget.tokens for uid, budget in found.items() if budget is not None}
     if len(budgets) < len(prompts):
@@ -131,6 +115,39 @@ def base_budgets(
         "budget/from_successes": sum(b.source == "successes" for b in found.values() if b) / len(budgets),
     }
     return budgets, metrics
+
+
+def estimate(
+    env: Environment,
+    engine: Engine,
+    missing: list[Sample],
+    cfg: BudgetConfig,
+    seed: int,
+    cache: BudgetCache,
+    digests: Mapping[str, str],
+    key: Mapping[str, Any],
+) -> None:
+    """Play each prompt of `missing` cold_start.samples times with the cold-start policy and cache
+    its b0."""
+    cold = cfg.cold_start
+    samples = [
+        env.start(p, uid=f"cold-start/{p.uid}/{k}", group=p.uid, effort=cold.effort)
+        for p in missing
+        for k in range(cold.samples)
+    ]
+    sampling = SamplingConfig(
+        max_tokens=env.config.max_tokens_per_turn,
+        temperature=cold.temperature,
+        seed=seed,
+        stop_token_ids=(env.renderer.end_of_turn_id,),
+        tool_call_token_ids=(env.renderer.tool_calls_end_id,),
+    )
+    env.play(engine, samples, sampling)
+    reward = budget_reward(cfg, (env.renderer.token_ids["think_begin"], env.renderer.token_ids["think_end"]))
+    for prompt in missing:
+        group = [s for s in samples if s.group == prompt.uid]
+        successes = [s.reward is not None and s.reward >= 1.0 for s in group]
+        cache.put(prompt.uid, digests[prompt.uid], key, reward.base_budget(group, successes))
 
 
 def prompt_hash(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] = ()) -> str:
@@ -195,6 +212,10 @@ class BudgetCache:
                 f"{prompt_id!r}, or has no 'entries' mapping; delete it to recompute"
             )
         return data
+
+    def cold_start_lock(self, domain: str) -> contextlib.AbstractContextManager[None]:
+        """Held while a stage estimates b0 for `domain`, by every process sharing the directory."""
+        return self._locked(f"cold-start:{domain}")
 
     @contextlib.contextmanager
     def _locked(self, prompt_id: str) -> Iterator[None]:

@@ -38,10 +38,12 @@ from posttrain.envs.environments import EPISODE_DONE, Environment, EnvironmentCo
 from posttrain.stages import StageContext, stage_kind
 from posttrain.trainers.common import (
     AccelerateConfig,
+    LoRAConfig,
     OptimConfig,
     TrainState,
     base_without_peft,
     load_policy,
+    merged_model,
     save_final_model,
 )
 from posttrain.trainers.mopd_teachers import (
@@ -112,6 +114,11 @@ class MOPDConfig(TeacherRoutingConfig):
         default_factory=dict, description="domain -> environment settings (turns, tokens, harness)"
     )
     loss: PolicyLossConfig = Field(default_factory=PolicyLossConfig)
+    lora: LoRAConfig | None = Field(
+        None,
+        description="train low-rank adapters (merged into the final model) instead of every weight; "
+        "the routed experts, not nn.Linear, stay frozen",
+    )
     train: MOPDTrainConfig
     accelerate: AccelerateConfig = Field(default_factory=AccelerateConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
@@ -420,7 +427,7 @@ def run_mopd(ctx: StageContext) -> dict[str, float]:
         cfg.tokenizer or (start if (start / "tokenizer_config.json").is_file() else None)
     )
     renderer = ChatRenderer(tokenizer)
-    policy = load_policy(ctx, len(tokenizer), model_path=start)
+    policy = load_policy(ctx, len(tokenizer), lora=cfg.lora, model_path=start)
     state = TrainState.create(ctx, policy.model, cfg.train, cfg.accelerate, cfg.train.steps)
     pool = TeacherPool(routes, ctx.stage_dir, cfg.max_teacher_retries, ctx.log)
     ctx.log.info(
@@ -454,7 +461,7 @@ def run_mopd(ctx: StageContext) -> dict[str, float]:
         distiller.close()
         pool.close()
     report = write_eval(ctx.stage_dir / EVAL_FILE, before, after)
-    save_final_model(state.unwrapped, tokenizer, ctx.output_dir, renderer.stop_token_ids)
+    save_final_model(merged_model(state.unwrapped), tokenizer, ctx.output_dir, renderer.stop_token_ids)
     final = final_metrics(report, pool.retries, step)
     return {**final, "train_loss": last["loss"]} if "loss" in last else final
 

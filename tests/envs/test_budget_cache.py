@@ -55,3 +55,37 @@ def test_corrupt_cache_file_names_the_file(tmp_path):
     cache.path_for("p").write_text("{not json")
     with pytest.raises(ValueError, match=r"p-[0-9a-f]{12}\.json is not valid JSON.*delete it"):
         cache.get("p", "h", {})
+
+
+def test_two_stages_starting_together_estimate_b0_once(tmp_path, renderer):
+    """The three efforts of a domain start at once: one plays the cold start, the others wait for
+    it and read its entries (each stage its own engine and environment, as in its own process)."""
+    from posttrain.engines import EmbeddedEngine
+    from posttrain.engines.testing import tiny_k3
+    from posttrain.envs.env_budget import BudgetConfig, base_budgets
+    from posttrain.envs.environments import EnvironmentConfig, make_environment
+
+    cfg = BudgetConfig(cold_start={"samples": 2})
+    config = EnvironmentConfig(max_turns=1, max_tokens_per_turn=6)
+    start = threading.Barrier(2)
+    results: list[tuple[dict, dict]] = []
+
+    def stage(name: str) -> None:
+        engine = EmbeddedEngine(tiny_k3(0).eval(), pad_token_id=renderer.pad_id)
+        with make_environment("general", renderer, config, sandbox_dir=tmp_path / name) as env:
+            prompts = env.prompts("train", 6, 0)
+            start.wait()
+            results.append(
+                base_budgets(
+                    env, engine, prompts, cfg, seed=0, policy_id="sft", cache_dir=tmp_path / "cache"
+                )
+            )
+
+    threads = [threading.Thread(target=stage, args=(name,)) for name in ("low", "high")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    (budgets_a, metrics_a), (budgets_b, metrics_b) = results
+    assert sorted([metrics_a["budget/cold_start_prompts"], metrics_b["budget/cold_start_prompts"]]) == [0, 6]
+    assert budgets_a == budgets_b and len(budgets_a) == 6

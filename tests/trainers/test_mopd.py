@@ -244,6 +244,22 @@ def test_a_killed_stage_resumes_bit_for_bit(uninterrupted, dirs, tmp_path, stage
     assert (tmp_path / "mopd" / "eval.json").read_text() == (stage_dir / "eval.json").read_text()
 
 
+def test_lora_trains_only_the_adapters_and_saves_them_merged(dirs, tmp_path, stage_runner):
+    body = stage_body() | {"lora": {"r": 4, "alpha": 8}, "train": {"steps": 2, "lr": 1e-2}}
+    ctx = stage_runner.context("mopd", tmp_path, body, inputs=stage_inputs(dirs))
+    stage_runner.run(ctx)
+    before = load_file(str(dirs["sft"] / "model.safetensors"))
+    after = load_file(str(ctx.output_dir / "model.safetensors"))
+    assert after.keys() == before.keys()  # merged: a plain K3 checkpoint, no adapter tensors
+    changed = {n for n in before if not torch.equal(before[n], after[n])}
+    linear = {n for n, t in before.items() if n.endswith(".weight") and t.dim() == 2}
+    assert changed & linear
+    # what is not an nn.Linear (embeddings, norms, the routed experts' batched 3-D weights) is frozen
+    assert not {n for n in changed if before[n].dim() != 2 or "embed_tokens" in n or "lm_head" in n} - {
+        n for n in before if n.endswith("e_score_correction_bias")
+    }
+
+
 def test_the_kl_is_estimated_from_samples_per_prompt_episodes_of_each_held_out_prompt(
     dirs, renderer, stage_runner, tmp_path
 ):
