@@ -76,9 +76,7 @@ def test_two_stages_starting_together_estimate_b0_once(tmp_path, renderer):
             prompts = env.prompts("train", 6, 0)
             start.wait()
             results.append(
-                base_budgets(
-                    env, engine, prompts, cfg, seed=0, policy_id="sft", cache_dir=tmp_path / "cache"
-                )
+                base_budgets(env, engine, prompts, cfg, seed=0, policy_id="sft", cache_dir=tmp_path / "cache")
             )
 
     threads = [threading.Thread(target=stage, args=(name,)) for name in ("low", "high")]
