@@ -45,6 +45,9 @@ class BudgetRewardConfig(BaseModel):
         not make every thinking token over budget.
     tau: per effort; must order max > high > low at both ends of the run (then it does at every
         step, since all efforts share the schedule's shape).
+    tau_by_domain: domain -> {effort: schedule} replacing `tau` for that domain's runs. b0 is a
+        relative scale, and where usage has a floor no effort can go below (agent: the tool calls
+        a task needs), a tau that binds usefully in one domain is infeasible in another.
     schedule: "linear" or "cosine" interpolation from tau_start to tau_end.
     usage: domain -> how usage is counted ("thinking" or "output"); add custom domains here.
     """
@@ -54,6 +57,7 @@ class BudgetRewardConfig(BaseModel):
     quantile: float = Field(0.5, gt=0.0, le=1.0)
     min_budget_tokens: float = Field(1.0, ge=0.0)
     tau: dict[str, TauSchedule] = Field(default_factory=_default_tau)
+    tau_by_domain: dict[str, dict[str, TauSchedule]] = Field(default_factory=dict)
     schedule: Literal["linear", "cosine"] = "linear"
     usage: dict[str, UsageKind] = Field(default_factory=lambda: dict(DEFAULT_USAGE))
 
@@ -61,13 +65,29 @@ class BudgetRewardConfig(BaseModel):
     def _efforts_ordered(self) -> BudgetRewardConfig:
         if set(self.tau) != set(EFFORTS):
             raise ValueError(f"tau must have exactly the efforts {list(EFFORTS)}; got {sorted(self.tau)}")
-        for end in ("tau_start", "tau_end"):
-            low, high, top = (getattr(self.tau[e], end) for e in ("low", "high", "max"))
-            if not top > high > low:
+        tables = {"tau": self.tau}
+        for domain, table in self.tau_by_domain.items():
+            unknown = sorted(set(table) - set(EFFORTS))
+            if unknown:
                 raise ValueError(
-                    f"tau.*.{end} must order max > high > low; got max={top}, high={high}, low={low}"
+                    f"tau_by_domain.{domain}: unknown efforts {unknown}; efforts are {list(EFFORTS)}"
                 )
+            tables[f"tau_by_domain.{domain} (over tau)"] = {**self.tau, **table}
+        for name, tau in tables.items():
+            for end in ("tau_start", "tau_end"):
+                low, high, top = (getattr(tau[e], end) for e in ("low", "high", "max"))
+                if not top > high > low:
+                    raise ValueError(
+                        f"{name}: *.{end} must order max > high > low; got max={top}, high={high}, low={low}"
+                    )
         return self
+
+    def for_domain(self, domain: str) -> BudgetRewardConfig:
+        """This config as `domain`'s runs use it: its tau_by_domain entries over `tau`."""
+        if domain not in self.tau_by_domain:
+            return self
+        tau = {**self.tau, **self.tau_by_domain[domain]}
+        return self.model_copy(update={"tau": tau, "tau_by_domain": {}})
 
     def usage_kind(self, domain: str) -> UsageKind:
         if domain not in self.usage:

@@ -419,7 +419,8 @@ def trajectory_rewards(
 ) -> tuple[list[Sample], torch.Tensor, dict[str, float]]:
     """The scored samples (a judge's unparsable verdicts are left out), their budget rewards at
     iteration `step` (-1 over tau(effort) * b0(prompt), else the task reward) and metrics."""
-    budget = budget_reward(cfg.budget, (renderer.token_ids["think_begin"], renderer.token_ids["think_end"]))
+    markers = (renderer.token_ids["think_begin"], renderer.token_ids["think_end"])
+    budget = budget_reward(cfg.budget.for_domain(cfg.domain), markers)
     # tau_start on the first iteration, tau_end on the last.
     progress, span = step - 1, max(cfg.train.steps - 1, 1)
     scored = [s for s in samples if s.reward is not None]

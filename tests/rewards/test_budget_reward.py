@@ -86,6 +86,19 @@ def test_config_rejects_a_wrong_effort_order_or_set():
         tau_at(BudgetRewardConfig(), "medium", 0, 10)
 
 
+def test_a_domain_can_replace_the_tau_of_some_efforts():
+    cfg = BudgetRewardConfig(tau_by_domain={"agent": {"low": {"tau_start": 0.9, "tau_end": 0.7}}})
+    agent = cfg.for_domain("agent")
+    assert agent.tau["low"].tau_end == 0.7 and agent.tau["high"] == cfg.tau["high"]
+    assert tau_at(agent, "low", 10, 10) == 0.7 and tau_at(cfg, "low", 10, 10) == cfg.tau["low"].tau_end
+    assert cfg.for_domain("general") is cfg
+    # the merged table must still order the efforts, and name only known ones
+    with pytest.raises(ValidationError, match=r"tau_by_domain.agent \(over tau\): \*.tau_end must order"):
+        BudgetRewardConfig(tau_by_domain={"agent": {"low": {"tau_start": 0.9, "tau_end": 1.2}}})
+    with pytest.raises(ValidationError, match="tau_by_domain.agent: unknown efforts"):
+        BudgetRewardConfig(tau_by_domain={"agent": {"medium": {"tau_start": 0.9, "tau_end": 0.7}}})
+
+
 def test_usage_counts_per_domain():
     s = agent_trajectory()
     # thinking: 10, 11, 12 in turn one and 40 in turn two (its header, not generated, opened the span)
