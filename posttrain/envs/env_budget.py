@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from posttrain.checkpoint import sha256_file
 from posttrain.config.rewards import BudgetRewardConfig
 from posttrain.data.sample import Sample
-from posttrain.engines.base import Engine, SamplingConfig
+from posttrain.engines.base import Engine
 from posttrain.envs.environments import Environment
 from posttrain.rewards_registry import BaseBudget, budget_reward
 
@@ -135,14 +135,7 @@ def estimate(
         for p in missing
         for k in range(cold.samples)
     ]
-    sampling = SamplingConfig(
-        max_tokens=env.config.max_tokens_per_turn,
-        temperature=cold.temperature,
-        seed=seed,
-        stop_token_ids=(env.renderer.end_of_turn_id,),
-        tool_call_token_ids=(env.renderer.tool_calls_end_id,),
-    )
-    env.play(engine, samples, sampling)
+    env.play(engine, samples, env.turn_sampling(cold.temperature, seed))
     reward = budget_reward(cfg, (env.renderer.token_ids["think_begin"], env.renderer.token_ids["think_end"]))
     for prompt in missing:
         group = [s for s in samples if s.group == prompt.uid]

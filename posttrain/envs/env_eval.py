@@ -13,7 +13,7 @@ import time
 from pydantic import BaseModel, ConfigDict, Field
 
 from posttrain.data.sample import Sample
-from posttrain.engines.base import Engine, SamplingConfig
+from posttrain.engines.base import Engine
 from posttrain.envs.environments import TRUNCATED, Environment
 
 
@@ -45,15 +45,8 @@ def evaluate(
         for p in prompts
         for k in range(cfg.samples_per_prompt)
     ]
-    sampling = SamplingConfig(
-        max_tokens=env.config.max_tokens_per_turn,
-        temperature=cfg.temperature,
-        seed=seed,
-        stop_token_ids=(env.renderer.end_of_turn_id,),
-        tool_call_token_ids=(env.renderer.tool_calls_end_id,),
-    )
     started = time.perf_counter()
-    env.play(engine, samples, sampling)
+    env.play(engine, samples, env.turn_sampling(cfg.temperature, seed))
     scored = [s for s in samples if s.reward is not None]
     n = max(len(scored), 1)
     return {

@@ -40,7 +40,7 @@ from posttrain.checkpoint import remove_tree
 from posttrain.data.chat import ChatRenderer
 from posttrain.data.sample import Sample
 from posttrain.data.tasks import TASK_FAMILIES, Episode, TaskFamily
-from posttrain.engines.base import Engine, SamplingConfig
+from posttrain.engines.base import Engine, LogprobsMode, SamplingConfig
 from posttrain.envs.env_sandboxes import SandboxPool
 from posttrain.envs.sandbox import Sandbox
 from posttrain.envs.tools import TOOLS, Tool, make_tools
@@ -254,6 +254,18 @@ class Environment:
         sample.append(ids, generated=False)
         sample.prompt_length = len(ids)
         return sample
+
+    def turn_sampling(self, temperature: float, seed: int, logprobs: LogprobsMode = "raw") -> SamplingConfig:
+        """How one turn of this domain's episodes is decoded: up to max_tokens_per_turn, ending at
+        the end of the turn or of a tool call (play acts on it, then the next turn starts)."""
+        return SamplingConfig(
+            max_tokens=self.config.max_tokens_per_turn,
+            temperature=temperature,
+            seed=seed,
+            stop_token_ids=(self.renderer.end_of_turn_id,),
+            tool_call_token_ids=(self.renderer.tool_calls_end_id,),
+            logprobs=logprobs,
+        )
 
     # The episode loop ------------------------------------------------------------------------
 

@@ -381,16 +381,7 @@ class Distiller:
             self.pool.score(finished)
             scoring[0] += time.perf_counter() - began
 
-        sampling = {
-            d: SamplingConfig(
-                max_tokens=self.cfg.environment_of(d).max_tokens_per_turn,
-                temperature=temperature,
-                stop_token_ids=(self.renderer.end_of_turn_id,),
-                tool_call_token_ids=(self.renderer.tool_calls_end_id,),
-                seed=self.seed,
-            )
-            for d in self.cfg.domains
-        }
+        sampling = {d: env.turn_sampling(temperature, self.seed) for d, env in self.envs.items()}
         play_episodes(self.envs, self.student, samples, sampling, score)
         unscored = [s.uid for s in samples if s.teacher_logprobs is None]
         if unscored:

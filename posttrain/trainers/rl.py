@@ -292,15 +292,6 @@ def run_rl(ctx: StageContext) -> dict[str, float]:
         judge = _judge(cfg.genrm, ctx)
     sandbox_dir = ctx.stage_dir / "sandboxes"
     remove_tree(sandbox_dir)
-    sampling = SamplingConfig(
-        max_tokens=env_cfg.max_tokens_per_turn,
-        temperature=cfg.rollout.temperature,
-        stop_token_ids=(renderer.end_of_turn_id,),
-        tool_call_token_ids=(renderer.tool_calls_end_id,),
-        seed=ctx.seed,
-        # Behaviour log-probs of the distribution actually sampled, which the trainer recomputes.
-        logprobs="processed",
-    )
     with (
         rollout_engine(cfg.rollout, model, init, renderer, ctx) as engine,
         make_environment(domain, renderer, env_cfg, sandbox_dir=sandbox_dir, judge=judge) as env,
@@ -308,6 +299,8 @@ def run_rl(ctx: StageContext) -> dict[str, float]:
         # From the first rollout on the engine samples the trainer's weights (a vLLM engine loaded
         # the init checkpoint as written, without QAT's rounding).
         _serve_policy(engine, model, version=0)
+        # Behaviour log-probs of the distribution actually sampled, which the trainer recomputes.
+        sampling = env.turn_sampling(cfg.rollout.temperature, ctx.seed, logprobs="processed")
         held_out = env.prompts("eval", cfg.eval.prompts, cfg.eval.seed)
         train_prompts = env.prompts("train", cfg.rollout.prompts, ctx.seed, exclude=held_out)
         ctx.log.info(
