@@ -128,7 +128,7 @@ def test_external_server_killed_mid_batch_names_the_failed_samples(server, make_
     with pytest.raises(EngineError) as failure:
         external.generate(
             samples,
-            SamplingConfig(max_tokens=48, seed=10),
+            SamplingConfig(max_tokens=LONG, seed=10),
             pause_when=kill_server_when_streaming(server, seen),
         )
     assert seen

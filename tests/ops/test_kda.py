@@ -52,7 +52,7 @@ def run_with_grads(fn, inputs: dict[str, torch.Tensor], seed: int = 1, **kwargs)
 
 
 @pytest.mark.parametrize("fn", FAST_PATHS, ids=lambda f: f.__name__)
-@pytest.mark.parametrize(("T", "K", "V"), [(1, 32, 24), (37, 32, 24), (100, 60, 60)])
+@pytest.mark.parametrize(("T", "K", "V"), [(1, 32, 24), (37, 32, 24), (100, 60, 36), (100, 48, 48)])
 @pytest.mark.parametrize("with_initial_state", [True, False])
 def test_matches_naive_forward_and_grads(fn, T, K, V, with_initial_state):
     inputs = make_inputs(B=2, T=T, H=2, K=K, V=V, seed=T + K)
@@ -216,6 +216,26 @@ def test_kda_gate_formula_shape_and_bound():
             torch.testing.assert_close(g[..., h, c], expected)
     assert g.min() >= -5.0 and g.max() <= 0.0
     assert g.min() < -4.9  # the bound is reached, so chunk tests above exercise it
+
+
+def test_kda_gate_gradients_match_the_formulas_in_every_input():
+    """d g / d(f, A_log, dt_bias) against the hand-derived derivative of
+    g = lb * sigmoid(a * x), a = exp(A_log), x = f + dt_bias: dg/dx = lb * s(1 - s) * a and
+    dg/dA_log = lb * s(1 - s) * a * x, summed over what each input feeds."""
+    gen = torch.Generator().manual_seed(1)
+    B, T, H, K, lb = 2, 3, 2, 3, -5.0
+    f = (3 * torch.randn(B, T, H * K, generator=gen)).requires_grad_()
+    A_log = torch.randn(H, generator=gen).requires_grad_()
+    dt_bias = torch.randn(H * K, generator=gen).requires_grad_()
+    grad_out = torch.randn(B, T, H, K, generator=gen)
+    kda_gate(f, A_log, dt_bias, lower_bound=lb).backward(grad_out)
+    x = (f.detach() + dt_bias.detach()).double().unflatten(-1, (H, K))
+    a = A_log.detach().double().exp()[:, None]
+    s = torch.sigmoid(a * x)
+    dg_dx = grad_out.double() * lb * s * (1 - s) * a
+    torch.testing.assert_close(f.grad.double(), dg_dx.flatten(-2), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(dt_bias.grad.double(), dg_dx.sum((0, 1)).flatten(), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(A_log.grad.double(), (dg_dx * x).sum((0, 1, 3)), rtol=1e-4, atol=1e-5)
 
 
 def test_kda_gate_rejects_width_not_divisible_by_heads():

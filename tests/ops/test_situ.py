@@ -17,7 +17,7 @@ def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
     )
 
 
-@pytest.mark.parametrize("shape", [(1, 1), (37, 60), (3, 5, 33)])
+@pytest.mark.parametrize("shape", [(1, 1), (37, 60), (100, 24), (3, 5, 33)])
 @pytest.mark.parametrize("linear_beta", [25.0, None])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_forward_and_grads_match_naive(shape, linear_beta, dtype) -> None:
