@@ -57,3 +57,14 @@ def reverse_kl(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, m
     if not mask.any():
         return 0.0
     return float((student_logprobs.detach() - teacher_logprobs.detach())[mask].double().mean())
+
+
+def exact_reverse_kl(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per position, KL(pi_student(. | context) || pi_teacher(. | context)) from the two full
+    next-token log-distributions [..., vocab]: sum_v p_student(v) (log p_student(v) - log p_teacher(v)),
+    the expectation over the student's next token of what reverse_kl averages one draw of. Same
+    quantity, none of the sampled token's variance (the log-ratios are heavy-tailed)."""
+    student, teacher = student_logprobs.detach().double(), teacher_logprobs.detach().double()
+    p = student.exp()
+    terms = torch.where(p > 0, p * (student - teacher), torch.zeros_like(p))
+    return terms.sum(-1)

@@ -29,7 +29,7 @@ a forward (`suffix_prefill_plan`), then all rows decode as one batch.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -452,10 +452,27 @@ class EmbeddedEngine(Engine):
     # -- score ------------------------------------------------------------------------------
     @torch.no_grad()
     def score(self, samples: list[Sample]) -> list[list[float]]:
+        scores: list[list[float]] = [[] for _ in samples]
+        for i, logprobs in self._next_token_logprobs(samples):
+            picked = logprobs.gather(-1, torch.tensor(samples[i].tokens[1:])[:, None]).squeeze(-1)
+            scores[i] = [0.0] + picked.tolist()
+        return scores
+
+    def next_token_logprobs(self, samples: list[Sample]) -> list[torch.Tensor]:
+        """Per sample, the full next-token log-distribution [len(tokens) - 1, vocab] (row t is
+        log p(. | tokens[: t + 1])): what an exact KL needs where `score`'s log-prob of the actual
+        token gives only a one-sample estimate. A backend-specific extra, not part of Engine."""
+        out: list[torch.Tensor] = [torch.empty(0) for _ in samples]
+        for i, logprobs in self._next_token_logprobs(samples):
+            out[i] = logprobs
+        return out
+
+    def _next_token_logprobs(self, samples: list[Sample]) -> Iterator[tuple[int, torch.Tensor]]:
+        """(index, [n - 1, vocab] log-softmax) per sample, one left-padded forward per batch of
+        similar lengths, in eval mode."""
         for sample in samples:
             check_prompt(sample)
         order = sorted(range(len(samples)), key=lambda i: len(samples[i].tokens))
-        scores: list[list[float]] = [[] for _ in samples]
         was_training = self.model.training
         self.model.eval()
         try:
@@ -464,23 +481,19 @@ class EmbeddedEngine(Engine):
                 ids, mask = left_pad([samples[i].tokens for i in chunk], self.pad_token_id)
                 positions = positions_from_mask(mask)
                 device = self._device
-                logits = (
-                    self.model(
+                with torch.no_grad():
+                    logits = self.model(
                         input_ids=ids.to(device),
                         attention_mask=mask.to(device),
                         position_ids=positions.to(device),
                         use_cache=False,
-                    )
-                    .logits.float()
-                    .cpu()
-                )
-                logprobs = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+                    ).logits
+                logprobs = torch.log_softmax(logits[:, :-1].float(), dim=-1).cpu()
                 for row, i in enumerate(chunk):
                     n = len(samples[i].tokens)
-                    scores[i] = [0.0] + logprobs[row, ids.shape[1] - n :].tolist()
+                    yield i, logprobs[row, ids.shape[1] - n :]
         finally:
             self.model.train(was_training)
-        return scores
 
     # -- weights ----------------------------------------------------------------------------
     def update_weights(self, weights: WeightsSource) -> None:

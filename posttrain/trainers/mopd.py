@@ -26,7 +26,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from posttrain.algos.mismatch import mismatch_stats
-from posttrain.algos.mopd_reward import mopd_token_rewards, reverse_kl
+from posttrain.algos.mopd_reward import exact_reverse_kl, mopd_token_rewards, reverse_kl
 from posttrain.algos.policy_loss import PolicyLoss, PolicyLossConfig, policy_loss
 from posttrain.checkpoint import atomic_write_text, remove_tree
 from posttrain.config.stage_file import check_model_reference
@@ -58,7 +58,7 @@ from posttrain.trainers.mopd_teachers import (
 )
 
 EVAL_FILE = "eval.json"
-RESULT_KEYS = ("kl", "kl_tokens", "accuracy", "tokens")
+RESULT_KEYS = ("kl", "kl_exact", "kl_tokens", "accuracy", "tokens")
 
 
 class RolloutConfig(BaseModel):
@@ -201,26 +201,28 @@ def play_episodes(
             student.generate([s for s in going if sampling[s.domain] == config], config)
 
 
-def pair_results(samples: list[Sample]) -> dict[str, dict[str, float]]:
-    """Per pair: kl, the reverse KL to its teacher (token mean over the student's tokens of
-    log p_student - log p_teacher) and kl_tokens, how many tokens that mean is over (its noise
-    falls as 1/sqrt of it); accuracy, the mean verifier reward (0 when unscored); tokens, the mean
-    student-generated tokens per episode (tool results excluded)."""
+def pair_results(samples: list[Sample], with_kl: bool = True) -> dict[str, dict[str, float]]:
+    """Per pair: accuracy, the mean verifier reward (0 when unscored); tokens, the mean
+    student-generated tokens per episode (tool results excluded); with_kl (teacher-scored samples):
+    kl, the reverse KL to its teacher (token mean over the student's tokens of
+    log p_student - log p_teacher), and kl_tokens, how many tokens that mean is over (its noise
+    falls as 1/sqrt of it)."""
     by_pair: dict[str, list[Sample]] = {}
     for sample in samples:
         by_pair.setdefault(pair_name((sample.domain, sample.effort)), []).append(sample)
     results = {}
     for name, group in by_pair.items():
         results[name] = {
-            "kl": reverse_kl(
-                torch.tensor([x for s in group for x in s.rollout_logprobs], dtype=torch.float64),
-                torch.tensor([x for s in group for x in s.teacher_logprobs or []], dtype=torch.float64),
-                torch.tensor([m for s in group for m in student_mask(s)], dtype=torch.bool),
-            ),
-            "kl_tokens": float(sum(sum(student_mask(s)) for s in group)),
             "accuracy": sum(s.reward or 0.0 for s in group) / len(group),
             "tokens": sum(s.num_generated for s in group) / len(group),
         }
+        if with_kl:
+            results[name]["kl"] = reverse_kl(
+                torch.tensor([x for s in group for x in s.rollout_logprobs], dtype=torch.float64),
+                torch.tensor([x for s in group for x in s.teacher_logprobs or []], dtype=torch.float64),
+                torch.tensor([m for s in group for m in student_mask(s)], dtype=torch.bool),
+            )
+            results[name]["kl_tokens"] = float(sum(sum(student_mask(s)) for s in group))
     return results
 
 
@@ -301,14 +303,14 @@ def train_on(state: TrainState, samples: list[Sample], cfg: MOPDConfig, step: in
     tokens of the batch (micro-batch sums divided once by the batch's token count), each pair's
     tokens reweighted to an equal share under `train.balance: pair`."""
     rewards = [mopd_sample_rewards(s, cfg.r_max) for s in samples]
-    weights = pair_balance_weights(samples) if cfg.train.balance == "pair" else [1.0] * len(samples)
+    weights = pair_balance_weights(samples) if cfg.train.balance == "pair" else None
     loss_cfg = cfg.loss.model_copy(update={"reduction": "sum"})
     total = max(sum(sum(student_mask(s)) for s in samples), 1)
     sums: dict[str, float] = {"loss": 0.0}
     for start in range(0, len(samples), cfg.train.micro_batch_size):
         rows = samples[start : start + cfg.train.micro_batch_size]
         chunk = slice(start, start + len(rows))
-        out = distillation_loss(state.model, rows, rewards[chunk], loss_cfg, weights[chunk])
+        out = distillation_loss(state.model, rows, rewards[chunk], loss_cfg, weights and weights[chunk])
         state.check_finite(out.loss, step, detail=f" (trajectories {[s.uid for s in rows][:4]} ...)")
         state.backward(out.loss / total)
         sums["loss"] += float(out.loss.detach()) / total
@@ -372,18 +374,20 @@ class Distiller:
         n = self.cfg.rollout.prompts_per_domain
         return {d: prompts[(step - 1) * n : step * n] for d, prompts in self.train_prompts.items()}
 
-    def rollout(self, samples: list[Sample], temperature: float) -> dict[str, float]:
-        """Play every episode; each is teacher-scored in the turn it ends. Returns timings."""
+    def rollout(self, samples: list[Sample], temperature: float, scored: bool = True) -> dict[str, float]:
+        """Play every episode; each is teacher-scored in the turn it ends (unless not `scored`: the
+        greedy eval pass measures accuracy and length only). Returns timings."""
         started, scoring = time.perf_counter(), [0.0]
 
         def score(finished: list[Sample]) -> None:
             began = time.perf_counter()
-            self.pool.score(finished)
+            if scored:
+                self.pool.score(finished)
             scoring[0] += time.perf_counter() - began
 
         sampling = {d: env.turn_sampling(temperature, self.seed) for d, env in self.envs.items()}
         play_episodes(self.envs, self.student, samples, sampling, score)
-        unscored = [s.uid for s in samples if s.teacher_logprobs is None]
+        unscored = [s.uid for s in samples if scored and s.teacher_logprobs is None]
         if unscored:
             raise TeacherScoreError(f"episodes {unscored} ended without a teacher score")
         return {"rollout_s": time.perf_counter() - started - scoring[0], "teacher_score_s": scoring[0]}
@@ -396,11 +400,42 @@ class Distiller:
         sampled = self.episodes(self.eval_prompts, "eval", copies=self.cfg.eval.samples_per_prompt)
         self.rollout(sampled, temperature=1.0)
         greedy = self.episodes(self.eval_prompts, "eval-greedy")
-        self.rollout(greedy, temperature=0.0)
-        kl, decoded = pair_results(sampled), pair_results(greedy)
+        self.rollout(greedy, temperature=0.0, scored=False)
+        kl, decoded = pair_results(sampled), pair_results(greedy, with_kl=False)
+        exact = self.exact_kl(sampled)
         return {
-            pair: {**decoded[pair], "kl": kl[pair]["kl"], "kl_tokens": kl[pair]["kl_tokens"]} for pair in kl
+            pair: {
+                **decoded[pair],
+                "kl": kl[pair]["kl"],
+                "kl_tokens": kl[pair]["kl_tokens"],
+                **({"kl_exact": exact[pair]} if exact is not None else {}),
+            }
+            for pair in kl
         }
+
+    def exact_kl(self, samples: list[Sample]) -> dict[str, float] | None:
+        """Per pair, the exact per-position reverse KL (posttrain.algos.exact_reverse_kl) averaged
+        over the student's tokens of its teacher-scored episodes: the same quantity as `kl`, without
+        the sampled token's noise. Only where the student and every teacher engine give full
+        next-token distributions (embedded engines); None otherwise (a vLLM teacher returns the
+        sampled token's log-prob alone)."""
+        groups: dict[tuple[str, str], list[Sample]] = {}
+        for sample in samples:
+            groups.setdefault(self.pool.teacher_for(sample).engine_key, []).append(sample)
+        engines = {key: self.pool.engine(key) for key in groups}
+        if not all(hasattr(e, "next_token_logprobs") for e in [self.student, *engines.values()]):
+            return None
+        sums: dict[str, float] = {}
+        tokens: dict[str, int] = {}
+        for key, group in groups.items():
+            student = self.student.next_token_logprobs(group)
+            teacher = engines[key].next_token_logprobs(group)
+            for sample, s_lp, t_lp in zip(group, student, teacher, strict=True):
+                mask = torch.tensor(student_mask(sample)[1:], dtype=torch.bool)
+                name = pair_name((sample.domain, sample.effort))
+                sums[name] = sums.get(name, 0.0) + float(exact_reverse_kl(s_lp, t_lp)[mask].sum())
+                tokens[name] = tokens.get(name, 0) + int(mask.sum())
+        return {name: sums[name] / max(tokens[name], 1) for name in sums}
 
     def close(self) -> None:
         for env in self.envs.values():
@@ -440,7 +475,8 @@ def run_mopd(ctx: StageContext) -> dict[str, float]:
             step += 1
             samples = distiller.episodes(distiller.step_prompts(step), f"step{step}")
             timings = distiller.rollout(samples, cfg.rollout.temperature)
-            last = {**train_on(state, samples, cfg, step), **timings, "teacher_retries": float(pool.retries)}
+            last = train_on(state, samples, cfg, step)
+            last.update(timings, teacher_retries=float(pool.retries))
             distiller.student.policy_version = step
             ctx.metrics.log(step, last)
             if step % cfg.checkpoint_every == 0 or step == cfg.train.steps:
@@ -461,11 +497,13 @@ def write_eval(
     path: Path, before: Mapping[str, Mapping[str, float]], after: Mapping[str, Mapping[str, float]]
 ) -> dict:
     """DIR/mopd/eval.json: {"<domain>-<effort>": {kl_before, kl_after, kl_tokens_before,
-    kl_tokens_after, accuracy_before, accuracy_after, tokens_before, tokens_after}}."""
+    kl_tokens_after, accuracy_before, accuracy_after, tokens_before, tokens_after}}, plus
+    kl_exact_before / kl_exact_after where the engines gave full distributions."""
     report = {
         name: {
             f"{key}_{when}": float(values[name][key])
             for key in RESULT_KEYS
+            if key in before[name] and key in after[name]
             for when, values in (("before", before), ("after", after))
         }
         for name in before
@@ -475,7 +513,11 @@ def write_eval(
 
 
 def final_metrics(report: Mapping[str, Mapping[str, float]], retries: int, steps: int) -> dict[str, float]:
-    """Means over pairs, how many pairs moved closer to their teacher, retries and steps."""
+    """Means over pairs, how many pairs moved closer to their teacher (by each KL estimate),
+    retries and steps."""
     final = {k: sum(r[k] for r in report.values()) / len(report) for k in next(iter(report.values()))}
-    final["pairs_kl_improved"] = float(sum(r["kl_after"] < r["kl_before"] for r in report.values()))
+    for kl in ("kl", "kl_exact"):
+        if all(f"{kl}_before" in r for r in report.values()):
+            improved = sum(r[f"{kl}_after"] < r[f"{kl}_before"] for r in report.values())
+            final[f"pairs_{kl}_improved"] = float(improved)
     return {**final, "teacher_retries": float(retries), "steps": float(steps)}

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from posttrain.algos import mopd_token_rewards, reverse_kl
+from posttrain.algos.mopd_reward import exact_reverse_kl
 from posttrain.algos.policy_loss import policy_loss
 from posttrain.data.sample import Sample
 from posttrain.trainers.mopd import mopd_sample_rewards
@@ -85,3 +86,17 @@ def test_reverse_kl_is_the_mean_student_minus_teacher_on_student_tokens():
     teacher = torch.tensor([[-3.0, -1.0, -2.5]])
     assert reverse_kl(student, teacher, torch.tensor([[0, 1, 1]])) == pytest.approx((0.5 + 0.5) / 2)
     assert reverse_kl(student, teacher, torch.zeros(1, 3)) == 0.0
+
+
+def test_exact_reverse_kl_sums_the_student_weighted_log_ratio_over_the_vocabulary():
+    student = torch.tensor([[0.5, 0.25, 0.25], [1.0, 0.0, 0.0], [0.2, 0.3, 0.5]]).log()
+    teacher = torch.tensor([[0.25, 0.5, 0.25], [0.5, 0.25, 0.25], [0.2, 0.3, 0.5]]).log()
+    kl = exact_reverse_kl(student, teacher)
+    ln2 = math.log(2)
+    # 0.5 ln 2 + 0.25 ln 0.5; a token the student never samples adds 0, not NaN; equal -> 0
+    assert kl.tolist() == pytest.approx([0.5 * ln2 - 0.25 * ln2, ln2, 0.0], abs=1e-7)
+    # it is the expectation of reverse_kl's one-draw estimate: enumerate the student's next token
+    draws = [reverse_kl(student[0, v : v + 1], teacher[0, v : v + 1], torch.ones(1)) for v in range(3)]
+    assert sum(p * d for p, d in zip(student[0].exp().tolist(), draws, strict=True)) == pytest.approx(
+        float(kl[0])
+    )

@@ -44,6 +44,20 @@ def test_score_equals_forward_log_softmax(model):
     assert_scores_match(model, samples, scores, atol=1e-5)
 
 
+def test_next_token_logprobs_are_the_full_forward_log_softmax_and_score_picks_from_them(model):
+    samples = prompts()
+    engine = EmbeddedEngine(model)
+    full = engine.next_token_logprobs(samples)
+    scores = engine.score(samples)
+    for sample, rows, score in zip(samples, full, scores, strict=True):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([sample.tokens])).logits.float()[0, :-1]
+        assert rows.shape == (len(sample.tokens) - 1, logits.shape[-1])
+        torch.testing.assert_close(rows, torch.log_softmax(logits, -1), atol=1e-5, rtol=0)
+        picked = rows.gather(-1, torch.tensor(sample.tokens[1:])[:, None]).squeeze(-1)
+        assert score == [0.0, *picked.tolist()]
+
+
 def test_generation_logprobs_are_the_models_and_alignment_holds(model):
     samples = EmbeddedEngine(model).generate(prompts(), SamplingConfig(max_tokens=5, seed=3, top_k=40))
     for sample in samples:

@@ -33,7 +33,7 @@ from posttrain.trainers.mopd import (
     pair_results,
     play_episodes,
 )
-from posttrain.trainers.mopd_teachers import TeacherPool, route_teachers
+from posttrain.trainers.mopd_teachers import TeacherConfig, TeacherPool, route_teachers, student_mask
 from teachers.testing import save_tiny_k3
 
 R_MAX = 5.0
@@ -42,6 +42,7 @@ STUDENT_DELTAS = (math.log(0.6) - math.log(0.2), math.log(0.05) - math.log(0.2),
 EVAL_KEYS = {
     "kl_before", "kl_after", "kl_tokens_before", "kl_tokens_after",
     "accuracy_before", "accuracy_after", "tokens_before", "tokens_after",
+    "kl_exact_before", "kl_exact_after",
 }  # fmt: skip
 TIMINGS = {"time", "rollout_s", "teacher_score_s"}
 
@@ -286,6 +287,40 @@ def test_the_kl_is_estimated_from_samples_per_prompt_episodes_of_each_held_out_p
         assert results[pair]["kl_tokens"] == 6.0 and results[pair]["kl"] == pytest.approx(0.5)
     finally:
         distiller.close()
+
+
+def test_the_exact_kl_is_the_full_vocabulary_reverse_kl_on_the_students_episodes(
+    dirs, renderer, stage_runner, tmp_path
+):
+    ctx = stage_runner.context("mopd", tmp_path, stage_body(), inputs=stage_inputs(dirs))
+    student = load(dirs["sft"])
+    # every general pair taught by the student's own checkpoint: both estimates exactly 0
+    own = {f"general-{e}": TeacherConfig(model=str(dirs["sft"])) for e in EFFORTS}
+    config = ctx.config.model_copy(update={"teachers": own})
+    pool = TeacherPool(route_teachers(config, ctx.inputs), tmp_path, 0, logging.getLogger("test-mopd"))
+    distiller = Distiller(ctx, config, student, renderer, pool)
+    try:
+        sampled = distiller.episodes(distiller.eval_prompts, "eval", copies=2)
+        distiller.rollout(sampled, temperature=1.0)
+        exact, sampled_kl = distiller.exact_kl(sampled), pair_results(sampled)
+        for effort in EFFORTS:
+            assert exact[f"general-{effort}"] == pytest.approx(0.0, abs=1e-6)
+            assert sampled_kl[f"general-{effort}"]["kl"] == pytest.approx(0.0, abs=1e-6)
+        # another teacher: the token mean of the per-position full-vocabulary KL, recomputed here
+        teacher = load(dirs["max"])
+        per_token = []
+        for s in [s for s in sampled if (s.domain, s.effort) == ("coding", "max")]:
+            ids = torch.tensor([s.tokens])
+            with torch.no_grad():
+                ls = torch.log_softmax(student(input_ids=ids).logits.double()[0, :-1], -1)
+                lt = torch.log_softmax(teacher(input_ids=ids).logits.double()[0, :-1], -1)
+            kl = (ls.exp() * (ls - lt)).sum(-1)
+            per_token += [float(k) for k, m in zip(kl, student_mask(s)[1:], strict=True) if m]
+        assert exact["coding-max"] == pytest.approx(sum(per_token) / len(per_token), rel=1e-4)
+        assert exact["coding-max"] > 0
+    finally:
+        distiller.close()
+        pool.close()
 
 
 def test_pair_balance_gives_every_domain_effort_pair_the_same_share_of_the_loss():
