@@ -7,8 +7,7 @@ import math
 import pytest
 import torch
 
-from posttrain.algos import mopd_token_rewards, reverse_kl
-from posttrain.algos.mopd_reward import exact_reverse_kl
+from posttrain.algos import exact_reverse_kl, mopd_token_rewards, reverse_kl
 from posttrain.algos.policy_loss import policy_loss
 from posttrain.data.sample import Sample
 from posttrain.trainers.mopd import mopd_sample_rewards
