@@ -259,6 +259,8 @@ def test_a_vllm_server_teacher_killed_mid_stage_restarts_and_scores_as_transform
             assert served[key] == pytest.approx(healthy[key], abs=1e-4), key
     report = json.loads((ctx.stage_dir / "eval.json").read_text())["general-high"]
     healthy_report = json.loads((reference.stage_dir / "eval.json").read_text())["general-high"]
-    assert report.keys() == healthy_report.keys()
-    for key, value in healthy_report.items():
-        assert report[key] == pytest.approx(value, abs=1e-4), key
+    # kl_exact needs full next-token distributions: the embedded reference has it, the vLLM server not
+    exact = {"kl_exact_before", "kl_exact_after"}
+    assert exact <= healthy_report.keys() and report.keys() == healthy_report.keys() - exact
+    for key, value in report.items():
+        assert value == pytest.approx(healthy_report[key], abs=1e-4), key
