@@ -450,7 +450,6 @@ class EmbeddedEngine(Engine):
             logits = logits[:, -1]
 
     # -- score ------------------------------------------------------------------------------
-    @torch.no_grad()
     def score(self, samples: list[Sample]) -> list[list[float]]:
         scores: list[list[float]] = [[] for _ in samples]
         for i, logprobs in self._next_token_logprobs(samples):

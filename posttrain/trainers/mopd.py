@@ -310,7 +310,8 @@ def train_on(state: TrainState, samples: list[Sample], cfg: MOPDConfig, step: in
     for start in range(0, len(samples), cfg.train.micro_batch_size):
         rows = samples[start : start + cfg.train.micro_batch_size]
         chunk = slice(start, start + len(rows))
-        out = distillation_loss(state.model, rows, rewards[chunk], loss_cfg, weights and weights[chunk])
+        row_weights = None if weights is None else weights[chunk]
+        out = distillation_loss(state.model, rows, rewards[chunk], loss_cfg, row_weights)
         state.check_finite(out.loss, step, detail=f" (trajectories {[s.uid for s in rows][:4]} ...)")
         state.backward(out.loss / total)
         sums["loss"] += float(out.loss.detach()) / total
@@ -419,9 +420,7 @@ class Distiller:
         the sampled token's noise. Only where the student and every teacher engine give full
         next-token distributions (embedded engines); None otherwise (a vLLM teacher returns the
         sampled token's log-prob alone)."""
-        groups: dict[tuple[str, str], list[Sample]] = {}
-        for sample in samples:
-            groups.setdefault(self.pool.teacher_for(sample).engine_key, []).append(sample)
+        groups = self.pool.by_engine(samples)
         engines = {key: self.pool.engine(key) for key in groups}
         if not all(hasattr(e, "next_token_logprobs") for e in [self.student, *engines.values()]):
             return None

@@ -238,11 +238,15 @@ class TeacherPool:
         for teacher in self.routes.values():
             self.engine(teacher.engine_key)
 
-    def score(self, samples: list[Sample]) -> None:
+    def by_engine(self, samples: list[Sample]) -> dict[tuple[str, str], list[Sample]]:
+        """The samples grouped by the engine of their teacher (one batched call each)."""
         groups: dict[tuple[str, str], list[Sample]] = {}
         for sample in samples:
             groups.setdefault(self.teacher_for(sample).engine_key, []).append(sample)
-        for key, group in groups.items():
+        return groups
+
+    def score(self, samples: list[Sample]) -> None:
+        for key, group in self.by_engine(samples).items():
             self._score_group(key, group)
 
     def _score_group(self, key: tuple[str, str], group: list[Sample]) -> None:
