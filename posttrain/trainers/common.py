@@ -131,7 +131,7 @@ def load_policy(
     after each optimizer step on models that have it (`update_router_bias`) and is absent otherwise.
     """
     import posttrain.model as k3
-    from posttrain.qat import apply_qat
+    from posttrain.qat import QATConfig, apply_qat
 
     path = Path(model_path or ctx.model) if (model_path or ctx.model) else None
     if path is None:
@@ -158,8 +158,11 @@ def load_policy(
         applied = apply_qat(model, ctx.qat)
     except ValueError as error:
         raise ValueError(f"stage {ctx.stage_id} (model {path}): {error}") from error
-    if applied:
-        ctx.log.info("QAT %s on %d routed-expert modules", getattr(ctx.qat, "scheme", ctx.qat), len(applied))
+    qat = QATConfig(scheme="none") if ctx.qat is None else QATConfig.model_validate(ctx.qat)
+    if applied and qat.enabled:
+        ctx.log.info("QAT %s on %d routed-expert modules", qat.scheme, len(applied))
+    elif applied:
+        ctx.log.info("QAT off: %d routed-expert modules run unquantised", len(applied))
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if lora is not None:

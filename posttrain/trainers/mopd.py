@@ -4,7 +4,8 @@ The nine RL specialists are merged into one student in policy space, not by aver
 student samples its own episodes with the reasoning effort as conditioning, the teacher of each
 prompt's (domain, effort) prefills the student's trajectory, and every student-sampled token gets
 r_t = clip(log p_teacher(y_t) - log p_student(y_t), -R_max, R_max), trained with the RL stage's
-per-token policy loss. It is dense, on-policy reverse KL: the student learns where it samples.
+per-token policy loss on the rewards' discounted return. It is dense, on-policy reverse KL: the
+student learns where it samples.
 
 Which teacher scores which trajectory (teacher domains, routing, the pool of teacher engines that
 survives a dying engine) is posttrain.trainers.mopd_teachers. Here, in reading order: the stage's
@@ -109,6 +110,12 @@ class MOPDConfig(TeacherRoutingConfig):
     )
     tokenizer: str | None = Field(None, description="tokenizer dir; null: the student's")
     r_max: float = Field(5.0, gt=0, description="clip bound R_max of the per-token reward")
+    discount: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="A_t = sum over later student tokens k of discount^(k-t) r_k; 0: A_t = r_t",
+    )
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     environments: dict[str, EnvironmentConfig] = Field(
         default_factory=dict, description="domain -> environment settings (turns, tokens, harness)"
@@ -255,14 +262,14 @@ def batch_metrics(samples: list[Sample], rewards: list[list[float]], r_max: floa
 def distillation_loss(
     model: torch.nn.Module,
     samples: list[Sample],
-    rewards: list[list[float]],
+    advantages: list[list[float]],
     loss: PolicyLossConfig,
     sample_weights: list[float] | None = None,
 ) -> PolicyLoss:
-    """The per-token policy loss of one micro-batch with A_t = r_t (`rewards`, aligned with each
-    sample's tokens), the student's recorded log-probs as behaviour, on student tokens only, each
-    sample's tokens weighted by `sample_weights` (None: 1). Its stats also hold the train/rollout
-    mismatch (posttrain.algos.mismatch_stats)."""
+    """The per-token policy loss of one micro-batch with advantages A_t (`advantages`: the rewards
+    or their discounted return, aligned with each sample's tokens), the student's recorded log-probs
+    as behaviour, on student tokens only, each sample's tokens weighted by `sample_weights` (None:
+    1). Its stats also hold the train/rollout mismatch (posttrain.algos.mismatch_stats)."""
     device = next(model.parameters()).device
     ids, attention = left_pad([s.tokens for s in samples], 0)
     width = ids.shape[1]
@@ -282,8 +289,19 @@ def distillation_loss(
     weights = None
     if sample_weights is not None:
         weights = padded([[w] * len(s.tokens) for s, w in zip(samples, sample_weights, strict=True)])
-    out = policy_loss(logp, behaviour, padded(rewards), mask, token_weights=weights, config=loss)
+    out = policy_loss(logp, behaviour, padded(advantages), mask, token_weights=weights, config=loss)
     out.stats.update(mismatch_stats(logp, behaviour, mask, loss.tis_cap))
+    return out
+
+
+def returns_to_go(rewards: list[float], mask: list[int], discount: float) -> list[float]:
+    """Per token, the discounted sum of the rewards of this and later student tokens (mask 1);
+    tool-result and prompt tokens carry 0 and do not count as steps."""
+    out, running = [0.0] * len(rewards), 0.0
+    for t in range(len(rewards) - 1, -1, -1):
+        if mask[t]:
+            running = rewards[t] + discount * running
+            out[t] = running
     return out
 
 
@@ -301,8 +319,12 @@ def pair_balance_weights(samples: list[Sample]) -> list[float]:
 def train_on(state: TrainState, samples: list[Sample], cfg: MOPDConfig, step: int) -> dict[str, float]:
     """One optimizer step over every trajectory of the step; the loss is the mean over all student
     tokens of the batch (micro-batch sums divided once by the batch's token count), each pair's
-    tokens reweighted to an equal share under `train.balance: pair`."""
+    tokens reweighted to an equal share under `train.balance: pair`, each token's advantage the
+    discounted return of the rewards from it on (`discount`)."""
     rewards = [mopd_sample_rewards(s, cfg.r_max) for s in samples]
+    advantages = [
+        returns_to_go(row, student_mask(s), cfg.discount) for s, row in zip(samples, rewards, strict=True)
+    ]
     weights = pair_balance_weights(samples) if cfg.train.balance == "pair" else None
     loss_cfg = cfg.loss.model_copy(update={"reduction": "sum"})
     total = max(sum(sum(student_mask(s)) for s in samples), 1)
@@ -311,7 +333,7 @@ def train_on(state: TrainState, samples: list[Sample], cfg: MOPDConfig, step: in
         rows = samples[start : start + cfg.train.micro_batch_size]
         chunk = slice(start, start + len(rows))
         row_weights = None if weights is None else weights[chunk]
-        out = distillation_loss(state.model, rows, rewards[chunk], loss_cfg, row_weights)
+        out = distillation_loss(state.model, rows, advantages[chunk], loss_cfg, row_weights)
         state.check_finite(out.loss, step, detail=f" (trajectories {[s.uid for s in rows][:4]} ...)")
         state.backward(out.loss / total)
         sums["loss"] += float(out.loss.detach()) / total

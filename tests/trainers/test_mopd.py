@@ -24,6 +24,8 @@ from posttrain.engines import EmbeddedEngine, SamplingConfig
 from posttrain.envs.environments import EPISODE_DONE, EnvironmentConfig, make_environment
 from posttrain.metrics import read_metrics
 from posttrain.qat import qat_config_of, restore_qat
+from posttrain.trainers import mopd
+from posttrain.trainers.common import TrainState
 from posttrain.trainers.mopd import (
     Distiller,
     MOPDConfig,
@@ -32,6 +34,7 @@ from posttrain.trainers.mopd import (
     pair_balance_weights,
     pair_results,
     play_episodes,
+    returns_to_go,
 )
 from posttrain.trainers.mopd_teachers import TeacherConfig, TeacherPool, route_teachers, student_mask
 from teachers.testing import save_tiny_k3
@@ -348,3 +351,43 @@ def test_pair_balance_gives_every_domain_effort_pair_the_same_share_of_the_loss(
     for s, w in zip(samples, weights, strict=True):
         shares[s.domain] = shares.get(s.domain, 0.0) + w * sum(s.loss_mask)
     assert shares == pytest.approx({"general": 20.0, "agent": 20.0})  # equal, and the total stays 40
+
+
+def test_returns_to_go_discount_over_later_student_tokens_and_skip_tool_results():
+    # prompt (2), student (2), tool result (2), student (2)
+    rewards = [0.0, 0.0, 1.0, -2.0, 0.0, 0.0, 0.5, 4.0]
+    mask = [0, 0, 1, 1, 0, 0, 1, 1]
+    assert returns_to_go(rewards, mask, 0.0) == rewards  # discount 0: A_t = r_t
+    g = 0.5
+    a8 = 4.0
+    a7 = 0.5 + g * a8
+    a4 = -2.0 + g * a7  # the tool result's tokens are not steps: no decay across them
+    a3 = 1.0 + g * a4
+    assert returns_to_go(rewards, mask, g) == pytest.approx([0, 0, a3, a4, 0, 0, a7, a8])
+    assert returns_to_go(rewards, mask, 1.0) == pytest.approx([0, 0, 3.5, 2.5, 0, 0, 4.5, 4.0])
+
+
+def test_a_step_trains_on_the_discounted_return_of_the_rewards(
+    dirs, renderer, stage_runner, tmp_path, monkeypatch
+):
+    ctx = stage_runner.context("mopd", tmp_path, {**stage_body(), "discount": 0.5}, inputs=stage_inputs(dirs))
+    model = load(dirs["sft"])
+    state = TrainState.create(ctx, model, ctx.config.train, ctx.config.accelerate, ctx.config.train.steps)
+    sample = agent_trajectory(renderer)
+    sample.rollout_logprobs = EmbeddedEngine(model).score([sample])[0]
+    trained = [i for i, m in enumerate(student_mask(sample)) if m]
+    sample.teacher_logprobs = list(sample.rollout_logprobs)
+    for k, i in enumerate(trained):
+        sample.teacher_logprobs[i] += STUDENT_DELTAS[k % len(STUDENT_DELTAS)]
+    passed = []
+    real = mopd.distillation_loss
+
+    def spy(model, rows, advantages, *args, **kwargs):
+        passed.extend(advantages)
+        return real(model, rows, advantages, *args, **kwargs)
+
+    monkeypatch.setattr(mopd, "distillation_loss", spy)
+    mopd.train_on(state, [sample], ctx.config, 1)
+    rewards = mopd_sample_rewards(sample, R_MAX)
+    expected = returns_to_go(rewards, student_mask(sample), 0.5)
+    assert passed == [pytest.approx(expected)] and expected != pytest.approx(rewards)
