@@ -7,7 +7,12 @@ No loops, no I/O, no model: each function maps tensors to tensors so it can be t
 
 from posttrain.algos.advantages import group_advantages, token_advantages
 from posttrain.algos.mismatch import mismatch_stats, staleness_stats, truncated_importance_weights
-from posttrain.algos.mopd_reward import exact_reverse_kl, mopd_token_rewards, reverse_kl
+from posttrain.algos.mopd_reward import (
+    exact_reverse_kl,
+    mopd_token_rewards,
+    reverse_kl,
+    token_mean_standard_error,
+)
 from posttrain.algos.policy_loss import PolicyLoss, PolicyLossConfig, policy_loss
 from posttrain.algos.sft import SFTLoss, sft_loss
 
@@ -23,6 +28,7 @@ __all__ = [
     "reverse_kl",
     "sft_loss",
     "staleness_stats",
+    "token_mean_standard_error",
     "token_advantages",
     "truncated_importance_weights",
 ]

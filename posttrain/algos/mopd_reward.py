@@ -68,3 +68,20 @@ def exact_reverse_kl(student_logprobs: torch.Tensor, teacher_logprobs: torch.Ten
     p = student.exp()
     terms = torch.where(p > 0, p * (student - teacher), torch.zeros_like(p))
     return terms.sum(-1)
+
+
+def token_mean_standard_error(episode_sums: torch.Tensor, episode_tokens: torch.Tensor) -> float:
+    """Standard error of a token mean sum(S_e) / sum(N_e) over episodes e, with S_e the sum of
+    episode e's per-token values (log-ratios, per-position KLs) and N_e its token count.
+
+    Tokens of one episode are not independent (they share its context), so the episodes are the
+    units: the cluster-robust (delta-method) error of a ratio estimator,
+    sqrt(n / (n - 1) * sum_e (S_e - m N_e)^2) / sum_e N_e with m the token mean. What it says:
+    a kl before/after difference smaller than about twice the errors is not a measured change.
+    Needs at least two episodes and one token (ValueError otherwise)."""
+    sums, tokens = episode_sums.detach().double(), episode_tokens.detach().double()
+    n, total = sums.numel(), float(tokens.sum())
+    if n < 2 or total <= 0:
+        raise ValueError(f"a standard error needs at least 2 episodes and 1 token; got {n} and {total:g}")
+    mean = float(sums.sum()) / total
+    return float(((sums - mean * tokens) ** 2).sum() * n / (n - 1)) ** 0.5 / total

@@ -27,7 +27,12 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from posttrain.algos.mismatch import mismatch_stats
-from posttrain.algos.mopd_reward import exact_reverse_kl, mopd_token_rewards, reverse_kl
+from posttrain.algos.mopd_reward import (
+    exact_reverse_kl,
+    mopd_token_rewards,
+    reverse_kl,
+    token_mean_standard_error,
+)
 from posttrain.algos.policy_loss import PolicyLoss, PolicyLossConfig, policy_loss
 from posttrain.checkpoint import atomic_write_text, remove_tree
 from posttrain.config.stage_file import check_model_reference
@@ -59,7 +64,7 @@ from posttrain.trainers.mopd_teachers import (
 )
 
 EVAL_FILE = "eval.json"
-RESULT_KEYS = ("kl", "kl_exact", "kl_tokens", "accuracy", "tokens")
+RESULT_KEYS = ("kl", "kl_se", "kl_exact", "kl_exact_se", "kl_tokens", "accuracy", "tokens")
 
 
 class RolloutConfig(BaseModel):
@@ -212,8 +217,8 @@ def pair_results(samples: list[Sample], with_kl: bool = True) -> dict[str, dict[
     """Per pair: accuracy, the mean verifier reward (0 when unscored); tokens, the mean
     student-generated tokens per episode (tool results excluded); with_kl (teacher-scored samples):
     kl, the reverse KL to its teacher (token mean over the student's tokens of
-    log p_student - log p_teacher), and kl_tokens, how many tokens that mean is over (its noise
-    falls as 1/sqrt of it)."""
+    log p_student - log p_teacher), kl_tokens, how many tokens that mean is over, and (from two
+    episodes a pair) kl_se, its standard error with the episodes as units."""
     by_pair: dict[str, list[Sample]] = {}
     for sample in samples:
         by_pair.setdefault(pair_name((sample.domain, sample.effort)), []).append(sample)
@@ -230,7 +235,25 @@ def pair_results(samples: list[Sample], with_kl: bool = True) -> dict[str, dict[
                 torch.tensor([m for s in group for m in student_mask(s)], dtype=torch.bool),
             )
             results[name]["kl_tokens"] = float(sum(sum(student_mask(s)) for s in group))
+            if len(group) > 1:
+                sums = [log_ratio_sum(s) for s in group]
+                results[name]["kl_se"] = standard_error(sums, [sum(student_mask(s)) for s in group])
     return results
+
+
+def log_ratio_sum(sample: Sample) -> float:
+    """Sum of log p_student - log p_teacher over one scored episode's student tokens."""
+    pairs = zip(sample.rollout_logprobs, sample.teacher_logprobs or [], student_mask(sample), strict=True)
+    return sum(student - teacher for student, teacher, on in pairs if on)
+
+
+def standard_error(episode_sums: list[float], episode_tokens: list[int]) -> float:
+    """token_mean_standard_error of per-episode sums; 0.0 when no episode has a student token."""
+    if not any(episode_tokens):
+        return 0.0
+    return token_mean_standard_error(
+        torch.tensor(episode_sums, dtype=torch.float64), torch.tensor(episode_tokens, dtype=torch.float64)
+    )
 
 
 def batch_metrics(samples: list[Sample], rewards: list[list[float]], r_max: float) -> dict[str, float]:
@@ -429,34 +452,40 @@ class Distiller:
         return {
             pair: {
                 **decoded[pair],
-                "kl": kl[pair]["kl"],
-                "kl_tokens": kl[pair]["kl_tokens"],
-                **({"kl_exact": exact[pair]} if exact is not None else {}),
+                **{k: v for k, v in kl[pair].items() if k.startswith("kl")},
+                **(exact[pair] if exact is not None else {}),
             }
             for pair in kl
         }
 
-    def exact_kl(self, samples: list[Sample]) -> dict[str, float] | None:
-        """Per pair, the exact per-position reverse KL (posttrain.algos.exact_reverse_kl) averaged
-        over the student's tokens of its teacher-scored episodes: the same quantity as `kl`, without
-        the sampled token's noise. Only where the student and every teacher engine give full
+    def exact_kl(self, samples: list[Sample]) -> dict[str, dict[str, float]] | None:
+        """Per pair, kl_exact: the exact per-position reverse KL (posttrain.algos.exact_reverse_kl)
+        averaged over the student's tokens of its teacher-scored episodes, the same quantity as
+        `kl` without the sampled token's noise, and kl_exact_se, its standard error over episodes
+        (from 2 episodes a pair). Only where the student and every teacher engine give full
         next-token distributions (embedded engines); None otherwise (a vLLM teacher returns the
         sampled token's log-prob alone)."""
         groups = self.pool.by_engine(samples)
         engines = {key: self.pool.engine(key) for key in groups}
         if not all(hasattr(e, "next_token_logprobs") for e in [self.student, *engines.values()]):
             return None
-        sums: dict[str, float] = {}
-        tokens: dict[str, int] = {}
+        sums: dict[str, list[float]] = {}
+        tokens: dict[str, list[int]] = {}
         for key, group in groups.items():
             student = self.student.next_token_logprobs(group)
             teacher = engines[key].next_token_logprobs(group)
             for sample, s_lp, t_lp in zip(group, student, teacher, strict=True):
                 mask = torch.tensor(student_mask(sample)[1:], dtype=torch.bool)
                 name = pair_name((sample.domain, sample.effort))
-                sums[name] = sums.get(name, 0.0) + float(exact_reverse_kl(s_lp, t_lp)[mask].sum())
-                tokens[name] = tokens.get(name, 0) + int(mask.sum())
-        return {name: sums[name] / max(tokens[name], 1) for name in sums}
+                sums.setdefault(name, []).append(float(exact_reverse_kl(s_lp, t_lp)[mask].sum()))
+                tokens.setdefault(name, []).append(int(mask.sum()))
+        return {
+            name: {
+                "kl_exact": sum(sums[name]) / max(sum(tokens[name]), 1),
+                **({"kl_exact_se": standard_error(sums[name], tokens[name])} if len(sums[name]) > 1 else {}),
+            }
+            for name in sums
+        }
 
     def close(self) -> None:
         for env in self.envs.values():
@@ -519,7 +548,8 @@ def write_eval(
 ) -> dict:
     """DIR/mopd/eval.json: {"<domain>-<effort>": {kl_before, kl_after, kl_tokens_before,
     kl_tokens_after, accuracy_before, accuracy_after, tokens_before, tokens_after}}, plus
-    kl_exact_before / kl_exact_after where the engines gave full distributions."""
+    kl_exact_before / kl_exact_after where the engines gave full distributions, and the standard
+    errors kl_se_* / kl_exact_se_* where a pair has two or more sampled episodes."""
     report = {
         name: {
             f"{key}_{when}": float(values[name][key])
@@ -536,7 +566,8 @@ def write_eval(
 def final_metrics(report: Mapping[str, Mapping[str, float]], retries: int, steps: int) -> dict[str, float]:
     """Means over pairs, how many pairs moved closer to their teacher (by each KL estimate),
     retries and steps."""
-    final = {k: sum(r[k] for r in report.values()) / len(report) for k in next(iter(report.values()))}
+    keys = [k for k in next(iter(report.values())) if "_se_" not in k]  # errors do not average
+    final = {k: sum(r[k] for r in report.values()) / len(report) for k in keys}
     for kl in ("kl", "kl_exact"):
         if all(f"{kl}_before" in r for r in report.values()):
             improved = sum(r[f"{kl}_after"] < r[f"{kl}_before"] for r in report.values())

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from posttrain.algos import exact_reverse_kl, mopd_token_rewards, reverse_kl
+from posttrain.algos import exact_reverse_kl, mopd_token_rewards, reverse_kl, token_mean_standard_error
 from posttrain.algos.policy_loss import policy_loss
 from posttrain.data.sample import Sample
 from posttrain.trainers.mopd import mopd_sample_rewards
@@ -99,3 +99,15 @@ def test_exact_reverse_kl_sums_the_student_weighted_log_ratio_over_the_vocabular
     assert sum(p * d for p, d in zip(student[0].exp().tolist(), draws, strict=True)) == pytest.approx(
         float(kl[0])
     )
+
+
+def test_token_mean_standard_error_clusters_tokens_by_episode():
+    # sums 1, 3, 2 over 2, 2, 4 tokens: mean 6/8; residuals S - m N = -0.5, 1.5, -1.0
+    se = token_mean_standard_error(torch.tensor([1.0, 3.0, 2.0]), torch.tensor([2, 2, 4]))
+    assert se == pytest.approx(math.sqrt(3.5 * 3 / 2) / 8)
+    # equal-length episodes: the standard error of the episodes' means, sd / sqrt(n)
+    means = torch.tensor([0.1, 0.4, -0.2, 0.3], dtype=torch.float64)
+    se = token_mean_standard_error(means * 5, torch.full((4,), 5))
+    assert se == pytest.approx(float(means.std() / 2))
+    with pytest.raises(ValueError, match="at least 2 episodes"):
+        token_mean_standard_error(torch.tensor([1.0]), torch.tensor([3]))

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import posttrain.model  # noqa: F401  (registers kimi_k3 with AutoModelForCausalLM)
+from posttrain.algos import token_mean_standard_error
 from posttrain.algos.policy_loss import PolicyLossConfig
 from posttrain.data.chat import ChatRenderer
 from posttrain.data.sample import DOMAINS, EFFORTS, Sample
@@ -282,12 +283,14 @@ def test_the_kl_is_estimated_from_samples_per_prompt_episodes_of_each_held_out_p
         for tokens in by_pair.values():
             assert len(tokens) == 6 and sum(t == tokens[0] for t in tokens) == 3  # 2 prompts x 3 copies
         # kl_tokens counts exactly the student tokens the KL averages
-        for s in sampled[:3]:
+        for k, s in enumerate(sampled[:3]):
             s.append([5, 6], generated=True, logprobs=[-1.0, -2.0], version=0)
-            s.teacher_logprobs = [0.0] * (len(s.tokens) - 2) + [-1.5, -2.5]
+            s.teacher_logprobs = [0.0] * (len(s.tokens) - 2) + [-1.5, -2.5 + 0.5 * k]
         results = pair_results(sampled[:3])
         (pair,) = results
-        assert results[pair]["kl_tokens"] == 6.0 and results[pair]["kl"] == pytest.approx(0.5)
+        # log-ratio sums per episode 1.0, 0.5, 0.0 over 2 tokens each: mean 0.25, error sd / sqrt(3)
+        assert results[pair]["kl_tokens"] == 6.0 and results[pair]["kl"] == pytest.approx(0.25)
+        assert results[pair]["kl_se"] == pytest.approx(0.25 / math.sqrt(3))
     finally:
         distiller.close()
 
@@ -307,20 +310,25 @@ def test_the_exact_kl_is_the_full_vocabulary_reverse_kl_on_the_students_episodes
         distiller.rollout(sampled, temperature=1.0)
         exact, sampled_kl = distiller.exact_kl(sampled), pair_results(sampled)
         for effort in EFFORTS:
-            assert exact[f"general-{effort}"] == pytest.approx(0.0, abs=1e-6)
+            assert exact[f"general-{effort}"]["kl_exact"] == pytest.approx(0.0, abs=1e-6)
+            assert exact[f"general-{effort}"]["kl_exact_se"] == pytest.approx(0.0, abs=1e-6)
             assert sampled_kl[f"general-{effort}"]["kl"] == pytest.approx(0.0, abs=1e-6)
         # another teacher: the token mean of the per-position full-vocabulary KL, recomputed here
         teacher = load(dirs["max"])
-        per_token = []
+        episodes = []  # per episode, its student tokens' per-position KLs
         for s in [s for s in sampled if (s.domain, s.effort) == ("coding", "max")]:
             ids = torch.tensor([s.tokens])
             with torch.no_grad():
                 ls = torch.log_softmax(student(input_ids=ids).logits.double()[0, :-1], -1)
                 lt = torch.log_softmax(teacher(input_ids=ids).logits.double()[0, :-1], -1)
             kl = (ls.exp() * (ls - lt)).sum(-1)
-            per_token += [float(k) for k, m in zip(kl, student_mask(s)[1:], strict=True) if m]
-        assert exact["coding-max"] == pytest.approx(sum(per_token) / len(per_token), rel=1e-4)
-        assert exact["coding-max"] > 0
+            episodes.append([float(k) for k, m in zip(kl, student_mask(s)[1:], strict=True) if m])
+        per_token = [k for episode in episodes for k in episode]
+        assert len(episodes) == 2 and exact["coding-max"]["kl_exact"] > 0
+        assert exact["coding-max"]["kl_exact"] == pytest.approx(sum(per_token) / len(per_token), rel=1e-4)
+        sums = torch.tensor([sum(e) for e in episodes])
+        error = token_mean_standard_error(sums, torch.tensor([len(e) for e in episodes]))
+        assert exact["coding-max"]["kl_exact_se"] == pytest.approx(error, rel=1e-4)
     finally:
         distiller.close()
         pool.close()
