@@ -55,9 +55,9 @@ def streaming(sample, at_least: int) -> bool:
 class KillMidBatch:
     """A pause_when hook that never pauses: it SIGKILLs the server while a sample is mid-stream.
 
-    A server can finish the whole batch before the client reads its first chunk (vLLM merges
-    stream deltas when its API process lags; CI saw the kill land after generation at 400
-    tokens). So once an unfinished sample has tokens, the hook freezes the server (SIGSTOP),
+    A server can finish the whole batch before the client reads its first chunk (CI saw the kill
+    land after generation at 400 tokens; likely vLLM merging stream deltas while its API process
+    lagged). So once an unfinished sample has tokens, the hook freezes the server (SIGSTOP),
     lets the client drain what was already sent, and kills only if a sample is still unfinished
     with tokens; otherwise it thaws the server and watches again. `killed` stays False when the
     server finished first; the caller then calls `thaw()` (the batch may have ended while the
