@@ -131,7 +131,7 @@ def load_policy(
     after each optimizer step on models that have it (`update_router_bias`) and is absent otherwise.
     """
     import posttrain.model as k3
-    from posttrain.qat import QATConfig, apply_qat
+    from posttrain.qat import apply_qat, qat_config_of
 
     path = Path(model_path or ctx.model) if (model_path or ctx.model) else None
     if path is None:
@@ -158,8 +158,8 @@ def load_policy(
         applied = apply_qat(model, ctx.qat)
     except ValueError as error:
         raise ValueError(f"stage {ctx.stage_id} (model {path}): {error}") from error
-    qat = QATConfig(scheme="none") if ctx.qat is None else QATConfig.model_validate(ctx.qat)
-    if applied and qat.enabled:
+    qat = qat_config_of(model.config)  # what apply_qat recorded, already validated
+    if applied and qat is not None and qat.enabled:
         ctx.log.info("QAT %s on %d routed-expert modules", qat.scheme, len(applied))
     elif applied:
         ctx.log.info("QAT off: %d routed-expert modules run unquantised", len(applied))
