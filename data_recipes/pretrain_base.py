@@ -168,10 +168,10 @@ def main() -> None:
             return by_steps
         return max(by_steps, (time.perf_counter() - started) / 60 / args.minutes)
 
-    def learning_rate(step: int) -> float:
+    def learning_rate(step: int, done_fraction: float) -> float:
         if step < warmup:
             return args.lr * (step + 1) / warmup
-        return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(progress(step), 1.0))))
+        return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(done_fraction, 1.0))))
 
     eos = tokenizer.eos_token_id
     log: list[dict] = []
@@ -181,8 +181,11 @@ def main() -> None:
     )
     step = 0
     for step in range(1, args.steps + 1):
+        # Read once per step: with --minutes it follows the clock, and the schedule and the stop
+        # test must agree on where the run is.
+        done_fraction = progress(step)
         for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step)
+            group["lr"] = learning_rate(step, done_fraction)
         rows = next(data).to(args.device)
         loss = model(input_ids=rows, labels=rows).loss
         loss.backward()
@@ -190,7 +193,7 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         minutes = (time.perf_counter() - started) / 60
-        done = progress(step) >= 1.0
+        done = done_fraction >= 1.0
         if step % 250 == 0 or step == 25 or done:
             model.eval()
             first, repeated = copy_nll(model, tokenizer, args.device)
