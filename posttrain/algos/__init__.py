@@ -10,6 +10,7 @@ from posttrain.algos.mismatch import mismatch_stats, staleness_stats, truncated_
 from posttrain.algos.mopd_reward import (
     exact_reverse_kl,
     mopd_token_rewards,
+    paired_change_standard_error,
     reverse_kl,
     token_mean_standard_error,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "group_advantages",
     "mismatch_stats",
     "mopd_token_rewards",
+    "paired_change_standard_error",
     "policy_loss",
     "reverse_kl",
     "sft_loss",

@@ -85,3 +85,39 @@ def token_mean_standard_error(episode_sums: torch.Tensor, episode_tokens: torch.
         raise ValueError(f"a standard error needs at least 2 episodes and 1 token; got {n} and {total:g}")
     mean = float(sums.sum()) / total
     return float(((sums - mean * tokens) ** 2).sum() * n / (n - 1)) ** 0.5 / total
+
+
+def paired_change_standard_error(
+    sums_before: torch.Tensor,
+    tokens_before: torch.Tensor,
+    sums_after: torch.Tensor,
+    tokens_after: torch.Tensor,
+) -> float:
+    """Standard error of the change of a token mean, sum(S'_e) / sum(N'_e) - sum(S_e) / sum(N_e),
+    when the same episodes e (same prompt, same uid, hence the same sampling noise) were played
+    before (S_e, N_e) and after (S'_e, N'_e) training.
+
+    The delta-method error of a difference of two ratio estimators with the episodes as units,
+    sqrt(n / (n - 1) * sum_e w_e^2) with w_e = (S'_e - m' N'_e) / sum N' - (S_e - m N_e) / sum N
+    (m, m' the two token means). Pairing cancels what an episode's two plays share: the prompt, and
+    the sampled tokens for as long as the two policies pick the same ones; so where training moved
+    the student little it is well below the two separate errors combined, and the change is
+    measured only where it exceeds about twice this. With nothing before (all S_e = 0) it is
+    token_mean_standard_error of the after episodes. Needs at least two episodes and a token on
+    each side (ValueError otherwise)."""
+    before = sums_before.detach().double(), tokens_before.detach().double()
+    after = sums_after.detach().double(), tokens_after.detach().double()
+    n = before[0].numel()
+    if not all(t.numel() == n for t in (*before, *after)):
+        raise ValueError(
+            "paired episodes: the before and after sums and token counts must have one entry each"
+        )
+    if n < 2 or float(before[1].sum()) <= 0 or float(after[1].sum()) <= 0:
+        raise ValueError(f"a standard error needs at least 2 episodes and 1 token on each side; got {n}")
+
+    def residual(sums: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        total = tokens.sum()
+        return (sums - sums.sum() / total * tokens) / total
+
+    w = residual(*after) - residual(*before)
+    return float((w**2).sum() * n / (n - 1)) ** 0.5

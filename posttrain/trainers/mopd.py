@@ -30,6 +30,7 @@ from posttrain.algos.mismatch import mismatch_stats
 from posttrain.algos.mopd_reward import (
     exact_reverse_kl,
     mopd_token_rewards,
+    paired_change_standard_error,
     reverse_kl,
     token_mean_standard_error,
 )
@@ -256,6 +257,44 @@ def standard_error(episode_sums: list[float], episode_tokens: list[int]) -> floa
     )
 
 
+def exact_results(samples: list[Sample], exact_sums: Mapping[str, float]) -> dict[str, dict[str, float]]:
+    """Per pair, kl_exact: the token mean of the episodes' exact sums (Distiller.exact_kl_sums),
+    and (from two episodes a pair) kl_exact_se, its standard error over episodes."""
+    table = episode_table(samples, exact_sums)
+    return {
+        name: {
+            "kl_exact": sum(rows["kl_exact"]) / max(sum(rows["tokens"]), 1),
+            **(
+                {"kl_exact_se": standard_error(rows["kl_exact"], rows["tokens"])}
+                if len(rows["uid"]) > 1
+                else {}
+            ),
+        }
+        for name, rows in table.items()
+    }
+
+
+def episode_table(
+    samples: list[Sample], exact_sums: Mapping[str, float] | None
+) -> dict[str, dict[str, list]]:
+    """Per pair, its teacher-scored episodes in order: uid, kl (the sum of log p_student -
+    log p_teacher over its student tokens), kl_exact (the exact sum, where there is one) and
+    tokens (how many student tokens). The before and after evaluations play the same uids, so
+    write_eval pairs them row by row for the error of the change."""
+    table: dict[str, dict[str, list]] = {}
+    for sample in samples:
+        rows = table.setdefault(
+            pair_name((sample.domain, sample.effort)),
+            {"uid": [], "kl": [], "tokens": [], **({"kl_exact": []} if exact_sums is not None else {})},
+        )
+        rows["uid"].append(sample.uid)
+        rows["kl"].append(log_ratio_sum(sample))
+        rows["tokens"].append(sum(student_mask(sample)))
+        if exact_sums is not None:
+            rows["kl_exact"].append(exact_sums[sample.uid])
+    return table
+
+
 def batch_metrics(samples: list[Sample], rewards: list[list[float]], r_max: float) -> dict[str, float]:
     """Reward and reverse KL of a training batch (overall, per pair), response length per effort."""
     deltas = [
@@ -438,54 +477,47 @@ class Distiller:
             raise TeacherScoreError(f"episodes {unscored} ended without a teacher score")
         return {"rollout_s": time.perf_counter() - started - scoring[0], "teacher_score_s": scoring[0]}
 
-    def evaluate(self) -> dict[str, dict[str, float]]:
+    def evaluate(self) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, list]]]:
         """Per pair on the held-out prompts: kl from episodes sampled at temperature 1 (the
         student's own distribution, which the reverse KL is defined on), accuracy and tokens from
         greedy episodes, the protocol of the RL stages' eval.json so the two compare. Same uids,
-        hence the same sampling noise, every time."""
+        hence the same sampling noise, every time. Also returns the sampled episodes' table
+        (`episode_table`), which pairs the before and after evaluations episode by episode."""
         sampled = self.episodes(self.eval_prompts, "eval", copies=self.cfg.eval.samples_per_prompt)
         self.rollout(sampled, temperature=1.0)
         greedy = self.episodes(self.eval_prompts, "eval-greedy")
         self.rollout(greedy, temperature=0.0, scored=False)
         kl, decoded = pair_results(sampled), pair_results(greedy, with_kl=False)
-        exact = self.exact_kl(sampled)
-        return {
+        exact_sums = self.exact_kl_sums(sampled)
+        exact = exact_results(sampled, exact_sums) if exact_sums is not None else {}
+        results = {
             pair: {
                 **decoded[pair],
                 **{k: v for k, v in kl[pair].items() if k.startswith("kl")},
-                **(exact[pair] if exact is not None else {}),
+                **exact.get(pair, {}),
             }
             for pair in kl
         }
+        return results, episode_table(sampled, exact_sums)
 
-    def exact_kl(self, samples: list[Sample]) -> dict[str, dict[str, float]] | None:
-        """Per pair, kl_exact: the exact per-position reverse KL (posttrain.algos.exact_reverse_kl)
-        averaged over the student's tokens of its teacher-scored episodes, the same quantity as
-        `kl` without the sampled token's noise, and kl_exact_se, its standard error over episodes
-        (from 2 episodes a pair). Only where the student and every teacher engine give full
-        next-token distributions (embedded engines); None otherwise (a vLLM teacher returns the
-        sampled token's log-prob alone)."""
+    def exact_kl_sums(self, samples: list[Sample]) -> dict[str, float] | None:
+        """Per episode uid: the exact per-position reverse KL (posttrain.algos.exact_reverse_kl)
+        summed over its student tokens, the quantity `kl` estimates without the sampled token's
+        noise. Only where the student and every teacher engine give full next-token distributions
+        (embedded engines); None otherwise (a vLLM teacher returns the sampled token's log-prob
+        alone)."""
         groups = self.pool.by_engine(samples)
         engines = {key: self.pool.engine(key) for key in groups}
         if not all(hasattr(e, "next_token_logprobs") for e in [self.student, *engines.values()]):
             return None
-        sums: dict[str, list[float]] = {}
-        tokens: dict[str, list[int]] = {}
+        sums: dict[str, float] = {}
         for key, group in groups.items():
             student = self.student.next_token_logprobs(group)
             teacher = engines[key].next_token_logprobs(group)
             for sample, s_lp, t_lp in zip(group, student, teacher, strict=True):
                 mask = torch.tensor(student_mask(sample)[1:], dtype=torch.bool)
-                name = pair_name((sample.domain, sample.effort))
-                sums.setdefault(name, []).append(float(exact_reverse_kl(s_lp, t_lp)[mask].sum()))
-                tokens.setdefault(name, []).append(int(mask.sum()))
-        return {
-            name: {
-                "kl_exact": sum(sums[name]) / max(sum(tokens[name]), 1),
-                **({"kl_exact_se": standard_error(sums[name], tokens[name])} if len(sums[name]) > 1 else {}),
-            }
-            for name in sums
-        }
+                sums[sample.uid] = float(exact_reverse_kl(s_lp, t_lp)[mask].sum())
+        return sums
 
     def close(self) -> None:
         for env in self.envs.values():
@@ -515,9 +547,10 @@ def run_mopd(ctx: StageContext) -> dict[str, float]:
         checkpoint = state.restore()
         if checkpoint is not None:
             step, before = checkpoint.step, checkpoint.extra["before"]
+            before_episodes = checkpoint.extra["before_episodes"]
             pool.retries = int(checkpoint.extra["teacher_retries"])
         else:
-            step, before = 0, distiller.evaluate()
+            step, (before, before_episodes) = 0, distiller.evaluate()
             ctx.metrics.log(0, {f"eval/{k}_before/{p}": v[k] for p, v in before.items() for k in v})
         distiller.student.policy_version = step
         last: dict[str, float] = {}
@@ -530,26 +563,39 @@ def run_mopd(ctx: StageContext) -> dict[str, float]:
             distiller.student.policy_version = step
             ctx.metrics.log(step, last)
             if step % cfg.checkpoint_every == 0 or step == cfg.train.steps:
-                state.save_checkpoint(step, extra={"before": before, "teacher_retries": pool.retries})
+                state.save_checkpoint(
+                    step,
+                    extra={
+                        "before": before,
+                        "before_episodes": before_episodes,
+                        "teacher_retries": pool.retries,
+                    },
+                )
             ctx.progress(step, cfg.train.steps, kl=last["kl"], reward=last["reward"])
-        after = distiller.evaluate()
+        after, after_episodes = distiller.evaluate()
         ctx.metrics.log(step, {f"eval/{k}_after/{p}": v[k] for p, v in after.items() for k in v})
     finally:
         distiller.close()
         pool.close()
-    report = write_eval(ctx.stage_dir / EVAL_FILE, before, after)
+    report = write_eval(ctx.stage_dir / EVAL_FILE, before, after, before_episodes, after_episodes)
     save_final_model(merged_model(state.unwrapped), tokenizer, ctx.output_dir, renderer.stop_token_ids)
     final = final_metrics(report, pool.retries, step)
     return {**final, "train_loss": last["loss"]} if "loss" in last else final
 
 
 def write_eval(
-    path: Path, before: Mapping[str, Mapping[str, float]], after: Mapping[str, Mapping[str, float]]
+    path: Path,
+    before: Mapping[str, Mapping[str, float]],
+    after: Mapping[str, Mapping[str, float]],
+    before_episodes: Mapping[str, Mapping[str, list]],
+    after_episodes: Mapping[str, Mapping[str, list]],
 ) -> dict:
     """DIR/mopd/eval.json: {"<domain>-<effort>": {kl_before, kl_after, kl_tokens_before,
     kl_tokens_after, accuracy_before, accuracy_after, tokens_before, tokens_after}}, plus
-    kl_exact_before / kl_exact_after where the engines gave full distributions, and the standard
-    errors kl_se_* / kl_exact_se_* where a pair has two or more sampled episodes."""
+    kl_exact_before / kl_exact_after where the engines gave full distributions, and, where a pair
+    has two or more sampled episodes, the standard errors kl_se_* / kl_exact_se_* of each estimate
+    and kl_change_se / kl_exact_change_se of its change (the same episodes before and after,
+    `paired_change_standard_error`)."""
     report = {
         name: {
             f"{key}_{when}": float(values[name][key])
@@ -559,6 +605,18 @@ def write_eval(
         }
         for name in before
     }
+    for name, values in report.items():
+        rows = before_episodes[name], after_episodes[name]
+        if (
+            rows[0]["uid"] != rows[1]["uid"]
+            or len(rows[0]["uid"]) < 2
+            or not all(sum(r["tokens"]) for r in rows)
+        ):
+            continue  # an error needs two paired episodes with student tokens
+        for kl in ("kl", "kl_exact"):
+            if all(kl in r for r in rows):
+                columns = [torch.tensor(r[key], dtype=torch.float64) for r in rows for key in (kl, "tokens")]
+                values[f"{kl}_change_se"] = paired_change_standard_error(*columns)
     atomic_write_text(path, json.dumps(report, indent=1, sort_keys=True) + "\n")
     return report
 
@@ -566,7 +624,7 @@ def write_eval(
 def final_metrics(report: Mapping[str, Mapping[str, float]], retries: int, steps: int) -> dict[str, float]:
     """Means over pairs, how many pairs moved closer to their teacher (by each KL estimate),
     retries and steps."""
-    keys = [k for k in next(iter(report.values())) if "_se_" not in k]  # errors do not average
+    keys = [k for k in next(iter(report.values())) if "_se" not in k]  # errors do not average
     final = {k: sum(r[k] for r in report.values()) / len(report) for k in keys}
     for kl in ("kl", "kl_exact"):
         if all(f"{kl}_before" in r for r in report.values()):

@@ -7,7 +7,13 @@ import math
 import pytest
 import torch
 
-from posttrain.algos import exact_reverse_kl, mopd_token_rewards, reverse_kl, token_mean_standard_error
+from posttrain.algos import (
+    exact_reverse_kl,
+    mopd_token_rewards,
+    paired_change_standard_error,
+    reverse_kl,
+    token_mean_standard_error,
+)
 from posttrain.algos.policy_loss import policy_loss
 from posttrain.data.sample import Sample
 from posttrain.trainers.mopd import mopd_sample_rewards
@@ -111,3 +117,28 @@ def test_token_mean_standard_error_clusters_tokens_by_episode():
     assert se == pytest.approx(float(means.std() / 2))
     with pytest.raises(ValueError, match="at least 2 episodes"):
         token_mean_standard_error(torch.tensor([1.0]), torch.tensor([3]))
+
+
+def test_paired_change_standard_error_uses_the_episodes_differences():
+    before_sums, before_tokens = torch.tensor([1.0, 3.0, 2.0]), torch.tensor([2, 2, 4])
+    after_sums, after_tokens = torch.tensor([0.5, 2.0, 2.5]), torch.tensor([2, 3, 5])
+    # before: mean 6/8, residuals -0.5, 1.5, -1.0 over 8 tokens; after: mean 5/10, residuals
+    # -0.5, 0.5, 0.0 over 10 tokens; w = after/10 - before/8 per episode
+    w = [-0.05 + 0.0625, 0.05 - 0.1875, 0.0 + 0.125]
+    expected = math.sqrt(sum(x * x for x in w) * 3 / 2)
+    se = paired_change_standard_error(before_sums, before_tokens, after_sums, after_tokens)
+    assert se == pytest.approx(expected)
+    # the same episodes unchanged: no change, no error; a constant shift of every episode's mean
+    # moves every episode alike: no error either, however large the change
+    assert paired_change_standard_error(before_sums, before_tokens, before_sums, before_tokens) == 0.0
+    shifted = before_sums + 0.3 * before_tokens
+    assert paired_change_standard_error(before_sums, before_tokens, shifted, before_tokens) == pytest.approx(
+        0, abs=1e-6
+    )
+    # nothing before: the after estimate's own error
+    alone = paired_change_standard_error(torch.zeros(3), before_tokens, after_sums, after_tokens)
+    assert alone == pytest.approx(token_mean_standard_error(after_sums, after_tokens))
+    with pytest.raises(ValueError, match="one entry each"):
+        paired_change_standard_error(before_sums, before_tokens, after_sums[:2], after_tokens[:2])
+    with pytest.raises(ValueError, match="at least 2 episodes"):
+        paired_change_standard_error(before_sums[:1], before_tokens[:1], after_sums[:1], after_tokens[:1])

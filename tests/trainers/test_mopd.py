@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import posttrain.model  # noqa: F401  (registers kimi_k3 with AutoModelForCausalLM)
-from posttrain.algos import token_mean_standard_error
+from posttrain.algos import paired_change_standard_error, token_mean_standard_error
 from posttrain.algos.policy_loss import PolicyLossConfig
 from posttrain.data.chat import ChatRenderer
 from posttrain.data.sample import DOMAINS, EFFORTS, Sample
@@ -31,11 +31,13 @@ from posttrain.trainers.mopd import (
     Distiller,
     MOPDConfig,
     distillation_loss,
+    exact_results,
     mopd_sample_rewards,
     pair_balance_weights,
     pair_results,
     play_episodes,
     returns_to_go,
+    write_eval,
 )
 from posttrain.trainers.mopd_teachers import TeacherConfig, TeacherPool, route_teachers, student_mask
 from teachers.testing import save_tiny_k3
@@ -308,7 +310,7 @@ def test_the_exact_kl_is_the_full_vocabulary_reverse_kl_on_the_students_episodes
     try:
         sampled = distiller.episodes(distiller.eval_prompts, "eval", copies=2)
         distiller.rollout(sampled, temperature=1.0)
-        exact, sampled_kl = distiller.exact_kl(sampled), pair_results(sampled)
+        exact, sampled_kl = exact_results(sampled, distiller.exact_kl_sums(sampled)), pair_results(sampled)
         for effort in EFFORTS:
             assert exact[f"general-{effort}"]["kl_exact"] == pytest.approx(0.0, abs=1e-6)
             assert exact[f"general-{effort}"]["kl_exact_se"] == pytest.approx(0.0, abs=1e-6)
@@ -332,6 +334,55 @@ def test_the_exact_kl_is_the_full_vocabulary_reverse_kl_on_the_students_episodes
     finally:
         distiller.close()
         pool.close()
+
+
+def test_eval_json_carries_the_paired_error_of_each_change(tmp_path):
+    results = {"kl": 0.5, "kl_exact": 0.4, "kl_tokens": 10.0, "accuracy": 1.0, "tokens": 5.0}
+    table = {"uid": ["a", "b", "c"], "kl": [1.0, 3.0, 2.0], "kl_exact": [1.0, 2.0, 1.0], "tokens": [2, 2, 4]}
+    moved = {**table, "kl": [0.5, 2.0, 2.5], "kl_exact": [0.5, 1.5, 1.0], "tokens": [2, 3, 5]}
+    pairs = ("general-low", "coding-max", "agent-high")
+    before, after = {p: results for p in pairs}, {p: results for p in pairs}
+    first = {k: v[:1] for k, v in table.items()}
+    before_rows = {"general-low": table, "coding-max": table, "agent-high": first}
+    after_rows = {"general-low": moved, "coding-max": {**moved, "uid": ["a", "b", "d"]}, "agent-high": first}
+    report = write_eval(tmp_path / "eval.json", before, after, before_rows, after_rows)
+    assert json.loads((tmp_path / "eval.json").read_text()) == report
+    expected = {
+        kl: paired_change_standard_error(
+            *(torch.tensor(r[k]) for r in (table, moved) for k in (kl, "tokens"))
+        )
+        for kl in ("kl", "kl_exact")
+    }
+    assert expected["kl"] > 0 and expected["kl_exact"] > 0
+    assert report["general-low"]["kl_change_se"] == pytest.approx(expected["kl"])
+    assert report["general-low"]["kl_exact_change_se"] == pytest.approx(expected["kl_exact"])
+    # other episodes after than before (no pairing), or a single episode: no error of the change
+    assert not {k for k in report["coding-max"] if "change" in k}
+    assert not {k for k in report["agent-high"] if "change" in k}
+
+
+def test_two_evaluations_of_one_student_pair_episode_by_episode(dirs, renderer, stage_runner, tmp_path):
+    body = stage_body() | {"eval": {"prompts_per_domain": 1, "samples_per_prompt": 2}}
+    ctx = stage_runner.context("mopd", tmp_path, body, inputs=stage_inputs(dirs))
+    pool = TeacherPool(route_teachers(ctx.config, ctx.inputs), tmp_path, 0, logging.getLogger("test-mopd"))
+    distiller = Distiller(ctx, ctx.config, load(dirs["sft"]), renderer, pool)
+    try:
+        pool.start()
+        (before, before_rows), (after, after_rows) = distiller.evaluate(), distiller.evaluate()
+    finally:
+        distiller.close()
+        pool.close()
+    # the same uids, hence the same sampling noise: the same episodes, row by row
+    assert before_rows == after_rows and sorted(before_rows) == sorted(before)
+    report = write_eval(tmp_path / "eval.json", before, after, before_rows, after_rows)
+    for name, rows in before_rows.items():
+        assert len(rows["uid"]) == 2 and rows["kl"] != [0.0, 0.0]
+        assert sum(rows["kl"]) / sum(rows["tokens"]) == pytest.approx(before[name]["kl"])
+        assert sum(rows["kl_exact"]) / sum(rows["tokens"]) == pytest.approx(before[name]["kl_exact"])
+        values = report[name]
+        # each estimate has its own error, but an unchanged student's change has none
+        assert values["kl_se_before"] > 0 and values["kl_change_se"] == 0.0
+        assert values["kl_exact_change_se"] == 0.0
 
 
 def test_pair_balance_gives_every_domain_effort_pair_the_same_share_of_the_loss():
