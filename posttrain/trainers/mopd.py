@@ -257,10 +257,9 @@ def standard_error(episode_sums: list[float], episode_tokens: list[int]) -> floa
     )
 
 
-def exact_results(samples: list[Sample], exact_sums: Mapping[str, float]) -> dict[str, dict[str, float]]:
-    """Per pair, kl_exact: the token mean of the episodes' exact sums (Distiller.exact_kl_sums),
-    and (from two episodes a pair) kl_exact_se, its standard error over episodes."""
-    table = episode_table(samples, exact_sums)
+def exact_results(table: Mapping[str, Mapping[str, list]]) -> dict[str, dict[str, float]]:
+    """Per pair of an episode_table with exact sums: kl_exact, their token mean, and (from two
+    episodes a pair) kl_exact_se, its standard error over episodes."""
     return {
         name: {
             "kl_exact": sum(rows["kl_exact"]) / max(sum(rows["tokens"]), 1),
@@ -489,7 +488,8 @@ class Distiller:
         self.rollout(greedy, temperature=0.0, scored=False)
         kl, decoded = pair_results(sampled), pair_results(greedy, with_kl=False)
         exact_sums = self.exact_kl_sums(sampled)
-        exact = exact_results(sampled, exact_sums) if exact_sums is not None else {}
+        table = episode_table(sampled, exact_sums)
+        exact = exact_results(table) if exact_sums is not None else {}
         results = {
             pair: {
                 **decoded[pair],
@@ -498,7 +498,7 @@ class Distiller:
             }
             for pair in kl
         }
-        return results, episode_table(sampled, exact_sums)
+        return results, table
 
     def exact_kl_sums(self, samples: list[Sample]) -> dict[str, float] | None:
         """Per episode uid: the exact per-position reverse KL (posttrain.algos.exact_reverse_kl)

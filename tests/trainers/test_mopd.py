@@ -31,6 +31,7 @@ from posttrain.trainers.mopd import (
     Distiller,
     MOPDConfig,
     distillation_loss,
+    episode_table,
     exact_results,
     mopd_sample_rewards,
     pair_balance_weights,
@@ -310,7 +311,8 @@ def test_the_exact_kl_is_the_full_vocabulary_reverse_kl_on_the_students_episodes
     try:
         sampled = distiller.episodes(distiller.eval_prompts, "eval", copies=2)
         distiller.rollout(sampled, temperature=1.0)
-        exact, sampled_kl = exact_results(sampled, distiller.exact_kl_sums(sampled)), pair_results(sampled)
+        exact = exact_results(episode_table(sampled, distiller.exact_kl_sums(sampled)))
+        sampled_kl = pair_results(sampled)
         for effort in EFFORTS:
             assert exact[f"general-{effort}"]["kl_exact"] == pytest.approx(0.0, abs=1e-6)
             assert exact[f"general-{effort}"]["kl_exact_se"] == pytest.approx(0.0, abs=1e-6)
