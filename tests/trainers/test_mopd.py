@@ -38,6 +38,7 @@ from posttrain.trainers.mopd import (
     pair_results,
     play_episodes,
     returns_to_go,
+    subtract_pair_mean,
     write_eval,
 )
 from posttrain.trainers.mopd_teachers import TeacherConfig, TeacherPool, route_teachers, student_mask
@@ -414,6 +415,28 @@ def test_pair_balance_gives_every_domain_effort_pair_the_same_share_of_the_loss(
     assert shares == pytest.approx({"general": 20.0, "agent": 20.0})  # equal, and the total stays 40
 
 
+def test_the_pair_mean_baseline_centres_each_pairs_student_advantages():
+    def episode(uid: str, domain: str, mask: list[int]) -> Sample:
+        return Sample(
+            uid=uid, domain=domain, effort="low", tokens=[1] * len(mask), prompt_length=1, loss_mask=mask
+        )
+
+    # general-low: student tokens 1.0, 3.0 | 5.0 (mean 3); agent-low: 2.0, -4.0 around a tool result (mean -1)
+    samples = [
+        episode("a", "general", [0, 1, 1]),
+        episode("b", "general", [0, 1]),
+        episode("c", "agent", [0, 1, 0, 1]),
+    ]
+    advantages = [[0.0, 1.0, 3.0], [0.0, 5.0], [0.0, 2.0, 0.0, -4.0]]
+    centred = subtract_pair_mean(samples, advantages)
+    assert centred == [
+        pytest.approx([0.0, -2.0, 0.0]),
+        pytest.approx([0.0, 2.0]),
+        pytest.approx([0.0, 3.0, 0.0, -3.0]),
+    ]
+    assert advantages[0] == [0.0, 1.0, 3.0]  # the input is left as it was
+
+
 def test_returns_to_go_discount_over_later_student_tokens_and_skip_tool_results():
     # prompt (2), student (2), tool result (2), student (2)
     rewards = [0.0, 0.0, 1.0, -2.0, 0.0, 0.0, 0.5, 4.0]
@@ -428,10 +451,12 @@ def test_returns_to_go_discount_over_later_student_tokens_and_skip_tool_results(
     assert returns_to_go(rewards, mask, 1.0) == pytest.approx([0, 0, 3.5, 2.5, 0, 0, 4.5, 4.0])
 
 
+@pytest.mark.parametrize("baseline", ["none", "pair_mean"])
 def test_a_step_trains_on_the_discounted_return_of_the_rewards(
-    dirs, renderer, stage_runner, tmp_path, monkeypatch
+    dirs, renderer, stage_runner, tmp_path, monkeypatch, baseline
 ):
-    ctx = stage_runner.context("mopd", tmp_path, {**stage_body(), "discount": 0.5}, inputs=stage_inputs(dirs))
+    body = {**stage_body(), "discount": 0.5, "baseline": baseline}
+    ctx = stage_runner.context("mopd", tmp_path, body, inputs=stage_inputs(dirs))
     model = load(dirs["sft"])
     state = TrainState.create(ctx, model, ctx.config.train, ctx.config.accelerate, ctx.config.train.steps)
     sample = agent_trajectory(renderer)
@@ -450,5 +475,11 @@ def test_a_step_trains_on_the_discounted_return_of_the_rewards(
     monkeypatch.setattr(mopd, "distillation_loss", spy)
     mopd.train_on(state, [sample], ctx.config, 1)
     rewards = mopd_sample_rewards(sample, R_MAX)
-    expected = returns_to_go(rewards, student_mask(sample), 0.5)
-    assert passed == [pytest.approx(expected)] and expected != pytest.approx(rewards)
+    mask = student_mask(sample)
+    expected = returns_to_go(rewards, mask, 0.5)
+    assert expected != pytest.approx(rewards)
+    if baseline == "pair_mean":  # one episode: its own mean over student tokens
+        mean = sum(a for a, m in zip(expected, mask, strict=True) if m) / sum(mask)
+        assert abs(mean) > 1e-3  # so the centred advantages differ from the raw ones
+        expected = [a - mean if m else 0.0 for a, m in zip(expected, mask, strict=True)]
+    assert passed == [pytest.approx(expected)]
