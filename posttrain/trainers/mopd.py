@@ -608,7 +608,9 @@ def run_mopd(ctx: StageContext) -> dict[str, float]:
     report = write_eval(ctx.stage_dir / EVAL_FILE, before, after, before_episodes, after_episodes)
     save_final_model(merged_model(state.unwrapped), tokenizer, ctx.output_dir, renderer.stop_token_ids)
     final = final_metrics(report, pool.retries, step)
-    return {**final, "train_loss": last["loss"]} if "loss" in last else final
+    # train_kl: the last batch's KL to the teachers, the training curve's end (with a baseline,
+    # train_loss is the policy loss of centred advantages, about 0 whatever the KL)
+    return {**final, "train_loss": last["loss"], "train_kl": last["kl"]} if "loss" in last else final
 
 
 def write_eval(

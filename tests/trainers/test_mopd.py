@@ -210,6 +210,7 @@ def test_the_stage_trains_the_sft_student_and_writes_eval_json(uninterrupted, di
 
     steps = [r for r in read_metrics(stage_dir / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2]
+    assert final["train_kl"] == pytest.approx(steps[-1]["kl"]) and final["train_kl"] > 0
     for record in steps:
         assert {f"response_length/{e}" for e in EFFORTS} | {
             f"kl/{d}-{e}" for d in DOMAINS for e in EFFORTS
