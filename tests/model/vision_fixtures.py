@@ -1,6 +1,7 @@
 """The tiny vision-language K3 the vision tests share: tiny text (vocab grown by the four media
-tokens) + tiny MoonViT-V2, seeded, with every norm weight randomised (ones would hide a norm that
-is skipped or loaded into the wrong place)."""
+tokens) + tiny MoonViT-V2, seeded, with every vision norm weight randomised (ones would hide a norm
+that is skipped or loaded into the wrong place) and vision matrices at std fan_in^-1/2 (at the
+0.02 initialisation attention is nearly uniform, so a wrong rotary or mask would barely show)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,12 @@ def tiny_vl_model(seed: int = 0, **config_kwargs) -> KimiK3ForConditionalGenerat
     model = KimiK3ForConditionalGeneration(tiny_vl_config(**config_kwargs))
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.startswith(("vision_tower.", "mm_projector.")) and p.dim() == 1:
+            if not name.startswith(("vision_tower.", "mm_projector.")):
+                continue
+            if p.dim() == 1:
                 p.uniform_(0.5, 1.5)
+            elif name.endswith("pos_emb.weight"):
+                p.normal_(0.0, 0.5)
+            else:
+                p.normal_(0.0, p[0].numel() ** -0.5)
     return model
