@@ -63,9 +63,11 @@ def rope_2d_angles(head_dim: int, grids: GridTHW, device: torch.device) -> torch
 
 
 def apply_rope_2d(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
-    """Rotate consecutive pairs (x[2j], x[2j+1]) of x [N, H, K] by angles [N, K/2], in float32."""
-    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
-    x1, x2 = x.float()[..., 0::2], x.float()[..., 1::2]
+    """Rotate consecutive pairs (x[2j], x[2j+1]) of x [N, H, K] by angles [N, K/2], in float32 at
+    least (vLLM rotates in float32)."""
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    cos, sin = angles.to(dtype).cos()[:, None, :], angles.to(dtype).sin()[:, None, :]
+    x1, x2 = x.to(dtype)[..., 0::2], x.to(dtype)[..., 1::2]
     out = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
     return out.to(x.dtype)
 

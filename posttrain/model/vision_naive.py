@@ -18,15 +18,15 @@ import torch.nn.functional as F
 def naive_packed_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int], scale: float
 ) -> torch.Tensor:
-    """q, k, v [N, H, K]; token i attends to token j iff both lie in the same item."""
+    """q, k, v [N, H, K]; token i attends to token j iff both lie in the same item (in float64)."""
     N = q.shape[0]
     item = torch.zeros(N, dtype=torch.long, device=q.device)
     for index, (start, end) in enumerate(zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True)):
         item[start:end] = index
     same = item[:, None] == item[None, :]
-    scores = torch.einsum("ihk,jhk->hij", q.float(), k.float()) * scale
+    scores = torch.einsum("ihk,jhk->hij", q.double(), k.double()) * scale
     probs = scores.masked_fill(~same, float("-inf")).softmax(dim=-1)
-    return torch.einsum("hij,jhk->ihk", probs, v.float()).to(q.dtype)
+    return torch.einsum("hij,jhk->ihk", probs, v.double()).to(q.dtype)
 
 
 def naive_patch_embed(frame: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
