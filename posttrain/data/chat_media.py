@@ -36,7 +36,7 @@ class MediaCursor:
     def take(self, kind: str, index: int) -> Sequence[MediaBlock]:
         if self.used == len(self.media):
             raise ValueError(
-                f"message {index}: a {kind} part but only {len(self.media)} media entries were given; "
+                f"message {index}: its {kind} part has no media entry left ({len(self.media)} given); "
                 "pass media=processor.blocks(sample.images)"
             )
         blocks = self.media[self.used]
