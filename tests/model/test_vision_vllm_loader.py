@@ -22,6 +22,9 @@ from safetensors.torch import load_file
 from vision_fixtures import tiny_vl_model
 
 from posttrain.data.images import MoonViTImageProcessor
+from posttrain.model import load_model_config
+from posttrain.model.vision_config import load_vision_config
+from posttrain.model.vision_model import KimiK3ForConditionalGeneration, KimiK3VLConfig
 
 pytestmark = pytest.mark.vllm
 SCRIPT = Path(__file__).with_name("vllm_vision_load.py")
@@ -77,6 +80,23 @@ def test_vllm_loads_every_vision_parameter_of_a_posttrain_checkpoint(tmp_path):
     assert [e.shape[0] for e in got["embeddings"]] == per_item == [16, 8, 4, 4]
     for theirs, mine in zip(got["embeddings"], expected.split(per_item), strict=True):
         torch.testing.assert_close(theirs, mine, rtol=1e-4, atol=1e-4)
+
+    # at the released size, vLLM's tower and projector have our parameters, shape for shape
+    with torch.device("meta"):
+        released = KimiK3ForConditionalGeneration(
+            KimiK3VLConfig(
+                text_config=load_model_config(REPO / "stages" / "models" / "k3-full.yaml"),
+                vision_config=load_vision_config(REPO / "stages" / "models" / "vision-full.yaml"),
+            )
+        )
+    ours_full = {
+        _vllm_name(name, got["mapper"]): tuple(p.shape)
+        for name, p in released.named_parameters()
+        if name.startswith(("vision_tower.", "mm_projector."))
+    }
+    assert len(ours_full) == 2 + 27 * 6 + 1 + 3
+    assert ours_full["mm_projector.linear_2.weight"] == (7168, 4096)
+    assert got["released_shapes"] == ours_full
 
 
 def _vllm_name(name: str, mapper: dict[str, str]) -> str:

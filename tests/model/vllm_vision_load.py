@@ -8,8 +8,9 @@ Steps, all vLLM's: `EngineArgs(...).create_engine_config()` parses config.json i
 `DefaultModelLoader.load_weights` reads the safetensors through the model's `load_weights` and
 `hf_to_vllm_mapper` (and fails if any parameter stays unloaded). Then vLLM's
 `vision_tower_forward` runs the loaded tower and projector on INPUTS.pt's pixel_values / grid_thws.
-OUT.pt gets every `vision_tower.*` / `mm_projector.*` parameter under vLLM's names and the
-per-item visual embeddings.
+OUT.pt gets every `vision_tower.*` / `mm_projector.*` parameter under vLLM's names, the
+per-item visual embeddings, and the parameter shapes of vLLM's vision tower and projector built on
+the meta device from its own `KimiK3VisionConfig` defaults (the released size).
 
 vLLM's K3 text model cannot be built on a CPU as is; in this process only, and only so that the
 model object exists (the vision side needs neither patch):
@@ -65,7 +66,12 @@ def main(checkpoint: str, inputs_path: str, out_path: str) -> None:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader import DefaultModelLoader
     from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
-    from vllm.model_executor.models.kimi_k25_vit import vision_tower_forward
+    from vllm.model_executor.models.kimi_k25_vit import (
+        KimiK25MultiModalProjector,
+        MoonViT3dPretrainedModel,
+        vision_tower_forward,
+    )
+    from vllm.transformers_utils.configs.kimi_k3 import KimiK3VisionConfig
 
     patched = _patch_gpu_only_pieces()
     args = EngineArgs(
@@ -105,6 +111,20 @@ def main(checkpoint: str, inputs_path: str, out_path: str) -> None:
             mm_projector=model.mm_projector,
             use_data_parallel=False,
         )
+        # the released size (vLLM's KimiK3VisionConfig defaults, under K3's 7168 text width), on meta
+        released = KimiK3VisionConfig(text_hidden_size=7168)
+        with torch.device("meta"):
+            full = {
+                "vision_tower": MoonViT3dPretrainedModel(released, prefix="vision_tower"),
+                "mm_projector": KimiK25MultiModalProjector(
+                    released, out_hidden_size=7168, prefix="mm_projector"
+                ),
+            }
+        full_shapes = {
+            f"{prefix}.{name}": tuple(p.shape)
+            for prefix, module in full.items()
+            for name, p in module.named_parameters()
+        }
     torch.save(
         {
             "architecture": type(model).__name__,
@@ -113,6 +133,7 @@ def main(checkpoint: str, inputs_path: str, out_path: str) -> None:
             "mapper": dict(model.hf_to_vllm_mapper.orig_to_new_prefix),
             "params": params,
             "embeddings": [e.detach().clone() for e in embeddings],
+            "released_shapes": full_shapes,
             "patched": patched,
         },
         out_path,
