@@ -13,7 +13,7 @@ import yaml
 from vision_fixtures import VISION_YAML, tiny_vl_model
 
 from posttrain.model import count_parameters, load_model_config
-from posttrain.model.vision import MoonViTV2, packed_attention, patch_merge
+from posttrain.model.vision import MoonViTPatchEmbed, MoonViTV2, packed_attention, patch_merge
 from posttrain.model.vision_config import KimiK3VisionConfig, load_vision_config
 from posttrain.model.vision_model import (
     KimiK3ForConditionalGeneration,
@@ -127,14 +127,30 @@ def test_attention_stays_inside_each_item():
     assert rel_rms(out, naive_packed_attention(q, k, v, cu, 8**-0.5)) < 1e-12
 
 
-def test_patch_embed_is_the_stride_14_convolution_of_the_frame():
-    model = tiny_vl_model(seed=2)
-    proj = model.vision_tower.patch_embed.proj
-    frame = torch.randn(3, 56, 84)  # 4 x 6 patches
+def test_patch_embed_is_the_stride_14_convolution_of_the_frame_forward_and_backward():
+    config = load_vision_config(VISION_YAML)
+    config.patch_embed_proj_bias = True
+    torch.manual_seed(0)
+    embed = MoonViTPatchEmbed(config).double()
+    with torch.no_grad():
+        embed.proj.weight.normal_()
+        embed.proj.bias.normal_()
+        embed.pos_emb.weight.zero_()  # the projection alone
+    frame = torch.randn(3, 56, 84, dtype=torch.float64, requires_grad=True)  # 4 x 6 patches
     # cut as the processor cuts: patch (r, c) = frame[:, 14r:14r+14, 14c:14c+14], raster order
     patches = frame.view(3, 4, 14, 6, 14).permute(1, 3, 0, 2, 4).reshape(24, 3, 14, 14)
-    fast = torch.nn.functional.linear(patches.flatten(1), proj.weight.flatten(1), proj.bias)
-    torch.testing.assert_close(fast, naive_patch_embed(frame, proj.weight, proj.bias), rtol=1e-5, atol=1e-5)
+    weight = torch.randn(24, 32, dtype=torch.float64)
+    grads = {}
+    for name, out in (
+        ("fast", embed(patches, [(1, 4, 6)])),
+        ("naive", naive_patch_embed(frame, embed.proj.weight, embed.proj.bias)),
+    ):
+        grads[name] = (
+            out.detach(),
+            *torch.autograd.grad((out * weight).sum(), (frame, *embed.proj.parameters())),
+        )
+    for fast, naive in zip(grads["fast"], grads["naive"], strict=True):
+        assert rel_rms(fast, naive) < 1e-12
 
 
 @pytest.mark.parametrize("grids", [[(1, 4, 6)], [(3, 2, 4), (1, 6, 2), (4, 2, 2)]])

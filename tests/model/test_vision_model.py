@@ -83,6 +83,30 @@ def test_image_tokens_are_masked_from_the_loss_and_feed_the_text(media_renderer)
     assert model.mm_projector.proj[0].weight.grad.abs().sum() > 0
 
 
+def test_a_padded_batch_takes_its_media_row_by_row(media_renderer):
+    model = tiny_vl_model(seed=7).eval()
+    processor = MoonViTImageProcessor.from_vision_config(model.config.vision_config)
+    first, second = _images(1)[0], _images(2)[1]
+    rows = []
+    for media in ([first], [second]):
+        messages = [{"role": "user", "content": [{"type": "text", "text": "Count."}, {"type": "image"}]}]
+        if isinstance(media[0], list):
+            messages[0]["content"][1] = {"type": "video"}
+        rows.append(media_renderer.render_prompt(messages, media=processor.blocks(media)))
+    width = max(map(len, rows))
+    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])  # left padding
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    both = processor([first, second])
+    with torch.no_grad():
+        batched = model(ids, both.pixel_values, both.grid_thws, attention_mask=mask).logits
+        for row, media in enumerate(([first], [second])):
+            alone = processor(media)
+            single = model(torch.tensor([rows[row]]), alone.pixel_values, alone.grid_thws).logits
+            torch.testing.assert_close(
+                batched[row, width - len(rows[row]) :], single[0], rtol=1e-4, atol=1e-4
+            )
+
+
 def test_media_counts_must_agree(media_renderer):
     model = tiny_vl_model()
     ids, _, batch = _batch(model, media_renderer)
