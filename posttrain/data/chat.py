@@ -176,15 +176,19 @@ class ChatRenderer:
         ids, _ = self.render(messages, tools, effort, media)
         return ids + self.assistant_header
 
-    def render_tool_results(self, messages: list[dict[str, Any]]) -> list[int]:
+    def render_tool_results(
+        self, messages: list[dict[str, Any]], media: Sequence[Sequence[MediaBlock]] | None = None
+    ) -> list[int]:
         """Environment turns (tool results, or a user/system message) appended after a sampled tool
-        call, followed by the next assistant header. All of it is prompt (loss mask 0)."""
+        call, followed by the next assistant header. All of it is prompt (loss mask 0). `media`:
+        the blocks of these turns' media parts (a screenshot a tool returned), as in `render`."""
         ids: list[int] = []
-        cursor = MediaCursor(None)
+        cursor = MediaCursor(media)
         for index, message in enumerate(messages):
             if message.get("role") == "assistant":
                 raise ValueError(f"render_tool_results got an assistant message at index {index}")
             ids += self._render_message(message, index, cursor)[0]
+        cursor.check_used()
         return ids + self.assistant_header
 
     def render_assistant(self, message: dict[str, Any]) -> list[int]:

@@ -105,6 +105,19 @@ def test_the_jinja_twin_gives_the_same_ids_and_mask(media_renderer):
     assert got == prompt
 
 
+def test_the_exact_prefix_rule_holds_with_media(media_renderer):
+    messages, blocks = _messages(), MoonViTImageProcessor().blocks(_media())
+    full, _ = media_renderer.render(messages, media=blocks)
+    prompt = media_renderer.render_prompt(messages[:2], media=blocks[:2])
+    call = media_renderer.render_assistant(messages[2])
+    tool = media_renderer.render_tool_results(messages[3:4], media=blocks[2:])
+    pieces = prompt + call + tool
+    assert full[: len(pieces)] == pieces
+    assert media_renderer.render(messages, media=blocks)[0][len(pieces) :] == media_renderer.render_assistant(
+        messages[4]
+    )
+
+
 def test_counts_and_kinds_must_agree(media_renderer):
     blocks = MoonViTImageProcessor().blocks(_media())
     with pytest.raises(ValueError, match=r"message 3: its image part has no media entry left \(2 given\)"):
