@@ -16,13 +16,17 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from posttrain.data.chat_media import MEDIA_PART_TYPES, MEDIA_TOKENS, MediaCursor
 from posttrain.data.sample import EFFORTS
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
+
+    from posttrain.data.images import MediaBlock
 
 # Role headers are <|im_role|> ... <|im_middle|>, the K2 chat format's names.
 # Ids follow this order (the shipped tokenizer gives them ids 0..16): pad first, so a model config's
@@ -66,12 +70,13 @@ def tool_name_from_call_id(call_id: str) -> str:
     return match.group("name") if match else call_id
 
 
-def load_tokenizer(path: str | Path | None = None) -> PreTrainedTokenizerFast:
+def load_tokenizer(path: str | Path | None = None, *, media: bool = False) -> PreTrainedTokenizerFast:
     """Load a Hugging Face tokenizer directory (default: the shipped 2048-token BPE) speaking K3 chat.
 
     Any tokenizer works: K3 special tokens it lacks are added (so a model must resize its embeddings
     to ``len(tokenizer)``), ``<|pad|>`` becomes the pad token when it has none, and the K3 chat
-    template replaces its own so ``apply_chat_template`` and `ChatRenderer` agree.
+    template replaces its own so ``apply_chat_template`` and `ChatRenderer` agree. ``media=True`` also
+    adds the `MEDIA_TOKENS` a vision-language model's prompts need.
     """
     from transformers import AutoTokenizer  # here, not at import: transformers takes seconds to load
 
@@ -82,7 +87,8 @@ def load_tokenizer(path: str | Path | None = None) -> PreTrainedTokenizerFast:
         )
     tokenizer = AutoTokenizer.from_pretrained(str(path if path is not None else DEFAULT_TOKENIZER_DIR))
     vocab = tokenizer.get_vocab()
-    missing = [token for token in SPECIAL_TOKENS.values() if token not in vocab]
+    wanted = [*SPECIAL_TOKENS.values(), *(MEDIA_TOKENS.values() if media else ())]
+    missing = [token for token in wanted if token not in vocab]
     if missing:
         tokenizer.add_special_tokens({"extra_special_tokens": missing}, replace_extra_special_tokens=False)
     if tokenizer.pad_token is None:
@@ -113,6 +119,9 @@ class ChatRenderer:
         self.tool_calls_end_id = self.token_ids["tool_calls_end"]
         self.pad_id = self.token_ids["pad"]
         self.assistant_header: list[int] = [self.token_ids["assistant"], self.token_ids["middle"]]
+        self.media_token_ids: dict[str, int] = {
+            name: vocab[token] for name, token in MEDIA_TOKENS.items() if token in vocab
+        }
         self._tool_declare_ids = self.encode(TOOL_DECLARE_NAME)
 
     @property
@@ -137,14 +146,23 @@ class ChatRenderer:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         effort: str | None = None,
+        media: Sequence[Sequence[MediaBlock]] | None = None,
     ) -> tuple[list[int], list[int]]:
-        """Whole conversation -> (ids, loss_mask), both len(ids)."""
-        ids, mask = self._render_preamble(messages, tools, effort)
+        """Whole conversation -> (ids, loss_mask), both len(ids).
+
+        A message's content may be a list of parts ``{"type": "text", "text": ...}``, ``{"type":
+        "image"}``, ``{"type": "video"}``; media parts take, in order, the entries of `media`
+        (`MoonViTImageProcessor.blocks(sample.images)`: one block per image, one per video chunk).
+        Media tokens are prompt (loss mask 0); assistant turns are text only.
+        """
+        cursor = MediaCursor(media)
+        ids, mask = self._render_preamble(messages, tools, effort, cursor)
         start = 1 if messages and messages[0].get("role") == "system" else 0
         for index in range(start, len(messages)):
-            turn_ids, turn_mask = self._render_message(messages[index], index)
+            turn_ids, turn_mask = self._render_message(messages[index], index, cursor)
             ids += turn_ids
             mask += turn_mask
+        cursor.check_used()
         return ids, mask
 
     def render_prompt(
@@ -152,19 +170,25 @@ class ChatRenderer:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         effort: str | None = None,
+        media: Sequence[Sequence[MediaBlock]] | None = None,
     ) -> list[int]:
         """Conversation so far + the assistant header: what a policy continues from."""
-        ids, _ = self.render(messages, tools, effort)
+        ids, _ = self.render(messages, tools, effort, media)
         return ids + self.assistant_header
 
-    def render_tool_results(self, messages: list[dict[str, Any]]) -> list[int]:
+    def render_tool_results(
+        self, messages: list[dict[str, Any]], media: Sequence[Sequence[MediaBlock]] | None = None
+    ) -> list[int]:
         """Environment turns (tool results, or a user/system message) appended after a sampled tool
-        call, followed by the next assistant header. All of it is prompt (loss mask 0)."""
+        call, followed by the next assistant header. All of it is prompt (loss mask 0). `media`:
+        the blocks of these turns' media parts (a screenshot a tool returned), as in `render`."""
         ids: list[int] = []
+        cursor = MediaCursor(media)
         for index, message in enumerate(messages):
             if message.get("role") == "assistant":
                 raise ValueError(f"render_tool_results got an assistant message at index {index}")
-            ids += self._render_message(message, index)[0]
+            ids += self._render_message(message, index, cursor)[0]
+        cursor.check_used()
         return ids + self.assistant_header
 
     def render_assistant(self, message: dict[str, Any]) -> list[int]:
@@ -189,7 +213,11 @@ class ChatRenderer:
         return ids + [self.tool_calls_end_id]
 
     def _render_preamble(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, effort: str | None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        effort: str | None,
+        cursor: MediaCursor,
     ) -> tuple[list[int], list[int]]:
         if effort is not None and effort not in EFFORTS:
             raise ValueError(f"unknown effort {effort!r}; expected one of {', '.join(EFFORTS)}")
@@ -197,7 +225,7 @@ class ChatRenderer:
         ids: list[int] = []
         if messages and messages[0].get("role") == "system":
             ids += [self.token_ids["system"], *effort_ids, self.token_ids["middle"]]
-            ids += self.encode(messages[0].get("content") or "") + [self.end_of_turn_id]
+            ids += self._render_content(messages[0].get("content"), 0, cursor) + [self.end_of_turn_id]
         elif effort_ids:
             ids += [self.token_ids["system"], *effort_ids, self.token_ids["middle"], self.end_of_turn_id]
         if tools:
@@ -206,9 +234,13 @@ class ChatRenderer:
             ids += self.encode(declared) + [self.end_of_turn_id]
         return ids, [0] * len(ids)
 
-    def _render_message(self, message: dict[str, Any], index: int) -> tuple[list[int], list[int]]:
+    def _render_message(
+        self, message: dict[str, Any], index: int, cursor: MediaCursor
+    ) -> tuple[list[int], list[int]]:
         role = message.get("role")
         if role == "assistant":
+            if isinstance(message.get("content"), list):
+                raise ValueError(f"message {index}: assistant content is text; media parts go in other turns")
             body = self.render_assistant(message)
             return self.assistant_header + body, [0] * len(self.assistant_header) + [1] * len(body)
         if role in ("system", "user"):
@@ -219,8 +251,47 @@ class ChatRenderer:
             ids = [self.token_ids["tool"], *self.encode(message["tool_call_id"]), self.token_ids["middle"]]
         else:
             raise ValueError(f"message {index}: unknown role {role!r}; expected one of {', '.join(ROLES)}")
-        ids += self.encode(message.get("content") or "") + [self.end_of_turn_id]
+        ids += self._render_content(message.get("content"), index, cursor) + [self.end_of_turn_id]
         return ids, [0] * len(ids)
+
+    def _render_content(self, content: str | list | None, index: int, cursor: MediaCursor) -> list[int]:
+        """A message body: text as is; a list of parts with each media part as its media blocks.
+        Adjacent text parts are encoded together, as the template's concatenated string is."""
+        if content is None or isinstance(content, str):
+            return self.encode(content or "")
+        ids: list[int] = []
+        text = ""
+        for part in content:
+            kind = part.get("type")
+            if kind == "text":
+                text += part.get("text") or ""
+            elif kind in MEDIA_PART_TYPES:
+                ids += self.encode(text)
+                text = ""
+                for block in cursor.take(kind, index):
+                    ids += self._media_block_ids(block)
+            else:
+                raise ValueError(
+                    f"message {index}: unknown content part type {kind!r}; expected text, image or video"
+                )
+        return ids + self.encode(text)
+
+    def _media_block_ids(self, block: MediaBlock) -> list[int]:
+        if len(self.media_token_ids) != len(MEDIA_TOKENS):
+            raise ValueError(
+                f"tokenizer {self.tokenizer.name_or_path!r} lacks the media tokens "
+                f"{list(MEDIA_TOKENS.values())}; load it with "
+                "posttrain.data.chat.load_tokenizer(path, media=True)"
+            )
+        t = self.media_token_ids
+        header = self.encode(f"{block.kind} {block.width}x{block.height}")
+        return [
+            t["media_begin"],
+            *header,
+            t["media_content"],
+            *[t["media_pad"]] * block.num_tokens,
+            t["media_end"],
+        ]
 
     # Parsing -------------------------------------------------------------------------------------
 

@@ -32,6 +32,8 @@ class Sample:
       tools: JSON schemas of the tools offered in this episode.
       task: the environment's private data (reference answer, hidden tests, ...). Never rendered
         into the prompt.
+      images: the media of `messages`, in the order of their image / video content parts: an
+        image is a file path or a data URI, a short video a list of them (its frames).
 
     Tokens (all per-token lists have len(tokens))
       tokens: rendered token ids of the whole trajectory.
@@ -59,6 +61,7 @@ class Sample:
     messages: list[dict[str, Any]] = field(default_factory=list)
     tools: list[dict[str, Any]] = field(default_factory=list)
     task: dict[str, Any] = field(default_factory=dict)
+    images: list[str | list[str]] = field(default_factory=list)
 
     tokens: list[int] = field(default_factory=list)
     prompt_length: int = 0

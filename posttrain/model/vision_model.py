@@ -1,0 +1,168 @@
+"""K3 as the released vision-language model: `KimiK3ForConditionalGeneration` = MoonViT-V2
+(`vision_tower`) + projector (`mm_projector`) + the K3 text model (`language_model`).
+
+The config is the released multimodal header (`model_type: kimi_k3`, text keys under `text_config`
+with vLLM's `model_type: kimi_linear`, `vision_config`, `media_placeholder_token_id`), so
+`save_pretrained` writes a directory vLLM's `KimiK3ForConditionalGeneration` loader reads:
+`vision_tower.*`, `mm_projector.*`, `language_model.model.*`, `language_model.lm_head.weight`
+(routed experts per expert through the `kimi_k3` checkpoint-conversion mapping).
+
+Visual tokens enter the text model as embeddings: every `<|media_pad|>` position of input_ids
+(`media_placeholder_token_id`) is replaced by one projected visual token, items in order. Those
+positions are prompt: their labels are ignored (-100), whatever the caller passed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
+from transformers import initialization as init
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from posttrain.model.configuration_kimi_k3 import KimiK3Config
+from posttrain.model.modeling_kimi_k3 import KimiK3ForCausalLM
+from posttrain.model.vision import KimiK3MultiModalProjector, MoonViTPosEmb, MoonViTV2
+from posttrain.model.vision_config import KimiK3VisionConfig
+
+VLLM_TEXT_MODEL_TYPE = "kimi_linear"  # what vLLM's KimiK3Config parses text_config as
+IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"
+
+
+class KimiK3VLConfig(PretrainedConfig):
+    """The released multimodal K3 config: `text_config` (KimiK3Config keys), `vision_config`
+    (KimiK3VisionConfig keys, `text_hidden_size` forced to the text width as vLLM does)."""
+
+    model_type = "kimi_k3"
+    sub_configs = {"text_config": KimiK3Config, "vision_config": KimiK3VisionConfig}
+
+    def __init__(
+        self,
+        text_config: dict[str, Any] | KimiK3Config | None = None,
+        vision_config: dict[str, Any] | KimiK3VisionConfig | None = None,
+        media_placeholder_token_id: int = 163605,
+        ignore_index: int = -100,
+        image_placeholder: str = IMAGE_PLACEHOLDER,
+        pad_token_id: int | None = 0,
+        **kwargs: Any,
+    ) -> None:
+        if isinstance(text_config, dict):
+            text_config = KimiK3Config(**_strip_header(text_config))
+        self.text_config = KimiK3Config() if text_config is None else text_config
+        if isinstance(vision_config, dict):
+            vision_config = KimiK3VisionConfig(**_strip_header(vision_config))
+        self.vision_config = KimiK3VisionConfig() if vision_config is None else vision_config
+        self.vision_config.text_hidden_size = self.text_config.hidden_size
+        self.media_placeholder_token_id = media_placeholder_token_id
+        self.ignore_index = ignore_index
+        self.image_placeholder = image_placeholder
+        kwargs.setdefault("architectures", ["KimiK3ForConditionalGeneration"])
+        super().__init__(pad_token_id=pad_token_id, **kwargs)
+        vocab = self.text_config.vocab_size
+        if not 0 <= media_placeholder_token_id < vocab:
+            raise ValueError(
+                f"media_placeholder_token_id={media_placeholder_token_id} is outside the text vocabulary "
+                f"(vocab_size={vocab}): use the tokenizer's id of <|media_pad|>"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        data = super().to_dict()
+        data["text_config"]["model_type"] = VLLM_TEXT_MODEL_TYPE
+        return data
+
+
+def _strip_header(data: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in data.items() if k not in ("model_type", "architectures", "transformers_version")}
+
+
+class KimiK3ForConditionalGeneration(PreTrainedModel):
+    """Vision tower, projector and K3 causal LM; `forward` takes input_ids with `<|media_pad|>`
+    runs plus the processor's pixel_values / grid_thws."""
+
+    config: KimiK3VLConfig
+    config_class = KimiK3VLConfig
+    base_model_prefix = ""
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["KimiK3DecoderLayer", "MoonViTEncoderLayer"]
+
+    def __init__(self, config: KimiK3VLConfig) -> None:
+        super().__init__(config)
+        self.vision_tower = MoonViTV2(config.vision_config)
+        self.mm_projector = KimiK3MultiModalProjector(config.vision_config)
+        self.language_model = KimiK3ForCausalLM(config.text_config)
+        self.post_init()
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        # The text model initialises its own modules (transformers calls each sub-model's
+        # _init_weights); here the vision side: linears and the patch conv N(0, initializer_range),
+        # biases 0, norms 1, the position table N(0, initializer_range).
+        std = self.config.vision_config.initializer_range
+        if isinstance(module, nn.Linear | nn.Conv2d):
+            init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, nn.RMSNorm | nn.LayerNorm):
+            init.ones_(module.weight)
+            if getattr(module, "bias", None) is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, MoonViTPosEmb):
+            init.normal_(module.weight, mean=0.0, std=std)
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.language_model.model.embed_tokens
+
+    def media_embeddings(self, pixel_values: torch.Tensor, grid_thws: torch.Tensor | list) -> torch.Tensor:
+        """[sum tokens, text hidden]: the projected visual tokens of every media item, in order."""
+        features = self.vision_tower(pixel_values, grid_thws)
+        return self.mm_projector(features.to(self.mm_projector.proj[0].weight.dtype))
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        pixel_values: torch.Tensor | None = None,
+        grid_thws: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        **kwargs: Any,
+    ) -> CausalLMOutputWithPast:
+        """Args:
+        input_ids: [B, T]; each media item's visual tokens are a run of `<|media_pad|>` ids.
+        pixel_values, grid_thws: `MoonViTImageProcessor` output for the items, in prompt order.
+        attention_mask, labels and the rest: as `KimiK3ForCausalLM.forward` (labels at media
+        positions are set to -100).
+        """
+        media = input_ids == self.config.media_placeholder_token_id
+        embeds = self.get_input_embeddings()(input_ids)
+        count = int(media.sum())
+        if pixel_values is None:
+            if count:
+                raise ValueError(
+                    f"input_ids hold {count} <|media_pad|> tokens but no pixel_values were given"
+                )
+        else:
+            visual = self.media_embeddings(pixel_values, grid_thws)
+            if visual.shape[0] != count:
+                raise ValueError(
+                    f"input_ids hold {count} <|media_pad|> tokens but the media give {visual.shape[0]} "
+                    "visual tokens: render the prompt with the same processor's blocks"
+                )
+            embeds = embeds.masked_scatter(media[..., None], visual.to(embeds.dtype))
+        if labels is not None:
+            labels = labels.masked_fill(media, self.config.ignore_index)
+        return self.language_model(
+            inputs_embeds=embeds, attention_mask=attention_mask, labels=labels, **kwargs
+        )
+
+
+def count_vision_parameters(config: KimiK3VLConfig | KimiK3VisionConfig) -> dict[str, int]:
+    """{"vision_tower": ..., "mm_projector": ...} parameter counts, built on the meta device."""
+    vision = config.vision_config if isinstance(config, KimiK3VLConfig) else config
+    with torch.device("meta"):
+        tower, projector = MoonViTV2(vision), KimiK3MultiModalProjector(vision)
+    return {
+        "vision_tower": sum(p.numel() for p in tower.parameters()),
+        "mm_projector": sum(p.numel() for p in projector.parameters()),
+    }
