@@ -10,7 +10,7 @@ also updates its router bias, as the trainers do. Prints each median step time, 
 embeddings are lookups and not counted), kernel launches in one step, and the ratios.
 Asserts nothing.
 
-Usage: python bench/train_step_gpu.py [--batch 8] [--seq 2048] [--steps 8] [--warmup 3]
+Usage: python bench/train_step_gpu.py [--batch 8] [--seq 2048] [--steps 8] [--warmup 3] [--profile 0]
 """
 
 from __future__ import annotations
@@ -107,15 +107,25 @@ def timed(step) -> float:
     return time.perf_counter() - start
 
 
-def launches(step) -> int:
-    """CUDA kernels launched by one step (torch profiler)."""
+def launches(step, top: int = 0) -> int:
+    """CUDA kernels launched by one step (torch profiler); with top > 0 also prints the step's
+    GPU-busy time and its `top` most expensive operators."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA)
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    if top:
+        busy = sum(e.device_time for e in kernels) / 1e3
+        print(f"  profiled step: {len(kernels)} kernels, {busy:.1f} ms of GPU kernel time")
+        print(
+            prof.key_averages().table(
+                sort_by="self_device_time_total", row_limit=top, max_name_column_width=60
+            )
+        )
+    return len(kernels)
 
 
 def report(name: str, seconds: list[float], tokens: int, active: int) -> float:
@@ -130,7 +140,7 @@ def report(name: str, seconds: list[float], tokens: int, active: int) -> float:
     return median
 
 
-def bench_k3(ids: torch.Tensor, warmup: int, steps: int) -> tuple[dict[str, list[float]], int, int]:
+def bench_k3(ids: torch.Tensor, warmup: int, steps: int, top: int) -> tuple[dict[str, list[float]], int, int]:
     """Step times per QAT scheme (alternating, so drifts hit both alike), launches, active params."""
     config = k3_config()
     counts = count_parameters(config)
@@ -149,7 +159,7 @@ def bench_k3(ids: torch.Tensor, warmup: int, steps: int) -> tuple[dict[str, list
             elif i == 0:
                 print(f"  first K3 step ({scheme}, compiles kernels): {seconds:.1f} s", flush=True)
     apply_qat(model, qat["none"])
-    return times, launches(lambda: train_step(model, optimizer, ids)), counts["active"]
+    return times, launches(lambda: train_step(model, optimizer, ids), top), counts["active"]
 
 
 def bench_llama(ids: torch.Tensor, warmup: int, steps: int) -> tuple[list[float], int, int]:
@@ -173,12 +183,13 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=8, help="timed steps per variant")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first")
+    parser.add_argument("--profile", type=int, default=0, help="print the K3 step's N costliest operators")
     args = parser.parse_args()
     tokens = args.batch * args.seq
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, batch {args.batch} x {args.seq}")
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, VOCAB, (args.batch, args.seq), generator=gen).cuda()
-    times, k3_launches, k3_active = bench_k3(ids, args.warmup, args.steps)
+    times, k3_launches, k3_active = bench_k3(ids, args.warmup, args.steps, args.profile)
     torch.cuda.empty_cache()
     llama_times, llama_launches, llama_active = bench_llama(ids, args.warmup, args.steps)
 

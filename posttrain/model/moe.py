@@ -109,23 +109,24 @@ class KimiK3Experts(nn.Module):
         token = order // topk_idx.shape[1]
         weight = topk_weight.flatten()[order]
         dtype = grouped_mm_dtype(x, w1)
-        if dtype is not None:
-            return self._grouped(x, w1, w3, w2, flat_expert[order], order, token, weight, dtype, aq)
+        if dtype is not None and x.shape[0]:
+            k = topk_idx.shape[1]
+            return self._grouped(x, w1, w3, w2, flat_expert[order], order, token, weight, k, dtype, aq)
         return self._per_expert(x, w1, w3, w2, flat_expert, token, weight, aq)
 
-    def _grouped(self, x, w1, w3, w2, sorted_expert, order, token, weight, dtype, aq) -> torch.Tensor:
+    def _grouped(self, x, w1, w3, w2, sorted_expert, order, token, weight, k, dtype, aq) -> torch.Tensor:
         # ends[e] = rows of experts 0..e: the grouped GEMM's offsets, computed without a host sync.
         ends = torch.searchsorted(
             sorted_expert, torch.arange(1, self.num_experts + 1, device=x.device), out_int32=True
         )
-        xs = x.index_select(0, token).to(dtype)
+        xs = _GatherRows.apply(x, token, order, k).to(dtype)
         gate = torch._grouped_mm(xs, w1.to(dtype).transpose(-2, -1), offs=ends)
         up = torch._grouped_mm(xs, w3.to(dtype).transpose(-2, -1), offs=ends)
         h = aq(glu_activation(self.config, gate, up))
         y = torch._grouped_mm(h, w2.to(dtype).transpose(-2, -1), offs=ends) * weight[:, None].to(dtype)
         # Back to (token, choice) order, then the k choices of each token summed: no atomics.
         y = y.new_empty(y.shape).index_copy(0, order, y)
-        return y.view(x.shape[0], -1, y.shape[-1]).sum(1)
+        return y.view(x.shape[0], k, y.shape[-1]).sum(1)
 
     def _per_expert(self, x, w1, w3, w2, flat_expert, token, weight, aq) -> torch.Tensor:
         # unbind: one backward node stacks the E weight gradients (indexing w1[e] would add a
@@ -144,6 +145,25 @@ class KimiK3Experts(nn.Module):
             out = out.index_add(0, rows, y)
             start += n
         return out
+
+
+class _GatherRows(torch.autograd.Function):
+    """x[token] for the expert-sorted rows, whose backward gathers too: row r of the sorted
+    order is choice order[r] % k of token order[r] // k, so the gradient of x is the sorted
+    gradient put back in (token, choice) order and summed over the k choices, deterministic and
+    without the atomic scatter-add of index_select's backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, token: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
+        ctx.save_for_backward(order)
+        ctx.num_tokens, ctx.k = x.shape[0], k
+        return x.index_select(0, token)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (order,) = ctx.saved_tensors
+        unsorted = grad.new_empty(grad.shape).index_copy_(0, order, grad)
+        return unsorted.view(ctx.num_tokens, ctx.k, grad.shape[-1]).sum(1), None, None, None
 
 
 def grouped_mm_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype | None:

@@ -182,3 +182,14 @@ def test_moe_block_trains_without_host_sync(tiny_config):
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert block.experts.w1.grad is not None and torch.isfinite(block.experts.w1.grad).all()
+
+
+@pytest.mark.gpu
+@gpu
+@sm90
+def test_grouped_path_takes_no_token(tiny_config):
+    module = make_experts(experts_config(tiny_config, 4, 2, 16), 16, torch.float32, torch.Generator()).cuda()
+    x = torch.zeros(0, 16, device="cuda", requires_grad=True)
+    with torch.autocast("cuda", torch.bfloat16):
+        out = module(x, torch.zeros(0, 2, dtype=torch.long, device="cuda"), torch.zeros(0, 2, device="cuda"))
+    assert out.shape == (0, 16)
