@@ -100,7 +100,12 @@ def test_weight_gradients_are_not_zero_filled_per_expert(tiny_config):
     config = experts_config(tiny_config, 6, 2, 16)
     module = make_experts(config, 8, torch.float32, gen)
     idx, weight = uneven_routing(10, 6, 2, gen)
-    out = module(torch.randn(10, 8, generator=gen), idx, weight.float())
+    names = graph_nodes(module(torch.randn(10, 8, generator=gen), idx, weight.float()))
+    assert "SelectBackward0" not in names and "UnbindBackward0" in names
+
+
+def graph_nodes(out: torch.Tensor) -> set[str]:
+    """Class names of every autograd node behind out."""
     seen, stack = set(), [out.grad_fn]
     while stack:
         node = stack.pop()
@@ -108,8 +113,36 @@ def test_weight_gradients_are_not_zero_filled_per_expert(tiny_config):
             continue
         seen.add(node)
         stack.extend(next_fn for next_fn, _ in node.next_functions)
-    names = {type(node).__name__ for node in seen}
-    assert "SelectBackward0" not in names and "UnbindBackward0" in names
+    return {type(node).__name__ for node in seen}
+
+
+@pytest.mark.parametrize(("N", "E", "k", "D", "I"), [(41, 7, 3, 24, 40), (5, 6, 1, 8, 16), (64, 9, 4, 16, 8)])
+def test_grouped_path_on_cpu_matches_naive(tiny_config, monkeypatch, N, E, k, D, I):
+    """The grouped path's sorting, device-side offsets, gathered gradient and un-permutation,
+    run on the CPU: torch._grouped_mm computes bf16 forward and backward there too, and the
+    dispatch is pointed at it (on CPU the module otherwise takes the per-expert path)."""
+    monkeypatch.setattr("posttrain.model.moe.grouped_mm_dtype", lambda x, w: torch.bfloat16)
+    gen = torch.Generator().manual_seed(N * 7 + k)
+    config = experts_config(tiny_config, E, k, I)
+    module = make_experts(config, D, torch.bfloat16, gen)
+    x = torch.randn(N, D, generator=gen).to(torch.bfloat16).requires_grad_(True)
+    idx, weight = uneven_routing(N, E, k, gen)
+    weight = weight.float().requires_grad_(True)
+    out = module(x, idx, weight)
+    assert {"GroupedMmBackward0", "_GatherRowsBackward"} <= graph_nodes(out)
+    params = [x, weight, module.w1, module.w3, module.w2]
+    ref_params = [p.detach().double().requires_grad_(True) for p in params]
+    ref = naive_moe_experts(config, ref_params[0], idx, *ref_params[1:])
+    assert out.dtype == torch.bfloat16 and rel(out, ref) < 1e-2
+    g = torch.randn(out.shape, generator=gen).to(torch.bfloat16)
+    got = grads(out, g, params)
+    for name, a, b in zip(
+        ("x", "weight", "w1", "w3", "w2"), got, grads(ref, g.double(), ref_params), strict=True
+    ):
+        assert rel(a, b) < 1e-2, name
+    for e in EMPTY:
+        if e < E:
+            assert all(torch.equal(w[e], torch.zeros_like(w[e])) for w in got[2:])
 
 
 # --- GPU: the grouped-GEMM path ----------------------------------------------------------------
