@@ -79,7 +79,10 @@ class QuantileBalancer:
         biased = scores + bias.float()
         cutoff = biased.topk(self.top_k + 1, dim=-1).values[:, -1:]
         margins = cutoff - scores  # [N, E]: the bias expert j needs to enter token i's top-k
-        loads = torch.bincount(topk_idx.flatten(), minlength=self.num_experts)
+        chosen = topk_idx.flatten()
+        # scatter_add, not bincount: bincount sizes its output from the data (a host sync on CUDA)
+        loads = torch.zeros(self.num_experts, dtype=torch.long, device=chosen.device)
+        loads.scatter_add_(0, chosen, torch.ones_like(chosen))
         self.loads = loads if self.loads is None else self.loads + loads
         self.num_tokens += scores.shape[0]
         if self.resolved_mode() == "exact":

@@ -79,6 +79,12 @@ class KimiK3Experts(nn.Module):
     QAT hooks: `weight_fake_quant` is applied to each 3-D weight and `act_fake_quant` to the input
     activation of each expert matmul (the tokens entering w1/w3 and the SiTU output entering w2);
     None means identity. `posttrain.qat.apply_qat` sets them.
+
+    The (token, choice) rows are sorted by expert once per call. On a Hopper-or-newer GPU in bf16
+    (autocast or bf16 weights) the three projections are grouped GEMMs over the sorted rows
+    (`torch._grouped_mm`, group ends computed on the device): no loop over experts, no host sync,
+    and the 3-D weight gradients come out of one grouped GEMM each. Elsewhere (the CPU) the experts
+    run one matmul each; `naive_moe_experts` in `moe_naive` is the spec both paths are tested against.
     """
 
     def __init__(self, config: KimiK3Config, hidden_size: int) -> None:
@@ -98,11 +104,34 @@ class KimiK3Experts(nn.Module):
         aq = self.act_fake_quant or (lambda a: a)
         w1, w3, w2 = wq(self.w1), wq(self.w3), wq(self.w2)
         x = aq(x)
-        N, k = topk_idx.shape
         flat_expert = topk_idx.flatten()
-        order = flat_expert.argsort(stable=True)
-        token = torch.arange(N, device=x.device).repeat_interleave(k)[order]
+        order = flat_expert.argsort(stable=True)  # rows of one expert together, token order inside
+        token = order // topk_idx.shape[1]
         weight = topk_weight.flatten()[order]
+        dtype = grouped_mm_dtype(x, w1)
+        if dtype is not None and x.shape[0]:
+            k = topk_idx.shape[1]
+            return self._grouped(x, w1, w3, w2, flat_expert[order], order, token, weight, k, dtype, aq)
+        return self._per_expert(x, w1, w3, w2, flat_expert, token, weight, aq)
+
+    def _grouped(self, x, w1, w3, w2, sorted_expert, order, token, weight, k, dtype, aq) -> torch.Tensor:
+        # ends[e] = rows of experts 0..e: the grouped GEMM's offsets, computed without a host sync.
+        ends = torch.searchsorted(
+            sorted_expert, torch.arange(1, self.num_experts + 1, device=x.device), out_int32=True
+        )
+        xs = _GatherRows.apply(x, token, order, k).to(dtype)
+        gate = torch._grouped_mm(xs, w1.to(dtype).transpose(-2, -1), offs=ends)
+        up = torch._grouped_mm(xs, w3.to(dtype).transpose(-2, -1), offs=ends)
+        h = aq(glu_activation(self.config, gate, up))
+        y = torch._grouped_mm(h, w2.to(dtype).transpose(-2, -1), offs=ends) * weight[:, None].to(dtype)
+        # Back to (token, choice) order, then the k choices of each token summed: no atomics.
+        y = y.new_empty(y.shape).index_copy(0, order, y)
+        return y.view(x.shape[0], k, y.shape[-1]).sum(1)
+
+    def _per_expert(self, x, w1, w3, w2, flat_expert, token, weight, aq) -> torch.Tensor:
+        # unbind: one backward node stacks the E weight gradients (indexing w1[e] would add a
+        # zero-filled [E, I, D] gradient per expert).
+        w1s, w3s, w2s = w1.unbind(0), w3.unbind(0), w2.unbind(0)
         counts = torch.bincount(flat_expert, minlength=self.num_experts).tolist()
         out = torch.zeros_like(x)
         start = 0
@@ -111,11 +140,41 @@ class KimiK3Experts(nn.Module):
                 continue
             rows = token[start : start + n]
             xe = x[rows]
-            h = aq(glu_activation(self.config, xe @ w1[e].t(), xe @ w3[e].t()))
-            y = (h @ w2[e].t()) * weight[start : start + n, None].to(x.dtype)
+            h = aq(glu_activation(self.config, xe @ w1s[e].t(), xe @ w3s[e].t()))
+            y = (h @ w2s[e].t()) * weight[start : start + n, None].to(x.dtype)
             out = out.index_add(0, rows, y)
             start += n
         return out
+
+
+class _GatherRows(torch.autograd.Function):
+    """x[token] for the expert-sorted rows, whose backward gathers too: row r of the sorted
+    order is choice order[r] % k of token order[r] // k, so the gradient of x is the sorted
+    gradient put back in (token, choice) order and summed over the k choices, deterministic and
+    without the atomic scatter-add of index_select's backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, token: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
+        ctx.save_for_backward(order)
+        ctx.num_tokens, ctx.k = x.shape[0], k
+        return x.index_select(0, token)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (order,) = ctx.saved_tensors
+        unsorted = grad.new_empty(grad.shape).index_copy_(0, order, grad)
+        return unsorted.view(ctx.num_tokens, ctx.k, grad.shape[-1]).sum(1), None, None, None
+
+
+def grouped_mm_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype | None:
+    """bf16 when the experts can run as grouped GEMMs (CUDA sm90+, bf16 by autocast or by the
+    tensors themselves, widths 16-byte aligned), else None (per-expert matmuls)."""
+    if not (x.is_cuda and hasattr(torch, "_grouped_mm")) or torch.cuda.get_device_capability(x.device)[0] < 9:
+        return None
+    autocast_bf16 = torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") == torch.bfloat16
+    if not (autocast_bf16 or (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16)):
+        return None
+    return torch.bfloat16 if weight.shape[-1] % 8 == 0 and weight.shape[-2] % 8 == 0 else None
 
 
 class KimiK3SparseMoeBlock(nn.Module):

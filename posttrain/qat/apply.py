@@ -19,14 +19,16 @@ import torch
 from torch import nn
 
 from posttrain.qat.config import QATConfig
-from posttrain.qat.mx import MXFormat, ScaleRule, quantize_dequantize
+from posttrain.qat.mx import MXFormat, ScaleRule
+from posttrain.qat.mx_fused import fake_quantize
 
 QAT_CONFIG_KEY = "posttrain_qat"
 
 
 @dataclass(frozen=True)
 class MXFakeQuant:
-    """`quantize_dequantize` with fixed settings: the Callable[[Tensor], Tensor] a hook holds.
+    """MX fake quantisation (`fake_quantize`: one fused kernel on CUDA, the spec
+    `quantize_dequantize` elsewhere, same values) with fixed settings: the Callable a hook holds.
     A dataclass rather than a lambda so a model with hooks set still pickles and prints clearly.
 
     `cache_inference` (weights only): under no_grad (rollouts, scoring, eval) the quantised copy
@@ -48,12 +50,12 @@ class MXFakeQuant:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not (self.cache_inference and not torch.is_grad_enabled()):
-            return quantize_dequantize(x, self.fmt, self.block_size, self.scale_rule)
+            return fake_quantize(x, self.fmt, self.block_size, self.scale_rule)
         key = id(x)
         hit = self._cache.get(key)
         if hit is not None and hit[0]() is x and hit[1] == x._version:
             return hit[2]
-        out = quantize_dequantize(x, self.fmt, self.block_size, self.scale_rule)
+        out = fake_quantize(x, self.fmt, self.block_size, self.scale_rule)
         cache = self._cache
         self._cache[key] = (weakref.ref(x, lambda _ref: cache.pop(key, None)), x._version, out)
         return out

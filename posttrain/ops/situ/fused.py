@@ -3,13 +3,15 @@
 The naive composition keeps every intermediate (two tanh, one sigmoid, the products) alive for the
 backward pass; on the widest activations of the model (the dense MLP, 33792 wide at full size) that
 is several copies of the largest tensor per layer. This version recomputes them in backward from
-`gate` and `up`, the same trade activation checkpointing makes, at the scale of one op.
+`gate` and `up`, the same trade activation checkpointing makes, at the scale of one op. On CUDA
+both passes are one Triton kernel each (`triton_glu`).
 """
 
 from __future__ import annotations
 
 import torch
 
+from posttrain.ops.situ import triton_glu
 from posttrain.ops.situ.naive import upcast
 
 
@@ -31,12 +33,16 @@ class _SituGLU(torch.autograd.Function):
     def forward(ctx, gate, up, beta, linear_beta):
         ctx.save_for_backward(gate, up)
         ctx.beta, ctx.linear_beta = beta, linear_beta
+        if triton_glu.triton_available(gate) and up.dtype == gate.dtype:
+            return triton_glu.situ_glu_forward(gate, up, beta, linear_beta)
         a, _, b, _ = _branches(upcast(gate), upcast(up), beta, linear_beta)
         return (a * b).to(gate.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         gate, up = ctx.saved_tensors
+        if triton_glu.triton_available(gate) and up.dtype == gate.dtype:
+            return (*triton_glu.situ_glu_backward(gate, up, grad_out, ctx.beta, ctx.linear_beta), None, None)
         a, da, b, db = _branches(upcast(gate), upcast(up), ctx.beta, ctx.linear_beta)
         go = upcast(grad_out)
         return (go * b * da).to(gate.dtype), (go * a * db).to(up.dtype), None, None

@@ -1,0 +1,62 @@
+"""Greedy decoding on a GPU: the K3 of bench/train_step_gpu.py through transformers' generate with
+KimiK3Cache, against the equal-active LlamaForCausalLM.generate (the baseline), both bf16, the same
+prompts (batch x 128 random tokens), every row forced to the same number of new tokens. Prints
+new tokens/s for both and the ratio; asserts nothing. No CUDA graph and no pre-allocated cache
+yet on the K3 side: this is the figure a captured decode step has to beat.
+
+Usage: python bench/decode_gpu.py [--batch 32] [--prompt 128] [--new 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from train_step_gpu import VOCAB, k3_config, llama_config
+from transformers import LlamaForCausalLM
+
+from posttrain.model import KimiK3ForCausalLM
+
+
+def new_tokens_per_s(model: torch.nn.Module, ids: torch.Tensor, new: int) -> float:
+    kwargs = dict(do_sample=False, use_cache=True, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, min_new_tokens=2, **kwargs)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, **kwargs
+        )
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    assert out.shape[1] == ids.shape[1] + new
+    return ids.shape[0] * new / seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--new", type=int, default=32)
+    args = parser.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, VOCAB, (args.batch, args.prompt), generator=gen).cuda()
+    print(
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}: batch {args.batch}, "
+        f"prompt {args.prompt}, {args.new} new tokens, greedy, bf16"
+    )
+    torch.manual_seed(0)
+    k3 = KimiK3ForCausalLM(k3_config()).to(torch.bfloat16).cuda().eval()
+    k3_rate = new_tokens_per_s(k3, ids, args.new)
+    print(f"  K3 generate: {k3_rate:.0f} new tokens/s", flush=True)
+    del k3
+    torch.cuda.empty_cache()
+    llama = LlamaForCausalLM(llama_config()).to(torch.bfloat16).cuda().eval()
+    llama_rate = new_tokens_per_s(llama, ids, args.new)
+    print(f"  Llama generate (baseline): {llama_rate:.0f} new tokens/s")
+    print(f"  K3 / Llama: {k3_rate / llama_rate:.3f}x (goal >= 1.0x)")
+
+
+if __name__ == "__main__":
+    main()
