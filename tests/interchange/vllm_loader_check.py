@@ -1,7 +1,7 @@
 """Run vLLM's own K3 loader over a model directory and compare every loaded text parameter with the
 checkpoint's tensors; prints one JSON line. Run as a script in its own process (the test does):
 
-    python tests/interchange/vllm_loader_check.py MODEL_DIR DTYPE
+    python tests/interchange/vllm_loader_check.py MODEL_DIR DTYPE [--sync]
 
 The path is vLLM's: `EngineArgs(...).create_engine_config()` parses config.json (text-only:
 `language_model_only`), `initialize_model` builds `KimiK3ForConditionalGeneration`, and
@@ -15,6 +15,11 @@ exactly these pieces, nothing on the loading path:
 - `VLLM_KIMI_K3_GEMM_AR=0` / `VLLM_ENABLE_GEMM_RS=0`: the NVLink GEMM-allreduce fusions are off.
 `process_weights_after_loading` (kernel-specific repacking) is not run: the comparison is of the
 weights as loaded.
+
+With --sync, the weight sync an RL stage does is checked too: posttrain loads the directory,
+perturbs every weight, and its `rollout_weights` (checkpoint names), renamed by the engines'
+`vllm_weight_name` for this architecture, go through the vLLM model's own `load_weights` (what the
+engines' `reload_weights` calls); every parameter must then equal the perturbed weights.
 """
 
 from __future__ import annotations
@@ -134,9 +139,8 @@ def expected_value(name: str, param: torch.Tensor, ckpt: dict[str, torch.Tensor]
     return ckpt[name].reshape(param.shape)
 
 
-def main(model_dir: Path, dtype: str) -> dict:
-    ckpt = read_checkpoint(model_dir)
-    vllm_config, model = load_with_vllm(model_dir, dtype)
+def compare(model: torch.nn.Module, ckpt: dict[str, torch.Tensor]) -> tuple[int, list[str], list[str]]:
+    """(parameters compared, mismatched parameter names, checkpoint tensors no parameter used)."""
     used: set[str] = set()
     mismatched, compared = [], 0
     for name, param in model.named_parameters():
@@ -144,6 +148,46 @@ def main(model_dir: Path, dtype: str) -> dict:
         compared += 1
         if expected.shape != param.shape or not torch.equal(param.data, expected.to(param.dtype)):
             mismatched.append(name)
+    return compared, mismatched, sorted(set(ckpt) - used)
+
+
+def synced_weights(model_dir: Path, architectures: list[str]) -> dict[str, torch.Tensor]:
+    """posttrain's rollout weights of the directory's model, every weight perturbed, named for vLLM"""
+    from transformers import AutoModelForCausalLM
+
+    import posttrain.model  # noqa: F401
+    from posttrain.engines.vllm_engine import vllm_weight_name
+    from posttrain.qat import restore_qat
+    from posttrain.trainers.rl import rollout_weights
+
+    loaded = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    # A policy built in memory (as a stage from a preset builds it) names its tensors `model.*`;
+    # the engine's renaming must add the wrapper's prefix.
+    policy = type(loaded)(loaded.config)
+    policy.load_state_dict(loaded.state_dict())
+    restore_qat(policy)
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for parameter in policy.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.01)
+    weights = rollout_weights(policy)
+    assert not any(n.startswith("language_model.") for n in weights), "expected flat rollout names"
+    return {vllm_weight_name(n, architectures): t for n, t in weights.items()}
+
+
+def main(model_dir: Path, dtype: str, sync: bool) -> dict:
+    ckpt = read_checkpoint(model_dir)
+    vllm_config, model = load_with_vllm(model_dir, dtype)
+    compared, mismatched, unused = compare(model, ckpt)
+    result = {}
+    if sync:
+        from vllm.config import set_current_vllm_config
+
+        weights = synced_weights(model_dir, list(vllm_config.model_config.architectures))
+        with set_current_vllm_config(vllm_config):
+            model.load_weights(iter(weights.items()))
+        synced, sync_mismatched, sync_unused = compare(model, weights)
+        result = {"sync_parameters": synced, "sync_mismatched": sync_mismatched, "sync_unused": sync_unused}
     moe_methods = sorted(
         {type(m.quant_method).__name__ for m in model.modules() if type(m).__name__ == "RoutedExperts"}
     )
@@ -155,10 +199,11 @@ def main(model_dir: Path, dtype: str) -> dict:
         "parameters": compared,
         "mismatched": mismatched,
         "checkpoint_tensors": len(ckpt),
-        "unused_checkpoint_tensors": sorted(set(ckpt) - used),
+        "unused_checkpoint_tensors": unused,
         "patched": PATCHED,
+        **result,
     }
 
 
 if __name__ == "__main__":
-    print("RESULT " + json.dumps(main(Path(sys.argv[1]), sys.argv[2])))
+    print("RESULT " + json.dumps(main(Path(sys.argv[1]), sys.argv[2], "--sync" in sys.argv[3:])))
