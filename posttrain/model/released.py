@@ -139,7 +139,7 @@ def released_config_dict(
     media_placeholder_token_id defaults to the config's own (a model read from a release), else the
     released id when the vocabulary holds it, else the pad token (a small vocabulary has no media
     token; vLLM's processor needs a token id it can decode, and text serving places no media). The
-    model's `vision_config`, if it has one, is kept, else `default_vision_config`.
+    model's `vision_config`, if it has one, is kept (keys it lacks from `default_vision_config`).
     """
     text = config.to_dict()
     top = {key: text.pop(key) for key in _TOP_LEVEL if key in text}
@@ -147,7 +147,8 @@ def released_config_dict(
         text.pop(key, None)
     dtype_name = str(dtype).removeprefix("torch.")
     text.update(model_type=TEXT_MODEL_TYPE, tie_word_embeddings=False, dtype=dtype_name)
-    vision = top.pop("vision_config", None) or default_vision_config(config.hidden_size)
+    # the model's own vision header (from a release) over the defaults, so every key vLLM reads exists
+    vision = {**default_vision_config(config.hidden_size), **(top.pop("vision_config", None) or {})}
     placeholder = top.pop("media_placeholder_token_id", None)
     if media_placeholder_token_id is not None:
         placeholder = media_placeholder_token_id

@@ -152,7 +152,7 @@ def compare(model: torch.nn.Module, ckpt: dict[str, torch.Tensor]) -> tuple[int,
 
 
 def synced_weights(model_dir: Path, architectures: list[str]) -> dict[str, torch.Tensor]:
-    """posttrain's rollout weights of the directory's model, every weight perturbed, named for vLLM"""
+    """posttrain's rollout weights of the directory's model, every weight perturbed, named for vLLM."""
     from transformers import AutoModelForCausalLM
 
     import posttrain.model  # noqa: F401
