@@ -125,6 +125,12 @@ def test_a_hand_built_released_dir_loads_exactly(tmp_path, vision):
     different = [name for name in expected if not torch.equal(got[name], expected[name])]
     assert different == []  # the routed experts are exactly the MXFP4 values, the rest as stored
     assert torch.equal(logits(loaded, IDS), logits(source, IDS))
+    # save_pretrained writes the experts back in full precision, never re-packed
+    loaded.save_pretrained(str(tmp_path / "resaved"))
+    resaved = load_file(str(tmp_path / "resaved" / "model.safetensors"))
+    assert not any(name.endswith(("weight_packed", "weight_scale")) for name in resaved)
+    reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "resaved"), dtype=torch.float32).eval()
+    assert torch.equal(logits(reloaded, IDS), logits(source, IDS))
     # QAT continues from the MXFP4 values: fake-quantising them returns them unchanged
     apply_qat(loaded, QATConfig())
     apply_qat(source, QATConfig())
