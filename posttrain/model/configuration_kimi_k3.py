@@ -1,8 +1,10 @@
 """KimiK3Config: the K3 text model's hyper-parameters under the released `text_config` key names.
 
 The names are the released ones verbatim (vLLM's `KimiLinearConfig`, which its K3 loader reads), so a
-config we write is a config other K3 tooling reads. Defaults are the released full-size K3 (93
-layers, 2.78T parameters); `stages/models/tiny.yaml` is the CPU-sized one. A config that cannot build
+config we write is a config other K3 tooling reads. `from_dict` (what `from_pretrained` calls) also
+reads the released multimodal config.json, whose text keys sit under `text_config`
+(`posttrain.model.released`). Defaults are the released full-size K3 (93 layers, 2.78T parameters);
+`stages/models/tiny.yaml` is the CPU-sized one. A config that cannot build
 a model raises `ValueError` naming the key and the fix, at construction, not deep inside a forward.
 """
 
@@ -16,6 +18,8 @@ from typing import Any
 
 import yaml
 from transformers import PretrainedConfig
+
+from posttrain.model.released import flatten_released_config, is_released_config
 
 SUPPORTED_ACTIVATIONS = ("situ", "silu")
 
@@ -142,6 +146,22 @@ class KimiK3Config(PretrainedConfig):
             **kwargs,
         )
         self.validate_k3()
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> KimiK3Config:
+        """Build from a flat config dict or a released wrapper one (`text_config`, `vision_config`).
+
+        A released MXFP4 `quantization_config` is dropped: the loader dequantises the packed
+        experts into full-precision weights (modeling_kimi_k3's checkpoint layout), so the loaded
+        model is not quantised. Any other quantization format is a ValueError naming it.
+        """
+        data = dict(config_dict)
+        if is_released_config(data):
+            data = flatten_released_config(data)
+        quantization = data.pop("quantization_config", None)
+        if quantization is not None:
+            check_released_quantization(quantization)
+        return super().from_dict(data, **kwargs)
 
     # -- layer kinds ---------------------------------------------------------------------------
 
@@ -319,9 +339,9 @@ def load_model_config(path: str | Path) -> KimiK3Config:
         raise ValueError(f"model config {path}: use a .yaml, .yml or .json file")
     if not isinstance(data, dict):
         raise ValueError(f"model config {path}: expected a mapping of K3 config keys at the top level")
-    if isinstance(data.get("text_config"), dict):
-        data = data["text_config"]
-    data = {k: v for k, v in data.items() if k not in ("model_type", "architectures")}
+    if is_released_config(data):
+        data = flatten_released_config(data)
+    data = {k: v for k, v in data.items() if k not in ("model_type", "architectures", "quantization_config")}
     if path.suffix != ".json":
         # YAML is written by hand: a misspelt key must not silently fall back to a default.
         # (.json files come from save_pretrained or a release and carry transformers' own keys.)
@@ -340,3 +360,18 @@ def _reject_unknown_keys(path: Path, data: dict[str, Any]) -> None:
             near = difflib.get_close_matches(key, sorted(known), n=1)
             hint = f" (did you mean {near[0]!r}?)" if near else ""
             raise ValueError(f"model config {path}: unknown key {key!r}{hint}")
+
+
+def check_released_quantization(quantization: dict[str, Any]) -> None:
+    """Accept the released compressed-tensors MXFP4 config (group 32); raise ValueError otherwise."""
+    fmt = quantization.get("format")
+    groups = quantization.get("config_groups") or {}
+    sizes = {(g.get("weights") or {}).get("group_size") for g in groups.values()}
+    method = quantization.get("quant_method")
+    if method != "compressed-tensors" or fmt != "mxfp4-pack-quantized" or sizes != {32}:
+        raise ValueError(
+            f"config.json quantization_config: quant_method {method!r}, format "
+            f"{fmt!r}, group sizes {sorted(sizes, key=str)}; posttrain reads the released K3 layout "
+            "(compressed-tensors 'mxfp4-pack-quantized', group 32) or unquantised weights. Dequantise the "
+            "checkpoint first or export it with `posttrain export --format mxfp4`."
+        )

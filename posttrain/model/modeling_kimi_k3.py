@@ -13,21 +13,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
-from transformers.conversion_mapping import (
-    get_checkpoint_conversion_mapping,
-    register_checkpoint_conversion_mapping,
-)
-from transformers.core_model_loading import MergeModulelist, WeightConverter
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from posttrain.model.balancing import update_router_bias
 from posttrain.model.cache import KimiK3Cache
+from posttrain.model.checkpoint_layout import check_packed_experts
 from posttrain.model.configuration_kimi_k3 import KimiK3Config
 from posttrain.model.kda import KimiK3DeltaAttention, ShortConvolution
 from posttrain.model.mla import KimiK3MLAAttention, build_mla_mask
@@ -129,6 +126,32 @@ class KimiK3PreTrainedModel(PreTrainedModel):
     _skip_keys_device_placement = ["past_key_values"]
     _is_stateful = True
     _supports_sdpa = True
+    # A released checkpoint's vision tower and projector: the text model has no module for them.
+    _keys_to_ignore_on_load_unexpected = [r"^vision_tower\.", r"^mm_projector\."]
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """transformers' from_pretrained (any layout `checkpoint_layout` maps: flat or released
+        names, per-expert or MXFP4-packed experts, one file or shards), but a checkpoint that leaves
+        a weight missing or brings one the model does not have is a ValueError naming the tensors
+        (transformers would only warn and leave missing weights randomly initialised)."""
+        if Path(str(pretrained_model_name_or_path)).is_dir():
+            check_packed_experts(pretrained_model_name_or_path)
+        wants_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(
+            pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs
+        )
+        tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+        missing = sorted(set(info["missing_keys"]) - tied)
+        unexpected = sorted(info["unexpected_keys"])
+        if missing or unexpected or info["mismatched_keys"]:
+            raise ValueError(
+                f"{pretrained_model_name_or_path}: the checkpoint does not match {cls.__name__} built from "
+                f"its config.json: missing {missing[:8]}, unexpected {unexpected[:8]}, mismatched shapes "
+                f"{sorted(info['mismatched_keys'])[:8]} (first 8 of each, {len(missing)} missing in all). "
+                "Is config.json the one these weights were saved with?"
+            )
+        return (model, info) if wants_info else model
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -333,22 +356,4 @@ def causal_lm_loss(
         targets[:, ends] = -100
     return F.cross_entropy(
         logits[:, :-1].reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100
-    )
-
-
-def register_checkpoint_layout() -> None:
-    """Save and load routed experts per expert (`...experts.{e}.w1.weight`, the released layout that
-    vLLM's loader maps) while the module holds them as one 3-D tensor per projection."""
-    if get_checkpoint_conversion_mapping(KimiK3Config.model_type) is not None:
-        return
-    register_checkpoint_conversion_mapping(
-        KimiK3Config.model_type,
-        [
-            WeightConverter(
-                source_patterns=f"block_sparse_moe.experts.*.{name}.weight",
-                target_patterns=f"block_sparse_moe.experts.{name}",
-                operations=[MergeModulelist(dim=0)],
-            )
-            for name in ("w1", "w2", "w3")
-        ],
     )

@@ -189,12 +189,22 @@ def merged_model(model: nn.Module) -> nn.Module:
 
 
 def save_final_model(model: nn.Module, tokenizer: Any, output_dir: Path, stop_token_ids: list[int]) -> None:
-    """save_pretrained (safetensors) + tokenizer with its chat template, so downstream stages and
-    `AutoModelForCausalLM.from_pretrained` (after `import posttrain.model`) load it. `generate`
-    stops on the chat's end-of-turn tokens and pads with the tokenizer's pad."""
+    """Write the stage's model with its tokenizer and chat template; `generate` stops on the chat's
+    end-of-turn tokens and pads with the tokenizer's pad.
+
+    A K3 model is written in the released layout (`posttrain.model.released`: the wrapper config,
+    `language_model.*` names, per-expert routed weights, untied LM head), which `vllm serve` loads
+    and `AutoModelForCausalLM.from_pretrained` (after `import posttrain.model`) reads back; the
+    master weights are written as they are (QAT is recorded in `posttrain_qat`, not applied).
+    Any other transformers model is written with its own save_pretrained."""
+    from posttrain.model import KimiK3ForCausalLM, save_released
+
     model.config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = list(stop_token_ids)
+    if isinstance(model, KimiK3ForCausalLM):
+        save_released(model, output_dir, tokenizer=tokenizer)
+        return
     model.save_pretrained(str(output_dir), safe_serialization=True)
     tokenizer.save_pretrained(str(output_dir))
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from posttrain.model import KimiK3Config, KimiK3ForCausalLM, save_for_vllm
+from posttrain.model import KimiK3Config, KimiK3ForCausalLM, save_released
 from posttrain.model.moe import KimiK3Experts, KimiK3MoEGate
 from posttrain.ops.attn_res import naive_attn_res
 
@@ -230,16 +230,20 @@ def test_activation_checkpointing_same_gradients_and_counts_once(tiny_config: Ki
         torch.testing.assert_close(grads[0][name], grads[1][name], **TOL)
 
 
-def test_vllm_export_has_the_text_k3_header(tiny_model: KimiK3ForCausalLM, tmp_path, vllm_config_keys):
-    out = save_for_vllm(tiny_model, tmp_path / "vllm")
+def test_released_layout_has_the_wrapper_header(tiny_model: KimiK3ForCausalLM, tmp_path, vllm_config_keys):
+    out = save_released(tiny_model, tmp_path / "released")
     config = json.loads((out / "config.json").read_text())
-    assert config["model_type"] == "kimi_linear"
-    assert config["architectures"] == ["KimiLinearForCausalLM"]
+    assert config["model_type"] == "kimi_k3"
+    assert config["architectures"] == ["KimiK3ForConditionalGeneration"]
+    text = config["text_config"]
+    assert text["model_type"] == "kimi_linear" and "vision_config" in config
     # every key vLLM's KimiLinearConfig reads is there (rope_parameters: K3 has no rotary)
-    assert vllm_config_keys - {"model_type", "rope_parameters"} <= set(config)
-    assert config["linear_attn_config"] == tiny_model.config.linear_attn_config
+    assert vllm_config_keys - {"model_type", "rope_parameters"} <= set(text)
+    assert text["linear_attn_config"] == tiny_model.config.linear_attn_config
     with safe_open(out / "model.safetensors", "pt") as f:
-        assert "model.layers.3.block_sparse_moe.experts.7.w2.weight" in set(f.keys())
+        names = set(f.keys())
+    assert "language_model.model.layers.3.block_sparse_moe.experts.7.w2.weight" in names
+    assert "language_model.lm_head.weight" in names and all(n.startswith("language_model.") for n in names)
 
 
 def test_config_variants_keep_documents_separate(tiny_config: KimiK3Config, make_model) -> None:

@@ -1,5 +1,6 @@
 """Export of a QAT-trained tiny K3 (MXFP4 packed and dequantised) and loading it back: files on
-disk in the released layout, identical dequantised weights and identical logits."""
+disk in the released layout (wrapper header, `language_model.*` names, experts per expert),
+identical dequantised weights and identical logits."""
 
 from __future__ import annotations
 
@@ -19,9 +20,10 @@ from posttrain.qat import (
     restore_qat,
     routed_expert_modules,
 )
-from posttrain.qat.export import export_dequantized, export_mxfp4, load_exported, read_state_dict
+from posttrain.qat.export import export_dequantized, export_mxfp4, load_exported
 
 EXPERTS = [f"model.layers.{i}.block_sparse_moe.experts" for i in (1, 2, 3)]
+SAVED = "language_model."  # the released prefix of every text tensor on disk
 
 
 def trained_like(model: KimiK3ForCausalLM) -> KimiK3ForCausalLM:
@@ -55,23 +57,24 @@ def test_mxfp4_export_loads_back_to_identical_logits(tiny_model, token_ids, tmp_
         32,
         "torch.uint8",
     )
-    assert config["architectures"] == ["KimiK3ForCausalLM"] and config["posttrain_qat"]["scheme"] == "k3"
+    assert config["architectures"] == ["KimiK3ForConditionalGeneration"]
+    assert config["text_config"]["model_type"] == "kimi_linear" and config["posttrain_qat"]["scheme"] == "k3"
 
     tensors = load_file(out / "model.safetensors")
     for module in EXPERTS:
-        assert f"{module}.w1" not in tensors
+        assert f"{SAVED}{module}.w1" not in tensors
         for e in range(8):
             for w, (rows, cols) in {"w1": (64, 32), "w3": (64, 32), "w2": (32, 64)}.items():
                 packed, scale = (
-                    tensors[f"{module}.{e}.{w}.weight_packed"],
-                    tensors[f"{module}.{e}.{w}.weight_scale"],
+                    tensors[f"{SAVED}{module}.{e}.{w}.weight_packed"],
+                    tensors[f"{SAVED}{module}.{e}.{w}.weight_scale"],
                 )
                 assert packed.dtype == scale.dtype == torch.uint8
                 assert packed.shape == (rows, cols // 2) and scale.shape == (rows, cols // 32)
     # Everything else is stored as it is in the model, in full precision.
-    assert torch.equal(tensors["model.layers.1.block_sparse_moe.shared_experts.up_proj.weight"],
+    assert torch.equal(tensors[SAVED + "model.layers.1.block_sparse_moe.shared_experts.up_proj.weight"],
                        model.model.layers[1].block_sparse_moe.shared_experts.up_proj.weight)  # fmt: skip
-    assert tensors["model.layers.3.self_attn.kv_b_proj.weight"].dtype == torch.float32
+    assert tensors[SAVED + "model.layers.3.self_attn.kv_b_proj.weight"].dtype == torch.float32
 
     loaded = load_exported(out).eval()
     assert not hasattr(loaded.config, "quantization_config")
@@ -101,15 +104,18 @@ def test_dequantized_export_is_a_plain_model_dir(tiny_model, token_ids, tmp_path
         t.dtype == torch.bfloat16 for name, t in tensors.items() if not name.endswith("correction_bias")
     )
     w2 = routed_expert_modules(model)[EXPERTS[0]].w2
-    # bf16 holds every MXFP4 value exactly: the stored experts are the fake-quantised fp32 values.
-    assert torch.equal(tensors[f"{EXPERTS[0]}.w2"].float(), quantize_dequantize(w2, "mxfp4"))
+    # bf16 holds every MXFP4 value exactly: the stored experts (one tensor per expert, the released
+    # names) are the fake-quantised fp32 values.
+    assert f"{SAVED}{EXPERTS[0]}.w2" not in tensors
+    stored = torch.stack([tensors[f"{SAVED}{EXPERTS[0]}.{e}.w2.weight"] for e in range(8)])
+    assert torch.equal(stored.float(), quantize_dequantize(w2, "mxfp4"))
     loaded = load_exported(bf16, dtype=torch.bfloat16)
     assert loaded.dtype == torch.bfloat16
-    assert torch.equal(routed_expert_modules(loaded)[EXPERTS[0]].w2, tensors[f"{EXPERTS[0]}.w2"])
+    assert torch.equal(routed_expert_modules(loaded)[EXPERTS[0]].w2, stored)
 
 
 @torch.no_grad()
-def test_sharded_rceil_export_and_tied_embeddings(tiny_config, token_ids, tmp_path):
+def test_sharded_rceil_export_writes_tied_embeddings_untied(tiny_config, token_ids, tmp_path):
     tiny_config.tie_word_embeddings = True
     torch.manual_seed(0)
     model = KimiK3ForCausalLM(tiny_config).eval()
@@ -118,8 +124,13 @@ def test_sharded_rceil_export_and_tied_embeddings(tiny_config, token_ids, tmp_pa
     expected = model(token_ids).logits
     out = export_mxfp4(model, tmp_path / "mx", qat=cfg, max_shard_size="100KB")
     index = json.loads((out / "model.safetensors.index.json").read_text())
-    assert len(set(index["weight_map"].values())) > 1 and "lm_head.weight" not in index["weight_map"]
+    assert len(set(index["weight_map"].values())) > 1
+    # vLLM never ties lm_head: the head is written as its own tensor and the config says untied.
+    assert SAVED + "lm_head.weight" in index["weight_map"]
+    assert json.loads((out / "config.json").read_text())["text_config"]["tie_word_embeddings"] is False
     loaded = load_exported(out).eval()
+    assert not loaded.config.tie_word_embeddings
+    assert torch.equal(loaded.lm_head.weight, model.model.embed_tokens.weight)
     assert qat_config_of(loaded.config) == cfg
     assert torch.equal(loaded(token_ids).logits, expected)
 
@@ -140,9 +151,9 @@ def test_save_pretrained_records_qat_for_whoever_loads_it(tiny_model, token_ids,
 def test_incomplete_packed_experts_are_named(tiny_model, tmp_path):
     out = export_mxfp4(tiny_model, tmp_path / "mx")
     tensors = load_file(out / "model.safetensors")
-    del tensors["model.layers.2.block_sparse_moe.experts.5.w3.weight_scale"]
+    del tensors[SAVED + "model.layers.2.block_sparse_moe.experts.5.w3.weight_scale"]
     save_file(tensors, out / "model.safetensors")
     with pytest.raises(ValueError, match=r"layers\.2\.block_sparse_moe\.experts\.\*\.w3 are incomplete"):
-        read_state_dict(out)
+        load_exported(out)
     with pytest.raises(ValueError, match="no routed-experts module"):
         export_mxfp4(torch.nn.Linear(32, 32), tmp_path / "linear")

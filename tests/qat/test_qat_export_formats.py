@@ -28,7 +28,7 @@ def test_compressed_tensors_decodes_our_bytes(tiny_model, tmp_path):
     for w in ("w1", "w2", "w3"):
         expected = quantize_dequantize(getattr(experts, w).detach(), "mxfp4")
         for e in (0, 7):
-            prefix = f"model.layers.2.block_sparse_moe.experts.{e}.{w}"
+            prefix = f"language_model.model.layers.2.block_sparse_moe.experts.{e}.{w}"
             state = {
                 "weight_packed": tensors[f"{prefix}.weight_packed"],
                 "weight_scale": tensors[f"{prefix}.weight_scale"],

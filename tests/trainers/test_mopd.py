@@ -259,7 +259,11 @@ def test_lora_trains_only_the_adapters_and_saves_them_merged(dirs, tmp_path, sta
     ctx = stage_runner.context("mopd", tmp_path, body, inputs=stage_inputs(dirs))
     stage_runner.run(ctx)
     before = load_file(str(dirs["sft"] / "model.safetensors"))
-    after = load_file(str(ctx.output_dir / "model.safetensors"))
+    # the stage writes the released layout: the flat names under `language_model.`
+    after = {
+        n.removeprefix("language_model."): t
+        for n, t in load_file(str(ctx.output_dir / "model.safetensors")).items()
+    }
     assert after.keys() == before.keys()  # merged: a plain K3 checkpoint, no adapter tensors
     changed = {n for n in before if not torch.equal(before[n], after[n])}
     linear = {n for n, t in before.items() if n.endswith(".weight") and t.dim() == 2}

@@ -148,7 +148,11 @@ def test_lora_trains_only_the_adapters(tmp_path, small_recipe, tiny_model_dir, s
     ctx = stage_runner.context("sft", tmp_path, cfg, model=tiny_model_dir)
     stage_runner.run(ctx)
     before = load_file(str(tiny_model_dir / "model.safetensors"))
-    after = load_file(str(ctx.output_dir / "model.safetensors"))
+    # the stage writes the released layout: the flat names under `language_model.`
+    after = {
+        n.removeprefix("language_model."): t
+        for n, t in load_file(str(ctx.output_dir / "model.safetensors")).items()
+    }
     changed = {n for n in before if not torch.equal(before[n], after[n])}
     targeted = {n for n in before if n.endswith(("q_proj.weight", "o_proj.weight"))}
     assert targeted and changed - targeted <= {n for n in before if n.endswith("e_score_correction_bias")}

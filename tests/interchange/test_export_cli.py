@@ -1,0 +1,60 @@
+"""`posttrain export` on bad input says what is wrong and writes nothing; on a tied, QAT-free K3 in
+an old flat directory it writes shards plus an index above the shard size, unties the embeddings
+(vLLM never ties `lm_head`), and the export loads back to the model's bf16 logits."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from posttrain.engines.testing import TINY_K3_PRESET
+from posttrain.model import KimiK3ForCausalLM, load_model_config
+
+IDS = torch.randint(3, 2048, (1, 9), generator=torch.Generator().manual_seed(2))
+
+
+def test_bad_input_names_the_problem_and_writes_nothing(tmp_path, posttrain, renderer):
+    from posttrain.engines.testing import build_tiny_llama
+
+    out = tmp_path / "out"
+    code, _, err = posttrain("export", tmp_path / "nope", "--format", "bf16", "--out", out)
+    assert code == 2 and "nope does not exist" in err
+    stage = tmp_path / "run" / "sft"
+    stage.mkdir(parents=True)
+    (stage / "manifest.json").write_text("{}")
+    code, _, err = posttrain("export", stage, "--format", "mxfp4", "--out", out)
+    assert code == 2 and "stage dir without model/" in err
+    llama = build_tiny_llama(tmp_path / "llama", renderer.tokenizer)
+    code, _, err = posttrain("export", llama, "--format", "mxfp4", "--out", out)
+    assert code == 2 and "LlamaForCausalLM, not a K3 model" in err
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("")
+    code, _, err = posttrain("export", llama, "--format", "bf16", "--out", tmp_path / "full")
+    assert code == 2 and "exists and is not an empty directory" in err
+    code, _, err = posttrain("export", llama, "--format", "fp8", "--out", out)
+    assert code == 2 and "invalid choice: 'fp8'" in err
+    assert not out.exists()
+
+
+def test_export_shards_and_unties_a_tied_flat_model(tmp_path, posttrain):
+    config = load_model_config(TINY_K3_PRESET)
+    config.tie_word_embeddings = True
+    torch.manual_seed(5)
+    model = KimiK3ForCausalLM(config).eval()
+    model.save_pretrained(str(tmp_path / "flat"))  # an old flat run dir's model
+    args = ("--format", "bf16", "--out", tmp_path / "bf16", "--max-shard-size", "200KB")
+    code, _, err = posttrain("export", tmp_path / "flat", *args)
+    assert code == 0, err
+    index = json.loads((tmp_path / "bf16" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2
+    assert "language_model.lm_head.weight" in index["weight_map"]
+    header = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    assert header["text_config"]["tie_word_embeddings"] is False
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "bf16"), dtype=torch.float32).eval()
+    assert not loaded.config.tie_word_embeddings
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.copy_(parameter.to(torch.bfloat16).float())  # what a bf16 export holds
+        assert torch.equal(loaded(IDS).logits, model(IDS).logits)
