@@ -33,7 +33,7 @@ from transformers.core_model_loading import (
 )
 
 from posttrain.model.configuration_kimi_k3 import KimiK3Config
-from posttrain.model.released import TEXT_PREFIX
+from posttrain.model.released import TEXT_PREFIX, WRAPPER_ARCHITECTURE
 from posttrain.qat.mx import unpack_mxfp4
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3")  # gate, down, up: the released per-expert names
@@ -134,17 +134,24 @@ def packed_expert_converter(w: str) -> MXFP4ExpertsConverter:
     )
 
 
-def register_checkpoint_layout() -> None:
-    """Register the mapping above for model_type kimi_k3 (once per process)."""
-    if get_checkpoint_conversion_mapping(KimiK3Config.model_type) is not None:
-        return
+def expert_converters() -> list[WeightConverter]:
     # Packed converters come first: the plain pattern `experts.*.w1.weight` is a prefix of
     # `experts.*.w1.weight_packed`, and the first matching converter wins.
+    return [
+        *(packed_expert_converter(w) for w in EXPERT_WEIGHTS),
+        *(per_expert_converter(w) for w in EXPERT_WEIGHTS),
+    ]
+
+
+def register_checkpoint_layout() -> None:
+    """Register the mapping above for model_type kimi_k3 (once per process), and the experts alone
+    for the multimodal `KimiK3ForConditionalGeneration`, whose own `language_model` module keeps the
+    prefix. transformers looks a mapping up by class name before model_type, and scopes the text
+    model's kimi_k3 mapping under `language_model.` there, where the prefix removal matches nothing."""
+    if get_checkpoint_conversion_mapping(KimiK3Config.model_type) is not None:
+        return
     register_checkpoint_conversion_mapping(
         KimiK3Config.model_type,
-        [
-            PrefixChange(prefix_to_remove=TEXT_PREFIX.rstrip(".")),
-            *(packed_expert_converter(w) for w in EXPERT_WEIGHTS),
-            *(per_expert_converter(w) for w in EXPERT_WEIGHTS),
-        ],
+        [PrefixChange(prefix_to_remove=TEXT_PREFIX.rstrip(".")), *expert_converters()],
     )
+    register_checkpoint_conversion_mapping(WRAPPER_ARCHITECTURE, expert_converters())

@@ -52,41 +52,28 @@ ExpertWriter = Callable[[torch.Tensor], dict[str, torch.Tensor]]
 
 
 def default_vision_config(text_hidden_size: int) -> dict[str, Any]:
-    """The `vision_config` written when the model has none of its own: the released MoonViT-V2 keys
-    (vLLM's `KimiK3VisionConfig`), at the released size (27 layers, width 1024) for a full-size text
-    model and scaled down (2 layers, width 64) for a smaller one. Text-only serving never builds the
-    tower (`--language-model-only`); this header is what vLLM's config parser needs."""
-    full = text_hidden_size >= 7168
-    heads, head_dim = (12, 128) if full else (2, 32)
-    width = 1024 if full else heads * head_dim
-    return {
-        "patch_size": 14,
-        "init_pos_emb_height": 64 if full else 8,
-        "init_pos_emb_width": 64 if full else 8,
-        "init_pos_emb_time": 4,
-        "pos_emb_type": "divided_fixed",
-        "vt_num_attention_heads": heads,
-        "vt_num_hidden_layers": 27 if full else 2,
-        "vt_hidden_size": width,
-        "vt_intermediate_size": 4 * width,
-        "merge_kernel_size": [2, 2],
-        "video_attn_type": "spatial_temporal",
-        "merge_type": "sd2_tpool",
-        "mm_projector_type": "patchmergerv2",
-        "mm_hidden_size": width,
-        "projector_hidden_act": "gelu",
-        "projector_ln_eps": 1e-5,
-        "qkv_hidden_size": heads * head_dim,
-        "norm_type": "rmsnorm",
-        "attn_bias": False,
-        "patch_embed_proj_bias": False,
-        "mlp_type": "mlp2",
-        "linear_bias": False,
-        "activation_func": "gelu_pytorch_tanh",
-        "pos_emb_interpolation_mode": "bilinear",
-        "text_hidden_size": text_hidden_size,
-        "model_type": "kimi_k3_vision",
-    }
+    """The `vision_config` written when the model has none of its own: `KimiK3VisionConfig` (vLLM's
+    keys), at the released size (27 layers, width 1024) for a full-size text model and scaled down
+    (2 layers, width 64) for a smaller one. Text-only serving never builds the tower
+    (`--language-model-only`); this header is what vLLM's config parser needs."""
+    from posttrain.model.vision_config import KimiK3VisionConfig  # the vision side stays optional
+
+    if text_hidden_size >= 7168:
+        config = KimiK3VisionConfig(text_hidden_size=text_hidden_size)
+    else:
+        config = KimiK3VisionConfig(
+            init_pos_emb_height=8,
+            init_pos_emb_width=8,
+            vt_num_attention_heads=2,
+            vt_num_hidden_layers=2,
+            vt_hidden_size=64,
+            vt_intermediate_size=256,
+            qkv_hidden_size=64,
+            text_hidden_size=text_hidden_size,
+        )
+    data = config.to_dict()
+    data.pop("transformers_version", None)
+    return data
 
 
 def default_preprocessor_config(vision_config: dict[str, Any]) -> dict[str, Any]:
