@@ -16,7 +16,6 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from posttrain.checkpoint import hash_tree, sha256_file
 from posttrain.config.errors import ConfigError, Issue, did_you_mean, key_path
 from posttrain.config.overrides import apply_overrides, parse_overrides
 from posttrain.config.stage_file import (
@@ -32,6 +31,7 @@ from posttrain.config.stage_file import (
     split_body,
 )
 from posttrain.config.yaml_source import KeyPath, line_of, load_yaml
+from posttrain.files import hash_tree, sha256_file
 from posttrain.registry import ENTRY_POINT_GROUP, RegistryError, import_plugin, load_plugins
 from posttrain.stages import STAGE_KINDS
 

@@ -38,7 +38,8 @@ from orchestration.rundir import (
     stage_dir,
     write_manifest,
 )
-from posttrain.checkpoint import CheckpointManager, fsync_dir, fsync_file, hash_tree, remove_tree
+from posttrain.checkpoint import CheckpointManager
+from posttrain.files import fsync_dir, fsync_file, hash_tree, remove_tree
 from posttrain.metrics import MetricsLogger
 from posttrain.registry import import_plugin, load_plugins
 from posttrain.stages import STAGE_KINDS, StageContext

@@ -47,7 +47,6 @@ class Sample:
 
     Scores
       reward: scalar outcome reward (verifier / GenRM / budget), None until scored.
-      token_rewards: dense per-token rewards (MOPD), aligned with tokens.
       teacher_logprobs: teacher's log-prob of each token (MOPD prefill), aligned with tokens.
       metrics: free-form numbers for logging (usage tokens, verifier details, retries).
     """
@@ -70,7 +69,6 @@ class Sample:
     sandbox_snapshot: str | None = None
 
     reward: float | None = None
-    token_rewards: list[float] | None = None
     teacher_logprobs: list[float] | None = None
     metrics: dict[str, float] = field(default_factory=dict)
 
@@ -80,8 +78,25 @@ class Sample:
         return len(self.tokens) - self.prompt_length
 
     @property
+    def generated_mask(self) -> list[int]:
+        """Per token, 1 where the policy generated it: loss_mask after the prompt (tool results
+        and feedback the environment appended are 0). What RL and MOPD train on."""
+        return [0] * self.prompt_length + self.loss_mask[self.prompt_length :]
+
+    @property
     def num_generated(self) -> int:
+        """Policy-generated tokens (tool results excluded): a trajectory's response length."""
         return sum(self.loss_mask[self.prompt_length :])
+
+    @property
+    def trailing_generated(self) -> int:
+        """Length of the trailing run of generated tokens: the current assistant turn so far."""
+        count = 0
+        for position in range(len(self.tokens) - 1, self.prompt_length - 1, -1):
+            if not self.loss_mask[position]:
+                break
+            count += 1
+        return count
 
     def append(
         self, token_ids: list[int], *, generated: bool, logprobs: list[float] | None = None, version: int = -1
@@ -102,10 +117,9 @@ class Sample:
             if len(getattr(self, name)) != n:
                 count = len(getattr(self, name))
                 raise ValueError(f"sample {self.uid}: {name} has {count} entries, tokens {n}")
-        for name in ("token_rewards", "teacher_logprobs"):
-            value = getattr(self, name)
-            if value is not None and len(value) != n:
-                raise ValueError(f"sample {self.uid}: {name} has {len(value)} entries, tokens {n}")
+        if self.teacher_logprobs is not None and len(self.teacher_logprobs) != n:
+            count = len(self.teacher_logprobs)
+            raise ValueError(f"sample {self.uid}: teacher_logprobs has {count} entries, tokens {n}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

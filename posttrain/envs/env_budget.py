@@ -29,11 +29,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from posttrain.checkpoint import sha256_file
 from posttrain.config.rewards import BudgetRewardConfig
 from posttrain.data.sample import Sample
 from posttrain.engines.base import Engine
 from posttrain.envs.environments import Environment
+from posttrain.files import sha256_file
 from posttrain.rewards_registry import BaseBudget, budget_reward
 
 Effort = Literal["low", "high", "max"]

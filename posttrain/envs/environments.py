@@ -36,7 +36,6 @@ from typing import Any, ClassVar, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from posttrain.checkpoint import remove_tree
 from posttrain.data.chat import ChatRenderer
 from posttrain.data.sample import Sample
 from posttrain.data.tasks import TASK_FAMILIES, Episode, TaskFamily
@@ -44,6 +43,7 @@ from posttrain.engines.base import Engine, LogprobsMode, SamplingConfig
 from posttrain.envs.env_sandboxes import SandboxPool
 from posttrain.envs.sandbox import Sandbox
 from posttrain.envs.tools import TOOLS, Tool, make_tools
+from posttrain.files import remove_tree
 from posttrain.registry import Registry
 
 # Sample.metrics keys an environment maintains (JSON-safe floats, so they survive a checkpoint).
@@ -131,16 +131,6 @@ class _Play:
     episode: Episode
     sandbox: Sandbox | None = None
     done: bool = False
-
-
-def trailing_generated(sample: Sample) -> int:
-    """Length of the trailing run of policy-generated tokens: the current assistant turn so far."""
-    count = 0
-    for position in range(len(sample.tokens) - 1, sample.prompt_length - 1, -1):
-        if not sample.loss_mask[position]:
-            break
-        count += 1
-    return count
 
 
 class Environment:
@@ -343,7 +333,7 @@ class Environment:
         going, answers = [], []
         for play in plays:
             sample = play.sample
-            turn = sample.tokens[len(sample.tokens) - trailing_generated(sample) :]
+            turn = sample.tokens[len(sample.tokens) - sample.trailing_generated :]
             message = self.renderer.parse_assistant(turn)
             calls = message.get("tool_calls") or []
             if any(self._needs_sandbox(play, call) for call in calls) and play.sandbox is None:

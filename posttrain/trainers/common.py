@@ -345,8 +345,15 @@ class TrainState:
                 f"stage {self.ctx.stage_id}: {what} is {value} at optimizer step {step}{detail}. "
                 f"Lower the learning rate (train.lr, now {peak:g}) or "
                 "increase warm-up (train.warmup_steps), and check the data of this step for broken rows; "
-                "the last checkpoint before the step is intact."
+                f"{self.resume_note()}."
             )
+
+    def resume_note(self) -> str:
+        """What a rerun of the failed stage starts from: its newest checkpoint, or nothing."""
+        latest = self.ctx.checkpoints.latest_step()
+        if latest is None:
+            return "no checkpoint was written yet, so a rerun starts the stage over"
+        return f"checkpoint step {latest} is intact and a rerun resumes from it"
 
     def backward(self, loss: torch.Tensor) -> None:
         self.accelerator.backward(loss)

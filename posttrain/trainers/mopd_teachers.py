@@ -300,13 +300,8 @@ def check_teacher_scores(samples: list[Sample], scores: list[list[float]]) -> No
             raise TeacherScoreError(
                 f"sample {sample.uid}: {len(score)} teacher log-probs, {len(sample.tokens)} tokens"
             )
-        bad = [t for t, m in enumerate(student_mask(sample)) if m and not math.isfinite(score[t])]
+        bad = [t for t, m in enumerate(sample.generated_mask) if m and not math.isfinite(score[t])]
         if bad:
             raise TeacherScoreError(
                 f"sample {sample.uid}: non-finite teacher log-probs at positions {bad[:8]}"
             )
-
-
-def student_mask(sample: Sample) -> list[int]:
-    """1 on the tokens the student sampled (after the prompt; tool results are 0 in loss_mask)."""
-    return [0] * sample.prompt_length + sample.loss_mask[sample.prompt_length :]

@@ -39,17 +39,16 @@ from torch import nn
 from transformers.core_model_loading import revert_weight_conversion
 from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
-from posttrain.algos import group_advantages, mismatch_stats, policy_loss, staleness_stats, token_advantages
+from posttrain.algos import group_advantages
 from posttrain.algos.policy_loss import PolicyLossConfig
-from posttrain.checkpoint import atomic_write_text, remove_tree
 from posttrain.config.rewards import GenRMConfig
 from posttrain.data.chat import ChatRenderer, load_tokenizer
 from posttrain.data.sample import DOMAINS, EFFORTS, Sample
 from posttrain.engines import ENGINES, EmbeddedEngine, Engine, SamplingConfig
-from posttrain.engines.embedded import left_pad, positions_from_mask
 from posttrain.envs.env_budget import BudgetConfig, base_budgets, model_digest
 from posttrain.envs.env_eval import EvalConfig, evaluate
 from posttrain.envs.environments import Environment, EnvironmentConfig, Judge, make_environment
+from posttrain.files import atomic_write_text, remove_tree
 from posttrain.qat import qat_config_of
 from posttrain.qat.export import dequantized_state_dict
 from posttrain.rewards_registry import budget_reward, generative_reward_model
@@ -62,6 +61,7 @@ from posttrain.trainers.common import (
     load_policy,
     save_final_model,
 )
+from posttrain.trainers.policy_step import policy_step
 from posttrain.trainers.rollout import PartialRolloutConfig, RolloutQueue
 
 Effort = Literal["low", "high", "max"]
@@ -449,7 +449,7 @@ def _train_step(
     renderer: ChatRenderer,
 ) -> dict[str, float]:
     """Score and advantage the iteration's complete groups, then `updates_per_iteration` optimizer
-    steps over all of them (PPO epochs: the clip is measured against the policy before the first)."""
+    steps over all of them (posttrain.trainers.policy_step)."""
     started = time.perf_counter()
     scored, rewards, metrics = trajectory_rewards(samples, budgets, cfg, step, renderer)
     if not scored:
@@ -464,93 +464,29 @@ def _train_step(
         # Every group's rewards are equal: no policy gradient, only rounding noise in the penalty,
         # which Adam's normalisation would blow up into a full-size step in a random direction.
         return {**metrics, "skipped": 1.0}
-    loss_cfg = cfg.loss.model_copy(update={"reduction": "sum"})
-    total = sum(s.num_generated for s in scored)
-    size = cfg.train.micro_batch_size
-    chunks = [scored[start : start + size] for start in range(0, len(scored), size)]
-    # pi_prox of each chunk: the policy before this iteration's first update (PPO's old policy).
-    proximal: list[torch.Tensor] = []
-    stats: dict[str, float] = {}
-    updates = cfg.train.updates_per_iteration
-    for update in range(updates):
-        for index, chunk in enumerate(chunks):
-            logp, trained, behaviour, versions = _token_logprobs(
-                state, chunk, cfg.rollout.temperature, renderer
-            )
-            if update == 0:
-                proximal.append(logp.detach())
-            device = logp.device
-            out = policy_loss(
-                logp,
-                behaviour.to(device),
-                token_advantages(advantages[index * size : (index + 1) * size], trained).to(device),
-                trained.to(device),
-                old_logp=proximal[index],
-                config=loss_cfg,
-            )
-            state.check_finite(
-                out.loss, step, detail=f" (trajectories {', '.join(s.uid for s in chunk[:4])} ...)"
-            )
-            state.backward(out.loss / max(total, 1))
-            chunk_stats = {
-                **out.stats,
-                **mismatch_stats(logp.detach().cpu(), behaviour, trained, loss_cfg.tis_cap),
-            }
-            chunk_stats.update(staleness_stats(versions, engine.policy_version, trained))
-            _accumulate(stats, chunk_stats, float(out.num_tokens) / max(total, 1) / updates)
-        metrics.update(state.optimizer_step(step))
-    metrics.update(stats)
+    width = max(len(s.tokens) for s in scored)
+    metrics.update(
+        policy_step(
+            state,
+            scored,
+            advantages[:, None].expand(-1, width),  # one outcome advantage for every token
+            step=step,
+            loss=cfg.loss,
+            micro_batch_size=cfg.train.micro_batch_size,
+            pad_id=renderer.pad_id,
+            temperature=cfg.rollout.temperature,
+            updates=cfg.train.updates_per_iteration,
+            policy_version=engine.policy_version,
+        )
+    )
     synced = time.perf_counter()
     publish_policy(engine, base_without_peft(state.unwrapped))
     metrics.update(
-        trained_tokens=float(total),
         train_s=synced - started,
         weight_sync_s=time.perf_counter() - synced,
         policy_version=float(engine.policy_version),
     )
     return metrics
-
-
-def _token_logprobs(
-    state: TrainState, chunk: list[Sample], temperature: float, renderer: ChatRenderer
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """log pi_theta (at the sampling temperature, with gradient) of every target token of a
-    left-padded chunk, and the aligned trained mask, behaviour log-probs and versions."""
-    device = state.accelerator.device
-    ids, mask = left_pad([s.tokens for s in chunk], renderer.pad_id)
-    logits = state.model(
-        input_ids=ids.to(device),
-        attention_mask=mask.to(device),
-        position_ids=positions_from_mask(mask).to(device),
-    ).logits.float()
-    logp = torch.log_softmax(logits[:, :-1] / temperature, dim=-1).gather(-1, ids[:, 1:, None].to(device))
-    return (logp.squeeze(-1), *_aligned(chunk, ids.shape[1]))
-
-
-def _accumulate(stats: dict[str, float], new: dict[str, float], weight: float) -> None:
-    """Token-weighted means across chunks and updates; maxima for *_max; num_tokens left out."""
-    for key, value in new.items():
-        if key == "num_tokens":
-            continue
-        stats[key] = (
-            max(stats.get(key, 0.0), value) if key.endswith("_max") else stats.get(key, 0.0) + weight * value
-        )
-
-
-def _aligned(chunk: list[Sample], width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-target-position tensors [B, width - 1] under left padding: 1 where the target token was
-    generated by the policy, its behaviour log-prob, and the policy version that sampled it."""
-    trained = torch.zeros(len(chunk), width - 1)
-    behaviour = torch.zeros(len(chunk), width - 1)
-    versions = torch.zeros(len(chunk), width - 1, dtype=torch.long)
-    for row, sample in enumerate(chunk):
-        n = len(sample.tokens)
-        offset = width - n - 1
-        mask = [m if i >= sample.prompt_length else 0 for i, m in enumerate(sample.loss_mask)]
-        trained[row, offset + 1 :] = torch.tensor(mask[1:], dtype=torch.float32)
-        behaviour[row, offset + 1 :] = torch.tensor(sample.rollout_logprobs[1:], dtype=torch.float32)
-        versions[row, offset + 1 :] = torch.tensor([max(v, 0) for v in sample.policy_version[1:]])
-    return trained, behaviour, versions
 
 
 def _shown(metrics: dict[str, Any]) -> str:
