@@ -209,7 +209,7 @@ def token_rewards(samples: list[Sample], r_max: float) -> tuple[torch.Tensor, to
         return mopd_token_rewards(teacher, student, mask, r_max), mask
     except NonFiniteLogprobError as error:
         raise NonFiniteLogprobError(
-            f"{error}; trajectories {[samples[row].uid for row in error.rows[:4]]}"
+            f"{error}; trajectories {[samples[row].uid for row in error.rows[:4]]}", error.rows
         ) from error
 
 
@@ -414,15 +414,16 @@ def run_mopd(ctx: StageContext) -> dict[str, float]:
     try:
         pool.start()
         checkpoint = state.restore()
+        last: dict[str, float] = {}  # the newest step's metrics, checkpointed with it
         if checkpoint is not None:
             step, before = checkpoint.step, checkpoint.extra["before"]
+            last = dict(checkpoint.extra["last"])
             before_episodes = checkpoint.extra["before_episodes"]
             pool.retries = int(checkpoint.extra["teacher_retries"])
         else:
             step, (before, before_episodes) = 0, distiller.evaluate()
             ctx.metrics.log(0, {f"eval/{k}_before/{p}": v[k] for p, v in before.items() for k in v})
         distiller.student.policy_version = step
-        last: dict[str, float] = {}
         while step < cfg.train.steps:
             step += 1
             samples = distiller.episodes(distiller.step_prompts(step), f"step{step}")
@@ -438,6 +439,7 @@ def run_mopd(ctx: StageContext) -> dict[str, float]:
                         "before": before,
                         "before_episodes": before_episodes,
                         "teacher_retries": pool.retries,
+                        "last": last,
                     },
                 )
             ctx.progress(step, cfg.train.steps, kl=last["kl"], reward=last["reward"])

@@ -324,15 +324,18 @@ def run_rl(ctx: StageContext) -> dict[str, float]:
         ctx.log.info("budget: %s", _shown(budget_metrics))
         queue = RolloutQueue(env, engine, sampling, cfg.rollout.partial)
         checkpoint = state.restore()
+        # The metrics of the newest iteration are checkpointed with it: a stage resumed from its
+        # final checkpoint reports them too.
+        last: dict[str, float] = {}
         if checkpoint is not None:
             step, before = checkpoint.step, dict(checkpoint.extra["before"])
+            last = dict(checkpoint.extra["last"])
             _serve_policy(engine, model, version=int(checkpoint.extra["policy_version"]))
             queue.restore(checkpoint)
         else:
             step, before = 0, evaluate(env, engine, held_out, effort, cfg.eval, ctx.seed, "before")
             ctx.metrics.log(0, {**before, **budget_metrics})
             ctx.log.info("before training (the %s model): %s", cfg.init, _shown(before))
-        last: dict[str, float] = {}
         while step < cfg.train.steps:
             step += 1
             groups = _new_groups(env, train_prompts, step, cfg.rollout, effort, ctx.seed)
@@ -350,7 +353,7 @@ def run_rl(ctx: StageContext) -> dict[str, float]:
                     model=state.unwrapped,
                     optimizer=state.optimizer,
                     scheduler=state.scheduler,
-                    extra={"before": before, "policy_version": engine.policy_version},
+                    extra={"before": before, "policy_version": engine.policy_version, "last": last},
                     samples=queue.samples(),
                     write_files=queue.write_files,
                 )

@@ -246,6 +246,41 @@ def test_a_killed_stage_resumes_bit_for_bit(uninterrupted, dirs, tmp_path, stage
     assert (tmp_path / "mopd" / "eval.json").read_text() == (stage_dir / "eval.json").read_text()
 
 
+def test_a_stage_resumed_from_its_final_checkpoint_reports_its_last_step(
+    uninterrupted, dirs, tmp_path, stage_runner
+):
+    _, straight = uninterrupted
+    steps = stage_body()["train"]["steps"]
+    crashed = stage_runner.context("mopd", tmp_path, stage_body(), inputs=stage_inputs(dirs), crash_at=steps)
+    with pytest.raises(stage_runner.FakeCrash):  # killed after the final checkpoint, before the end
+        stage_runner.run(crashed)
+    resumed = stage_runner.run(
+        stage_runner.context("mopd", tmp_path, stage_body(), inputs=stage_inputs(dirs))
+    )
+    assert resumed["train_loss"] == straight["train_loss"] and resumed["train_kl"] == straight["train_kl"]
+
+
+def test_a_diverged_student_fails_the_next_step_saying_so_and_that_no_checkpoint_exists(
+    dirs, tmp_path, stage_runner, monkeypatch
+):
+    real = TrainState.optimizer_step
+
+    def diverging_step(self, step):  # injected fault: the update leaves a NaN weight behind
+        metrics = real(self, step)
+        with torch.no_grad():
+            self.unwrapped.lm_head.weight[0, 0] = float("nan")
+        return metrics
+
+    monkeypatch.setattr(TrainState, "optimizer_step", diverging_step)
+    body = stage_body() | {"checkpoint_every": 5}
+    ctx = stage_runner.context("mopd", tmp_path, body, inputs=stage_inputs(dirs))
+    with pytest.raises(ValueError) as error:
+        stage_runner.run(ctx)
+    message = str(error.value)
+    assert message.startswith("step 2: NaN student log-prob") and "the student diverged" in message
+    assert "no checkpoint was written yet" in message and "intact" not in message
+
+
 def test_lora_trains_only_the_adapters_and_saves_them_merged(dirs, tmp_path, stage_runner):
     body = stage_body() | {"lora": {"r": 4, "alpha": 8}, "train": {"steps": 2, "lr": 1e-2}}
     ctx = stage_runner.context("mopd", tmp_path, body, inputs=stage_inputs(dirs))
