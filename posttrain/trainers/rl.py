@@ -44,7 +44,8 @@ from posttrain.algos.policy_loss import PolicyLossConfig
 from posttrain.config.rewards import GenRMConfig
 from posttrain.data.chat import ChatRenderer, load_tokenizer
 from posttrain.data.sample import DOMAINS, EFFORTS, Sample
-from posttrain.engines import ENGINES, EmbeddedEngine, Engine, SamplingConfig
+from posttrain.engines import EmbeddedEngine, Engine, SamplingConfig
+from posttrain.engines.build import build_engine
 from posttrain.envs.env_budget import BudgetConfig, base_budgets, model_digest
 from posttrain.envs.env_eval import EvalConfig, evaluate
 from posttrain.envs.environments import Environment, EnvironmentConfig, Judge, make_environment
@@ -88,12 +89,24 @@ class RolloutConfig(BaseModel):
     temperature: float = Field(
         1.0, gt=0, description="sampling temperature; the trainer scores tokens at the same temperature"
     )
-    engine: Literal["embedded", "vllm", "vllm_server"] = Field(
+    engine: Literal["embedded", "vllm", "vllm_server", "trl_vllm"] = Field(
         "embedded",
         description="embedded: the trained module itself; vllm: vllm.LLM in this process; vllm_server: "
-        "vLLM's OpenAI server as a subprocess (both synced from the trainer after every update)",
+        "vLLM's OpenAI server as a subprocess; trl_vllm: a `trl vllm-serve` server at `url` (the last "
+        "three are sent the trainer's weights after every update)",
     )
+    url: str | None = Field(None, description="trl_vllm: base URL of the `trl vllm-serve` server")
     partial: PartialRolloutConfig = Field(default_factory=PartialRolloutConfig)
+
+    @model_validator(mode="after")
+    def _url_with_trl(self) -> RolloutConfig:
+        if (self.engine == "trl_vllm") != (self.url is not None):
+            raise ValueError(
+                "rollout.url is the `trl vllm-serve` server's base URL: set it with rollout.engine "
+                "trl_vllm, "
+                f"and only then (engine is {self.engine!r}, url {self.url!r})"
+            )
+        return self
 
     @model_validator(mode="after")
     def _distinct_groups(self) -> RolloutConfig:
@@ -219,20 +232,23 @@ def rollout_engine(
 ) -> Engine:
     """The engine rollouts, the cold start and evaluation sample from (`rollout.engine`).
 
-    embedded shares the trained module `policy`. vllm and vllm_server serve the `init` checkpoint
-    (the architecture vLLM loads; the weights come from `publish_policy`) and record processed
-    log-probs: of the distribution sampled at rollout.temperature, which the trainer recomputes.
+    embedded shares the trained module `policy`. The others (posttrain.engines.build_engine) serve
+    the `init` checkpoint (the architecture they load; the weights come from `publish_policy`) and
+    record processed log-probs: of the distribution sampled at rollout.temperature, which the
+    trainer recomputes.
     """
-    engine_class = ENGINES.get(cfg.engine)
     if cfg.engine == "embedded":
-        return engine_class(policy, pad_token_id=renderer.pad_id)
-    if cfg.engine == "vllm":
-        return engine_class(init, seed=ctx.seed, logprobs_mode="processed")
-    from posttrain.engines.vllm_server import VLLMServer
-
-    log_path = ctx.stage_dir / "vllm-rollout.log"
-    ctx.log.info("rollout engine: vLLM server for %s, log %s", init, log_path)
-    return engine_class(VLLMServer(model=init, logprobs_mode="processed", log_path=log_path))
+        return EmbeddedEngine(policy, pad_token_id=renderer.pad_id)
+    ctx.log.info("rollout engine: %s for %s (logs and weights under %s)", cfg.engine, init, ctx.stage_dir)
+    return build_engine(
+        cfg.engine,
+        init,
+        work_dir=ctx.stage_dir,
+        log_name="vllm-rollout",
+        seed=ctx.seed,
+        logprobs_mode="processed",
+        url=cfg.url,
+    )
 
 
 def rollout_weights(model: nn.Module) -> dict[str, torch.Tensor]:
