@@ -43,6 +43,8 @@ class Sample:
     Generation state
       finish_reason: why generation stopped, None while never generated; "paused" means the
         sample is queued as a partial rollout and resumes from `tokens` (and `sandbox_snapshot`).
+      done: the episode ended (answered, out of turns or submissions); set by the episode loop
+        (posttrain.envs.environments.play_episodes), which never plays a done sample again.
       sandbox_snapshot: directory of the environment's snapshot for a paused agent trajectory.
 
     Scores
@@ -66,6 +68,7 @@ class Sample:
     policy_version: list[int] = field(default_factory=list)
 
     finish_reason: FinishReason | None = None
+    done: bool = False
     sandbox_snapshot: str | None = None
 
     reward: float | None = None

@@ -8,17 +8,19 @@ per-token policy loss on the rewards' discounted return. It is dense, on-policy 
 student learns where it samples.
 
 Which teacher scores which trajectory (teacher domains, routing, the pool of teacher engines that
-survives a dying engine) is posttrain.trainers.mopd_teachers. Here, in reading order: the stage's
-config, the episode loop over every domain at once (finished episodes are scored by their teachers
-between turns, batched), the per-token rewards (posttrain.algos.mopd_reward on each trajectory),
-the training step, and the stage with its before/after evaluation (DIR/mopd/eval.json). The
+survives a dying engine) is posttrain.trainers.mopd_teachers; what the evaluation measures is
+posttrain.trainers.mopd_eval. Here, in reading order: the stage's config, the per-token rewards
+(posttrain.algos.mopd_reward) and their advantages, the training step (the policy step RL uses,
+posttrain.trainers.policy_step), and the stage: every domain's episodes played at once by the
+episode loop (posttrain.envs.environments.play_episodes; finished episodes are scored by their
+teachers between turns, batched) and the before/after evaluation (DIR/mopd/eval.json). The
 student starts from the `student` need, the SFT model by default.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Literal
 
 import torch
@@ -31,8 +33,8 @@ from posttrain.config.stage_file import check_model_reference
 from posttrain.data.batch import left_pad_values
 from posttrain.data.chat import ChatRenderer, load_tokenizer
 from posttrain.data.sample import Sample
-from posttrain.engines import EmbeddedEngine, Engine, SamplingConfig
-from posttrain.envs.environments import EPISODE_DONE, Environment, EnvironmentConfig
+from posttrain.engines import EmbeddedEngine
+from posttrain.envs.environments import EnvironmentConfig, play_episodes
 from posttrain.files import remove_tree
 from posttrain.stages import StageContext, stage_kind
 from posttrain.trainers.common import (
@@ -159,38 +161,6 @@ class MOPDConfig(TeacherRoutingConfig):
 
 
 # Episodes and what they measure --------------------------------------------------------------------
-
-
-def act_on_turn(ended: int) -> bool:
-    """Environment.play's should_pause: asked right after it acted on the turns generated outside
-    it (and before it would generate), so the next turn of every domain is decoded in one batch."""
-    return True
-
-
-def play_episodes(
-    envs: Mapping[str, Environment],
-    student: Engine,
-    samples: list[Sample],
-    sampling: Mapping[str, SamplingConfig],
-    on_finished: Callable[[list[Sample]], None],
-) -> None:
-    """Play every sample's episode to its end, turn by turn, all domains decoding together (at this
-    size a decoding step costs the same for 6 rows or 36). Each domain's environment acts on the
-    last turn (tools run in its sandboxes, results appended, the verifier at the end) and leaves
-    the others "paused" before their next turn; `on_finished` gets the episodes that just ended.
-    Samples may be fresh prompts or carry a turn not yet acted on (finish_reason set)."""
-    going = list(samples)
-    while going:
-        for domain, env in envs.items():
-            mine = [s for s in going if s.domain == domain]
-            if mine:
-                env.play(student, mine, sampling[domain], should_pause=act_on_turn)
-        finished = [s for s in going if s.metrics.get(EPISODE_DONE)]
-        if finished:
-            on_finished(finished)
-        going = [s for s in going if not s.metrics.get(EPISODE_DONE)]
-        for config in dict.fromkeys(sampling[s.domain] for s in going):
-            student.generate([s for s in going if sampling[s.domain] == config], config)
 
 
 def token_rewards(samples: list[Sample], r_max: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -339,7 +309,7 @@ class Distiller:
             scoring[0] += time.perf_counter() - began
 
         sampling = {d: env.turn_sampling(temperature, self.seed) for d, env in self.envs.items()}
-        play_episodes(self.envs, self.student, samples, sampling, score)
+        play_episodes(self.envs, self.student, samples, sampling, on_finished=score)
         unscored = [s.uid for s in samples if scored and s.teacher_logprobs is None]
         if unscored:
             raise TeacherScoreError(f"episodes {unscored} ended without a teacher score")

@@ -22,7 +22,6 @@ from __future__ import annotations
 import math
 import shutil
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from posttrain.checkpoint import Checkpoint
 from posttrain.data.sample import Sample
 from posttrain.engines.base import Engine, SamplingConfig
-from posttrain.envs.environments import Environment
+from posttrain.envs.environments import Environment, PauseRule
 from posttrain.files import remove_tree
 
 QUEUE = "rollout_queue"
@@ -175,5 +174,5 @@ class RolloutQueue:
         return dropped
 
 
-def _threshold(target: int) -> Callable[[int], bool]:
+def _threshold(target: int) -> PauseRule:
     return lambda ended: ended >= target

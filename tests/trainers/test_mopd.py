@@ -24,12 +24,13 @@ from posttrain.data.chat import ChatRenderer
 from posttrain.data.sample import DOMAINS, EFFORTS, Sample
 from posttrain.data.tasks import TASK_FAMILIES, Episode
 from posttrain.engines import EmbeddedEngine, SamplingConfig
-from posttrain.envs.environments import EPISODE_DONE, EnvironmentConfig, make_environment
+from posttrain.engines.testing import ScriptedTurns
+from posttrain.envs.environments import EnvironmentConfig, make_environment, play_episodes
 from posttrain.metrics import read_metrics
 from posttrain.qat import qat_config_of, restore_qat
 from posttrain.trainers import mopd
 from posttrain.trainers.common import TrainState
-from posttrain.trainers.mopd import Distiller, MOPDConfig, play_episodes, token_rewards
+from posttrain.trainers.mopd import Distiller, MOPDConfig, token_rewards
 from posttrain.trainers.mopd_eval import episode_table, exact_results, pair_results, write_eval
 from posttrain.trainers.mopd_teachers import TeacherConfig, TeacherPool, route_teachers
 from posttrain.trainers.policy_step import micro_batch_loss
@@ -141,19 +142,19 @@ def test_agent_episodes_run_real_tools_and_only_student_tokens_are_rewarded(dirs
         family = TASK_FAMILIES.get(sample.task["family"])()
         # The first turn calls the search tool (the family's own solution), as a trained student would.
         turn = renderer.render_assistant(next(family.demonstration(sample, Episode(family, sample, None))))
-        sample.append(turn, generated=True, logprobs=[-1.0] * len(turn), version=0)
-        sample.finish_reason = "tool_call"
+        scripted = ScriptedTurns(student)
+        scripted.script(sample, turn, "tool_call")
         finished: list[list[str]] = []
         play_episodes(
             {"agent": env},
-            student,
+            scripted,
             [sample],
             {"agent": sampling},
-            lambda done: (finished.append([s.uid for s in done]), pool.score(done)),
+            on_finished=lambda done: (finished.append([s.uid for s in done]), pool.score(done)),
         )
     pool.close()
 
-    assert finished == [["ep/0"]] and sample.metrics[EPISODE_DONE] == 1.0 and sample.reward is not None
+    assert finished == [["ep/0"]] and sample.done and sample.reward is not None
     tool_messages = [m for m in sample.messages if m["role"] == "tool"]
     assert tool_messages and "price" in tool_messages[0]["content"]  # the shipped catalog, searched for real
     results = renderer.render_tool_results(tool_messages)
