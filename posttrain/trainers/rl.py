@@ -33,11 +33,7 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from torch import nn
-from transformers.core_model_loading import revert_weight_conversion
-from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
 from posttrain.algos import group_advantages
 from posttrain.algos.policy_loss import PolicyLossConfig
@@ -45,14 +41,11 @@ from posttrain.config.rewards import GenRMConfig
 from posttrain.data.chat import ChatRenderer, load_tokenizer
 from posttrain.data.sample import DOMAINS, EFFORTS, Sample
 from posttrain.engines import EmbeddedEngine, Engine, SamplingConfig
-from posttrain.engines.build import build_engine
-from posttrain.envs.env_budget import BudgetConfig, base_budgets, model_digest
+from posttrain.envs.env_budget import BudgetConfig, base_budgets, model_digest, trajectory_rewards
 from posttrain.envs.env_eval import EvalConfig, evaluate
 from posttrain.envs.environments import Environment, EnvironmentConfig, Judge, make_environment
 from posttrain.files import atomic_write_text, remove_tree
-from posttrain.qat import qat_config_of
-from posttrain.qat.export import dequantized_state_dict
-from posttrain.rewards_registry import budget_reward, generative_reward_model
+from posttrain.rewards_registry import generative_reward_model
 from posttrain.stages import StageContext, stage_kind
 from posttrain.trainers.common import (
     AccelerateConfig,
@@ -63,6 +56,7 @@ from posttrain.trainers.common import (
     save_final_model,
 )
 from posttrain.trainers.policy_step import policy_step
+from posttrain.trainers.policy_sync import publish_policy, rollout_engine, serve_policy
 from posttrain.trainers.rollout import PartialRolloutConfig, RolloutQueue
 
 Effort = Literal["low", "high", "max"]
@@ -227,59 +221,6 @@ def _judge(cfg: JudgeConfig, ctx: StageContext) -> Judge:
     )
 
 
-def rollout_engine(
-    cfg: RolloutConfig, policy: nn.Module, init: Path, renderer: ChatRenderer, ctx: StageContext
-) -> Engine:
-    """The engine rollouts, the cold start and evaluation sample from (`rollout.engine`).
-
-    embedded shares the trained module `policy`. The others (posttrain.engines.build_engine) serve
-    the `init` checkpoint (the architecture they load; the weights come from `publish_policy`) and
-    record processed log-probs: of the distribution sampled at rollout.temperature, which the
-    trainer recomputes.
-    """
-    if cfg.engine == "embedded":
-        return EmbeddedEngine(policy, pad_token_id=renderer.pad_id)
-    ctx.log.info("rollout engine: %s for %s (logs and weights under %s)", cfg.engine, init, ctx.stage_dir)
-    return build_engine(
-        cfg.engine,
-        init,
-        work_dir=ctx.stage_dir,
-        log_name="vllm-rollout",
-        seed=ctx.seed,
-        logprobs_mode="processed",
-        url=cfg.url,
-    )
-
-
-def rollout_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """`model`'s weights named as save_pretrained writes them, the names a vLLM engine loaded (K3's
-    batched routed experts split per expert, tied copies dropped). Under QAT the routed experts
-    hold their MXFP4 values (`dequantized_state_dict`): a vLLM engine computes with the weights the
-    trainer's forward uses, though not with its MXFP8 activation rounding."""
-    qat = qat_config_of(getattr(model, "config", None))
-    if qat is not None and qat.enabled:
-        state = dequantized_state_dict(model, qat)
-    else:
-        state = remove_tied_weights_from_state_dict(model.state_dict(), model)
-    return revert_weight_conversion(model, state)
-
-
-def _serve_policy(engine: Engine, model: nn.Module, version: int) -> None:
-    """Point the engine at `model`'s current weights as policy `version` (start and resume)."""
-    publish_policy(engine, model)
-    engine.policy_version = version
-
-
-def publish_policy(engine: Engine, model: nn.Module) -> None:
-    """Make the next rollouts sample `model`'s current weights under the next policy version: an
-    embedded engine over the module itself already does (only its version advances); any other
-    engine is sent the weights (`update_weights`, which advances its version)."""
-    if isinstance(engine, EmbeddedEngine) and engine.model is model:
-        engine.policy_version += 1
-    else:
-        engine.update_weights(rollout_weights(model))
-
-
 # The loop --------------------------------------------------------------------------------------
 
 
@@ -309,12 +250,12 @@ def run_rl(ctx: StageContext) -> dict[str, float]:
     sandbox_dir = ctx.stage_dir / "sandboxes"
     remove_tree(sandbox_dir)
     with (
-        rollout_engine(cfg.rollout, model, init, renderer, ctx) as engine,
+        rollout_engine(cfg.rollout.engine, cfg.rollout.url, model, init, renderer, ctx) as engine,
         make_environment(domain, renderer, env_cfg, sandbox_dir=sandbox_dir, judge=judge) as env,
     ):
         # From the first rollout on the engine samples the trainer's weights (a vLLM engine loaded
         # the init checkpoint as written, without QAT's rounding).
-        _serve_policy(engine, model, version=0)
+        serve_policy(engine, model, version=0)
         # Behaviour log-probs of the distribution actually sampled, which the trainer recomputes.
         sampling = env.turn_sampling(cfg.rollout.temperature, ctx.seed, logprobs="processed")
         held_out = env.prompts("eval", cfg.eval.prompts, cfg.eval.seed)
@@ -346,7 +287,7 @@ def run_rl(ctx: StageContext) -> dict[str, float]:
         if checkpoint is not None:
             step, before = checkpoint.step, dict(checkpoint.extra["before"])
             last = dict(checkpoint.extra["last"])
-            _serve_policy(engine, model, version=int(checkpoint.extra["policy_version"]))
+            serve_policy(engine, model, version=int(checkpoint.extra["policy_version"]))
             queue.restore(checkpoint)
         else:
             step, before = 0, evaluate(env, engine, held_out, effort, cfg.eval, ctx.seed, "before")
@@ -358,7 +299,7 @@ def run_rl(ctx: StageContext) -> dict[str, float]:
             rollout = queue.step([s for group in groups for s in group])
             last = {
                 **rollout.metrics,
-                **_train_step(state, engine, rollout.samples, budgets, cfg, step, renderer),
+                **_train_step(state, engine, rollout.samples, budgets, cfg, domain, step, renderer),
             }
             if judge is not None:
                 last.update({f"genrm/{k}": float(v) for k, v in judge.counts.items()})
@@ -426,51 +367,22 @@ def _new_groups(
     return groups
 
 
-def trajectory_rewards(
-    samples: list[Sample], budgets: dict[str, float], cfg: RLConfig, step: int, renderer: ChatRenderer
-) -> tuple[list[Sample], torch.Tensor, dict[str, float]]:
-    """The scored samples (a judge's unparsable verdicts are left out), their budget rewards at
-    iteration `step` (-1 over tau(effort) * b0(prompt), else the task reward) and metrics."""
-    markers = (renderer.token_ids["think_begin"], renderer.token_ids["think_end"])
-    budget = budget_reward(cfg.budget.for_domain(cfg.domain), markers)
-    # tau_start on the first iteration, tau_end on the last.
-    progress, span = step - 1, max(cfg.train.steps - 1, 1)
-    scored = [s for s in samples if s.reward is not None]
-    rewards, usages, over = [], [], 0
-    for sample in scored:
-        outcome = budget.outcome(
-            sample, float(sample.reward), budgets[sample.task["prompt_uid"]], progress, span
-        )
-        rewards.append(outcome.reward)
-        usages.append(outcome.usage)
-        over += outcome.over_budget
-    n = max(len(scored), 1)
-    effort = scored[0].effort if scored else "high"
-    metrics = {
-        "reward_mean": sum(rewards) / n,
-        "task_reward_mean": sum(float(s.reward) for s in scored) / n,
-        "over_budget_fraction": over / n,
-        "usage_mean": sum(usages) / n,
-        "tau": budget.tau(effort, progress, span),
-        "response_tokens_mean": sum(s.num_generated for s in scored) / n,
-        "unscored": float(len(samples) - len(scored)),
-    }
-    return scored, torch.tensor(rewards, dtype=torch.float32), metrics
-
-
 def _train_step(
     state: TrainState,
     engine: Engine,
     samples: list[Sample],
     budgets: dict[str, float],
     cfg: RLConfig,
+    domain: str,
     step: int,
     renderer: ChatRenderer,
 ) -> dict[str, float]:
     """Score and advantage the iteration's complete groups, then `updates_per_iteration` optimizer
     steps over all of them (posttrain.trainers.policy_step)."""
     started = time.perf_counter()
-    scored, rewards, metrics = trajectory_rewards(samples, budgets, cfg, step, renderer)
+    scored, rewards, metrics = trajectory_rewards(
+        samples, budgets, cfg.budget.for_domain(domain), step, cfg.train.steps, renderer
+    )
     if not scored:
         return {**metrics, "skipped": 1.0}
     advantages = group_advantages(

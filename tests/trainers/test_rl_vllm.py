@@ -36,7 +36,7 @@ from posttrain.engines.vllm_engine import VLLMEngine
 from posttrain.envs.environments import EnvironmentConfig, make_environment
 from posttrain.metrics import read_metrics
 from posttrain.qat import QATConfig, quantize_dequantize
-from posttrain.trainers.rl import publish_policy, rollout_weights
+from posttrain.trainers.policy_sync import publish_policy, rollout_weights
 from posttrain.trainers.rollout import PartialRolloutConfig, RolloutQueue
 
 pytestmark = pytest.mark.vllm
