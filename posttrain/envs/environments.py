@@ -1,6 +1,6 @@
 """RL environments, one per domain: where prompts come from, how an episode is played, how it is scored.
 
-An environment draws prompts from the registered task families of its domain (posttrain.data.tasks;
+An environment draws prompts from the registered task families of its domain (posttrain.envs.tasks;
 the shipped ones live in data_recipes/agent_tasks), plays episodes against an `Engine` and scores
 them with the family's hidden verifier (or a generative reward model where configured). The
 episode loop is the same for every domain and for every caller (RL rollouts, the budget's cold
@@ -38,10 +38,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from posttrain.data.chat import ChatRenderer
 from posttrain.data.sample import Sample
-from posttrain.data.tasks import TASK_FAMILIES, Episode, TaskFamily
 from posttrain.engines.base import Engine, LogprobsMode, PauseWhen, SamplingConfig
 from posttrain.envs.env_sandboxes import SandboxPool
 from posttrain.envs.sandbox import Sandbox
+from posttrain.envs.tasks import TASK_FAMILIES, Episode, TaskFamily
 from posttrain.envs.tools import TOOLS, Tool, make_tools
 from posttrain.files import remove_tree
 from posttrain.registry import Registry

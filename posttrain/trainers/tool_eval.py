@@ -22,9 +22,9 @@ from torch import nn
 
 from posttrain.data.chat import ChatRenderer
 from posttrain.data.loading import prompt_sample
-from posttrain.data.tasks import TASK_FAMILIES
 from posttrain.engines import EmbeddedEngine
 from posttrain.envs.environments import EnvironmentConfig, make_environment, play_episodes
+from posttrain.envs.tasks import TASK_FAMILIES
 
 
 @dataclass

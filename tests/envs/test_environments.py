@@ -11,7 +11,6 @@ import pytest
 
 from posttrain.data.chat import ChatRenderer
 from posttrain.data.sample import Sample
-from posttrain.data.tasks import TASK_FAMILIES, Episode
 from posttrain.engines import SamplingConfig
 from posttrain.engines.testing import ScriptedTurns
 from posttrain.envs.environments import (
@@ -21,6 +20,7 @@ from posttrain.envs.environments import (
     HarnessConfig,
     make_environment,
 )
+from posttrain.envs.tasks import TASK_FAMILIES, Episode
 
 
 def sampling(renderer: ChatRenderer, max_tokens: int = 6) -> SamplingConfig:

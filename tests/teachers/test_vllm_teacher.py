@@ -19,10 +19,10 @@ import posttrain.model  # noqa: F401  (registers kimi_k3 with AutoModelForCausal
 from posttrain.algos.policy_loss import PolicyLossConfig
 from posttrain.data.batch import TokenBatch
 from posttrain.data.sample import Sample
-from posttrain.data.tasks import TASK_FAMILIES
 from posttrain.engines import EmbeddedEngine, SamplingConfig
 from posttrain.engines.testing import build_tiny_llama, reference_logprobs
 from posttrain.engines.vllm_engine import VLLMEngine
+from posttrain.envs.tasks import TASK_FAMILIES
 from posttrain.qat import restore_qat
 from posttrain.trainers.mopd import MOPDConfig, token_rewards
 from posttrain.trainers.mopd_teachers import TeacherPool, route_teachers

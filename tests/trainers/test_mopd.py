@@ -22,10 +22,10 @@ from posttrain.algos.policy_loss import PolicyLossConfig
 from posttrain.data.batch import TokenBatch
 from posttrain.data.chat import ChatRenderer
 from posttrain.data.sample import DOMAINS, EFFORTS, Sample
-from posttrain.data.tasks import TASK_FAMILIES, Episode
 from posttrain.engines import EmbeddedEngine, SamplingConfig
 from posttrain.engines.testing import ScriptedTurns
 from posttrain.envs.environments import EnvironmentConfig, make_environment, play_episodes
+from posttrain.envs.tasks import TASK_FAMILIES, Episode
 from posttrain.metrics import read_metrics
 from posttrain.qat import qat_config_of, restore_qat
 from posttrain.trainers import mopd
