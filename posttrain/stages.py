@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import random
+import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -192,3 +193,45 @@ def _require_forbid(model: type[BaseModel], where: str, seen: set[type] | None =
     for name, info in model.model_fields.items():
         for nested in models_in(info.annotation):
             _require_forbid(nested, f"{where}.{name}", seen)
+
+
+def keys_table(config: type[BaseModel]) -> str:
+    """A kind's stage-file keys as a markdown table (key, default, meaning), read from its pydantic
+    schema, nested models as dotted keys: the docs' key tables are this, not a hand-kept copy
+    (tests/test_docs_keys.py). `python -m posttrain.stages KIND` prints it."""
+    rows = ["| key | default | meaning |", "| --- | --- | --- |"]
+    for key, default, meaning in _key_rows(config, ""):
+        rows.append(f"| `{key}` | {default} | {meaning} |")
+    return "\n".join(rows) + "\n"
+
+
+def _key_rows(config: type[BaseModel], prefix: str) -> list[tuple[str, str, str]]:
+    rows = []
+    for name, info in config.model_fields.items():
+        key, annotation = f"{prefix}{name}", info.annotation
+        nested = models_in(annotation)
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            rows += _key_rows(annotation, f"{key}.")
+            continue
+        value_type = typing.get_args(annotation)[-1] if typing.get_origin(annotation) is dict else None
+        if isinstance(value_type, type) and issubclass(value_type, BaseModel):
+            rows += _key_rows(value_type, f"{key}.<name>.")
+            continue
+        if info.is_required():
+            default = "required"
+        else:
+            value = info.get_default(call_default_factory=True)
+            default = "null" if value is None else f"`{value}`"
+        meaning = (info.description or "").replace("|", "\\|").replace("\n", " ")
+        if nested:  # an optional block: its keys
+            meaning = f"{meaning} (keys: {', '.join(nested[0].model_fields)})".strip()
+        rows.append((key, default, meaning))
+    return rows
+
+
+if __name__ == "__main__":
+    import sys
+
+    from posttrain import stages  # the registry the plug-ins fill, not this __main__ copy's
+
+    print(stages.keys_table(stages.STAGE_KINDS.get(sys.argv[1]).config), end="")

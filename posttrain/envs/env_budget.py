@@ -46,11 +46,11 @@ class ColdStartConfig(BaseModel):
     """How b0(x) is estimated: the SFT policy samples each training prompt `samples` times."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    samples: int = Field(4, gt=0)
+    samples: int = Field(4, gt=0, description="cold-start episodes per training prompt")
     effort: Effort = Field(
         "high", description="effort marker the cold-start policy samples with (shared by all runs)"
     )
-    temperature: float = Field(1.0, gt=0)
+    temperature: float = Field(1.0, gt=0, description="the cold start's sampling temperature")
 
 
 class BudgetConfig(BudgetRewardConfig):

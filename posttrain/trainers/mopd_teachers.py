@@ -84,8 +84,13 @@ class TeacherRoutingConfig(BaseModel):
     pairs are distilled and who teaches each."""
 
     model_config = ConfigDict(extra="forbid")
-    domains: list[str] = Field(default_factory=lambda: ["general", "agent", "coding"])
-    efforts: list[str] = Field(default_factory=lambda: list(EFFORTS))
+    domains: list[str] = Field(
+        default_factory=lambda: ["general", "agent", "coding"],
+        description="registered teacher domains trained on",
+    )
+    efforts: list[str] = Field(
+        default_factory=lambda: list(EFFORTS), description="efforts each prompt is played at"
+    )
     teachers: dict[str, TeacherConfig] = Field(
         default_factory=dict,
         validate_default=True,

@@ -114,8 +114,8 @@ class RolloutConfig(BaseModel):
 
 class AdvantageConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    scale_by_std: bool = True
-    leave_one_out: bool = False
+    scale_by_std: bool = Field(True, description="divide each group's advantages by its reward std")
+    leave_one_out: bool = Field(False, description="RLOO: the baseline is the mean of the group's others")
 
 
 class JudgeConfig(GenRMConfig):
