@@ -8,7 +8,7 @@ registers the same way from a user's own package or a .py file listed under `plu
 teachers/examples/math.py is a worked one.
 """
 
+from posttrain.trainers.mopd_teachers import TeacherDomain, teacher_domain
 from teachers import domains
-from teachers.domain import TeacherDomain, teacher_domain
 
 __all__ = ["TeacherDomain", "domains", "teacher_domain"]

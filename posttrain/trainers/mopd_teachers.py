@@ -2,8 +2,9 @@
 
 MOPD distils nine specialists, one per (domain, effort); this module turns the stage file's
 teacher keys into engines and keeps them serving:
-- teacher domains (`TEACHER_DOMAINS`, filled by plug-ins; the shipped ones live in teachers/): a
-  domain's environment (prompt recipe, tools, verifier) and its teacher for each effort; a
+- teacher domains (`TEACHER_DOMAINS`, filled with `@teacher_domain` by plug-ins; the shipped
+  ones are registered in teachers/domains.py): a domain's environment (prompt recipe, tools,
+  verifier) and its teacher for each effort; a
   teacher's engine is any `ENGINES` name, built by posttrain.engines.build.build_engine;
 - `TeacherRoutingConfig`, the routing keys of a `mopd` stage file, checked strictly: a pair without
   a teacher is an error before anything runs, naming the pair and the fix;
@@ -15,10 +16,10 @@ teacher keys into engines and keeps them serving:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
@@ -41,16 +42,42 @@ def pair_name(pair: Pair) -> str:
 # Teacher domains and backends ---------------------------------------------------------------------
 
 
-class TeacherDomain(Protocol):
-    """A registered teacher domain as MOPD reads it (`teachers.teacher_domain` registers them): the
-    environment class that makes and plays the domain's episodes (prompt recipe, tools, verifier),
-    and effort -> its teacher, a need's stage id or a model dir."""
+@dataclass(frozen=True)
+class TeacherDomain:
+    """A registered teacher domain: its name; environment, the Environment subclass that makes and
+    plays the domain's episodes (prompt recipe, tools, verifier); teachers, effort -> a need's
+    stage id or a model dir."""
 
+    name: str
     environment: type[Environment]
     teachers: Mapping[str, str]
 
 
 TEACHER_DOMAINS: Registry[TeacherDomain] = Registry("teacher domain")
+
+
+def teacher_domain(
+    name: str | None = None, *, teachers: Mapping[str, str] | None = None
+) -> Callable[[type[Environment]], type[Environment]]:
+    """Class decorator registering an Environment subclass as teacher domain `name` (default: its
+    `domain`). teachers: effort -> a need's stage id or a model dir; default rl-<name>-<effort> for
+    every effort, the stage ids of the RL specialists an `rl` matrix over the domain produces."""
+
+    def register(environment: type[Environment]) -> type[Environment]:
+        domain = name or environment.domain
+        if environment.domain != domain:
+            raise ValueError(
+                f"teacher domain {domain!r}: {environment.__name__}.domain is {environment.domain!r}; "
+                "its prompts carry that domain, so the two names must be equal"
+            )
+        chosen = dict(teachers) if teachers is not None else {e: f"rl-{domain}-{e}" for e in EFFORTS}
+        unknown = sorted(set(chosen) - set(EFFORTS))
+        if unknown:
+            raise ValueError(f"teacher domain {domain!r}: unknown efforts {unknown}; use {list(EFFORTS)}")
+        TEACHER_DOMAINS.register(domain)(TeacherDomain(domain, environment, chosen))
+        return environment
+
+    return register
 
 
 # Configuration ------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from posttrain.data.sample import Sample
 from posttrain.envs.environments import ENVIRONMENTS, Environment
 from posttrain.envs.tasks import TASK_FAMILIES, Episode, FinalState, TaskFamily
 from posttrain.envs.tools import Tool
-from teachers.domain import teacher_domain
+from posttrain.trainers.mopd_teachers import teacher_domain
 
 DOMAIN = "math"
 
