@@ -1,7 +1,7 @@
 """Dataset recipes (the `datasets` library), shipped small data and trajectory generators.
 
 Importing the package registers the shipped data recipes (posttrain.data.mixture.DATA_RECIPES) and
-task families (posttrain.data.tasks.TASK_FAMILIES).
+task families (posttrain.envs.tasks.TASK_FAMILIES).
 """
 
 from data_recipes import agent_tasks, recipes

@@ -14,9 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
-from posttrain.checkpoint import hash_tree, sha256_file
 from posttrain.config.errors import ConfigError, Issue, did_you_mean, key_path
 from posttrain.config.overrides import apply_overrides, parse_overrides
 from posttrain.config.stage_file import (
@@ -32,6 +31,7 @@ from posttrain.config.stage_file import (
     split_body,
 )
 from posttrain.config.yaml_source import KeyPath, line_of, load_yaml
+from posttrain.files import hash_tree, sha256_file
 from posttrain.registry import ENTRY_POINT_GROUP, RegistryError, import_plugin, load_plugins
 from posttrain.stages import STAGE_KINDS
 
@@ -422,19 +422,15 @@ def _resolve_model(
 def _check_qat(
     inst: _Instance, qat: dict[str, Any] | None, overridden: dict[tuple[str, ...], str], issues: list[Issue]
 ) -> None:
-    """Validate `qat:` with the QAT engineer's QATConfig when that module exists."""
+    """Validate `qat:` with posttrain.qat.config.QATConfig."""
     if qat is None:
         return
-    config = qat_config_class()
-    if config is None:
-        return
+    from posttrain.qat.config import QATConfig  # here, not at the top: posttrain.qat imports torch
+
     try:
-        if isinstance(config, type) and issubclass(config, BaseModel):
-            config.model_validate(qat)
-        else:
-            config(**qat)
+        QATConfig.model_validate(qat)
     except ValidationError as exc:
-        for issue in pydantic_issues(exc, config, inst.display, _shift(inst.lines), _shift(overridden)):
+        for issue in pydantic_issues(exc, QATConfig, inst.display, _shift(inst.lines), _shift(overridden)):
             issues.append(
                 Issue(
                     issue.file,
@@ -445,21 +441,6 @@ def _check_qat(
                     hint=issue.hint,
                 )
             )
-    except (TypeError, ValueError) as exc:
-        issues.append(
-            Issue(inst.display, f"invalid qat settings: {exc}", key="qat", line=line_of(inst.lines, ("qat",)))
-        )
-
-
-def qat_config_class() -> Any:
-    """posttrain.qat.config.QATConfig, or None while that module does not exist."""
-    try:
-        from posttrain.qat.config import QATConfig
-    except ModuleNotFoundError as exc:
-        if exc.name in ("posttrain.qat", "posttrain.qat.config"):
-            return None
-        raise
-    return QATConfig
 
 
 def _shift(located: dict[Any, Any]) -> dict[Any, Any]:

@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from orchestration.pipeline import Pipeline, Stage
-from posttrain.checkpoint import atomic_write_text, latest_checkpoint_step
+from posttrain.checkpoint import latest_checkpoint_step
+from posttrain.files import atomic_write_text
 
 MANIFEST = "manifest.json"
 LOCK = ".lock"

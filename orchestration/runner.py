@@ -16,7 +16,6 @@ import argparse
 import json
 import logging
 import os
-import random
 import select
 import signal
 import socket
@@ -27,7 +26,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from orchestration.pipeline import Pipeline, Stage, qat_config_class
+from orchestration.pipeline import Pipeline, Stage
 from orchestration.rundir import (
     LOCK,
     PROGRESS,
@@ -38,10 +37,10 @@ from orchestration.rundir import (
     stage_dir,
     write_manifest,
 )
-from posttrain.checkpoint import CheckpointManager, fsync_dir, fsync_file, hash_tree, remove_tree
+from posttrain.files import fsync_dir, fsync_file, hash_tree, remove_tree
 from posttrain.metrics import MetricsLogger
 from posttrain.registry import import_plugin, load_plugins
-from posttrain.stages import STAGE_KINDS, StageContext
+from posttrain.stages import STAGE_KINDS, StageContext, build_context
 
 REQUEST = "stage.json"
 STAGE_LOG = "stage.log"
@@ -175,13 +174,6 @@ def _context(
     load_plugins()
     for spec in stage.plugins:
         import_plugin(spec)
-    kind = STAGE_KINDS.get(stage.kind)
-    config = kind.config.model_validate(stage.body)
-    qat: Any = stage.qat
-    qat_config = qat_config_class()
-    if qat is not None and qat_config is not None:
-        qat = qat_config.model_validate(qat) if hasattr(qat_config, "model_validate") else qat_config(**qat)
-    directory = stage_dir(run_dir, stage.id)
 
     def restored(step: int) -> None:
         manifest["resumed_from_step"] = step
@@ -190,37 +182,26 @@ def _context(
 
     inputs = {need: stage_dir(run_dir, need) / MODEL_DIR for need in stage.needs}
     model = inputs[stage.model] if stage.model_is_input else (Path(stage.model) if stage.model else None)
-    _seed_everything(stage.seed)
     _set_threads(stage.resources.get("cpus", 1.0))
-    return StageContext(
+    directory = stage_dir(run_dir, stage.id)
+    return build_context(
         stage_id=stage.id,
         kind=stage.kind,
-        config=config,
+        body=stage.body,
         seed=stage.seed,
+        qat=stage.qat,
         inputs=inputs,
         model=model,
-        qat=qat,
-        matrix=dict(stage.matrix),
-        resources=dict(stage.resources),
+        matrix=stage.matrix,
+        resources=stage.resources,
         run_dir=run_dir,
         stage_dir=directory,
         output_dir=output,
         metrics=metrics,
-        checkpoints=CheckpointManager(
-            directory / "checkpoints", keep=3, log=log, metrics=metrics, on_restore=restored
-        ),
         log=log,
         progress_sink=_ProgressFile(directory / PROGRESS),
+        on_restore=restored,
     )
-
-
-def _seed_everything(seed: int) -> None:
-    import numpy as np
-    import torch
-
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def _set_threads(cpus: float) -> None:

@@ -14,7 +14,6 @@ extra.pt, samples-<name>.jsonl, ...}`` and ``<dir>/latest`` containing ``step-<N
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -28,69 +27,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from posttrain.data.sample import Sample
+from posttrain.files import atomic_write_text, fsync_dir, fsync_file, remove_tree, sha256_file
 
 if TYPE_CHECKING:
-    from posttrain.metrics import MetricsLogger
+    from posttrain.metrics import MetricsLogger  # the logger whose lines a restore cuts back
 
 LOG = logging.getLogger("posttrain.checkpoint")
 MANIFEST = "checkpoint.json"
 POINTER = "latest"
-
-
-def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename or a new entry in `path` durable (a file's fsync does not cover its dir)."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def hash_tree(directory: Path) -> tuple[dict[str, str], str]:
-    """({relative file: sha256}, digest of that listing) for a model dir."""
-    files = {
-        str(p.relative_to(directory)): sha256_file(p)
-        for p in sorted(Path(directory).rglob("*"))
-        if p.is_file()
-    }
-    return files, hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Replace `path` with `text` so a reader sees the old or the new content, never a mix."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    with open(tmp, "w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def remove_tree(path: Path) -> None:
-    """Delete a directory so that it disappears at once: a kill during a plain rmtree would leave
-    a half-deleted dir that looks like a damaged checkpoint or model."""
-    if not path.exists():
-        return
-    trash = path.with_name(f".trash-{path.name}-{uuid.uuid4().hex[:8]}")
-    os.rename(path, trash)
-    shutil.rmtree(trash, ignore_errors=True)
 
 
 def capture_rng_state() -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """The reward registry, and the contracts of the plug-in rewards the `rl` stage calls by name.
 
-Rewards (the budget reward, the length-capped GenRM, the verifiers) are plug-ins: the rewards/
+Rewards (the budget reward, the length-capped GenRM) are plug-ins: the rewards/
 package registers them here under the names stage files use, and the engine looks them up by name
 without importing that package (posttrain.registry.load_plugins imports it through the
 `posttrain.plugins` entry points before the first lookup returns). What crosses the boundary is

@@ -21,6 +21,8 @@ exposed through the `posttrain.plugins` entry-point group.
 from __future__ import annotations
 
 import logging
+import random
+import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,8 +54,7 @@ class StageContext:
     inputs: need stage id -> that stage's finished Hugging Face model dir (DIR/<need>/model).
     model: the stage file's `model`: a preset file (.yaml/.json, for load_model_config) or, when
       it names a need, that need's model dir; None when the file has no `model`.
-    qat: posttrain.qat.config.QATConfig validated from `qat:` (a plain dict when that module is
-      not importable), or None.
+    qat: posttrain.qat.config.QATConfig validated from `qat:`, or None.
     matrix: this instance's matrix values, e.g. {"domain": "coding", "effort": "max"}; {} if none.
     resources: {"cpus": float, "gpus": float} requested in the stage file.
     stage_dir: DIR/<stage_id>; scratch files of the kind may go here.
@@ -90,6 +91,61 @@ class StageContext:
         """Report that `step` of `total` steps is done; `shown` values (e.g. loss=0.31) appear
         next to the stage's progress bar. Cheap enough to call every step."""
         self.progress_sink(step, total, shown)
+
+
+def build_context(
+    *,
+    stage_id: str,
+    kind: str,
+    body: Mapping[str, Any],
+    seed: int,
+    qat: Mapping[str, Any] | None,
+    inputs: Mapping[str, Path],
+    model: Path | None,
+    matrix: Mapping[str, Any],
+    resources: Mapping[str, float],
+    run_dir: Path,
+    stage_dir: Path,
+    output_dir: Path,
+    metrics: MetricsLogger,
+    log: logging.Logger,
+    progress_sink: Callable[[int, int | None, dict[str, Any]], None],
+    on_restore: Callable[[int], None] | None = None,
+) -> StageContext:
+    """The StageContext a stage kind runs on, built one way for orchestration.runner and for
+    posttrain.testing.StageRunner: the body validated by the kind's config class, `qat` by
+    posttrain.qat.QATConfig, python/numpy/torch seeded with `seed`, checkpoints under
+    stage_dir/checkpoints (the last 3 kept) that cut `metrics` back on restore."""
+    import numpy as np
+    import torch
+
+    from posttrain.qat.config import QATConfig  # here, not at the top: posttrain.qat imports torch
+
+    config = STAGE_KINDS.get(kind).config.model_validate(dict(body))
+    qat_config = None if qat is None else QATConfig.model_validate(dict(qat))
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    return StageContext(
+        stage_id=stage_id,
+        kind=kind,
+        config=config,
+        seed=seed,
+        inputs=dict(inputs),
+        model=model,
+        qat=qat_config,
+        matrix=dict(matrix),
+        resources=dict(resources),
+        run_dir=run_dir,
+        stage_dir=stage_dir,
+        output_dir=output_dir,
+        metrics=metrics,
+        checkpoints=CheckpointManager(
+            stage_dir / "checkpoints", keep=3, log=log, metrics=metrics, on_restore=on_restore
+        ),
+        log=log,
+        progress_sink=progress_sink,
+    )
 
 
 StageRun = Callable[[StageContext], Mapping[str, float]]
@@ -137,3 +193,45 @@ def _require_forbid(model: type[BaseModel], where: str, seen: set[type] | None =
     for name, info in model.model_fields.items():
         for nested in models_in(info.annotation):
             _require_forbid(nested, f"{where}.{name}", seen)
+
+
+def keys_table(config: type[BaseModel]) -> str:
+    """A kind's stage-file keys as a markdown table (key, default, meaning), read from its pydantic
+    schema, nested models as dotted keys: the docs' key tables are this, not a hand-kept copy
+    (tests/test_docs_keys.py). `python -m posttrain.stages KIND` prints it."""
+    rows = ["| key | default | meaning |", "| --- | --- | --- |"]
+    for key, default, meaning in _key_rows(config, ""):
+        rows.append(f"| `{key}` | {default} | {meaning} |")
+    return "\n".join(rows) + "\n"
+
+
+def _key_rows(config: type[BaseModel], prefix: str) -> list[tuple[str, str, str]]:
+    rows = []
+    for name, info in config.model_fields.items():
+        key, annotation = f"{prefix}{name}", info.annotation
+        nested = models_in(annotation)
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            rows += _key_rows(annotation, f"{key}.")
+            continue
+        value_type = typing.get_args(annotation)[-1] if typing.get_origin(annotation) is dict else None
+        if isinstance(value_type, type) and issubclass(value_type, BaseModel):
+            rows += _key_rows(value_type, f"{key}.<name>.")
+            continue
+        if info.is_required():
+            default = "required"
+        else:
+            value = info.get_default(call_default_factory=True)
+            default = "null" if value is None else f"`{value}`"
+        meaning = (info.description or "").replace("|", "\\|").replace("\n", " ")
+        if nested:  # an optional block: its keys
+            meaning = f"{meaning} (keys: {', '.join(nested[0].model_fields)})".strip()
+        rows.append((key, default, meaning))
+    return rows
+
+
+if __name__ == "__main__":
+    import sys
+
+    from posttrain import stages  # the registry the plug-ins fill, not this __main__ copy's
+
+    print(stages.keys_table(stages.STAGE_KINDS.get(sys.argv[1]).config), end="")

@@ -2,26 +2,21 @@
 builds one, for tests of stage kinds: the engine's own and a plug-in author's alike.
 
 No run directory manifest, no subprocess, no executor: the kind's `run` gets a real StageContext
-(validated body, seeded RNGs, metrics, checkpoints, a temp output dir), so a test can stop it at a
+(posttrain.stages.build_context, as the runner builds it: validated body, seeded RNGs, metrics,
+checkpoints, a temp output dir), so a test can stop it at a
 step as a kill would and run it again to check that it resumes.
 """
 
 from __future__ import annotations
 
 import logging
-import random
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-
-from posttrain.checkpoint import CheckpointManager
 from posttrain.engines.testing import TINY_K3_PRESET
 from posttrain.metrics import MetricsLogger
-from posttrain.qat import QATConfig
-from posttrain.stages import STAGE_KINDS, StageContext
+from posttrain.stages import STAGE_KINDS, StageContext, build_context
 
 ProgressHook = Callable[[int, int | None, dict], None]
 
@@ -59,9 +54,6 @@ class StageRunner:
         stage_dir.mkdir(parents=True, exist_ok=True)
         output = stage_dir / ".model-tmp"
         output.mkdir(exist_ok=True)
-        random.seed(0)
-        np.random.seed(0)
-        torch.manual_seed(0)
         metrics = MetricsLogger(stage_dir, tensorboard=False)
 
         def hook(step: int, total: int | None, shown: dict) -> None:
@@ -70,21 +62,20 @@ class StageRunner:
             if step == crash_at:
                 raise FakeCrash(f"killed after step {step}")
 
-        return StageContext(
+        return build_context(
             stage_id=stage_id,
             kind=kind,
-            config=STAGE_KINDS.get(kind).config.model_validate(body),
+            body=body,
             seed=0,
-            inputs=dict(inputs or {}),
+            qat={"scheme": "k3"},
+            inputs=inputs or {},
             model=model or TINY_K3_PRESET,
-            qat=QATConfig(scheme="k3"),
-            matrix=dict(matrix or {}),
+            matrix=matrix or {},
             resources={"cpus": 1.0},
             run_dir=run_dir,
             stage_dir=stage_dir,
             output_dir=output,
             metrics=metrics,
-            checkpoints=CheckpointManager(stage_dir / "checkpoints", metrics=metrics),
             log=logging.getLogger(f"test-{run_dir.name}-{stage_id}"),
             progress_sink=hook,
         )

@@ -66,11 +66,8 @@ def usage_tokens(sample: Sample, kind: UsageKind, thinking_markers: tuple[int, i
     The scan starts at the first token so a prompt that opens the thinking span (an assistant
     header ending in think_start) is handled; the markers themselves do not count.
     """
-    generated = [i >= sample.prompt_length and m == 1 for i, m in enumerate(sample.loss_mask)]
-    if len(generated) != len(sample.tokens):
-        raise ValueError(
-            f"sample {sample.uid}: loss_mask has {len(generated)} entries, tokens {len(sample.tokens)}"
-        )
+    sample.check()
+    generated = sample.generated_mask
     if kind == "output":
         return sum(generated)
     if kind != "thinking":

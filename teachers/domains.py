@@ -6,7 +6,7 @@ families, tools and verifiers its teachers were trained on.
 """
 
 from posttrain.envs.environments import AgentEnvironment, CodingEnvironment, GeneralEnvironment
-from teachers.domain import teacher_domain
+from posttrain.trainers.mopd_teachers import teacher_domain
 
 for _environment in (GeneralEnvironment, AgentEnvironment, CodingEnvironment):
     teacher_domain()(_environment)

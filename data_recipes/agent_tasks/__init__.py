@@ -1,6 +1,6 @@
 """Shipped task families for the default run (general, agent, coding) and their real tools.
 
-Importing this package registers the families in posttrain.data.tasks.TASK_FAMILIES.
+Importing this package registers the families in posttrain.envs.tasks.TASK_FAMILIES.
 """
 
 from data_recipes.agent_tasks import agent, coding, general

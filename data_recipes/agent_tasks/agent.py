@@ -14,7 +14,7 @@ from typing import Any
 from data_recipes.agent_tasks.common import ToolFamily, system_message, thinking
 from data_recipes.agent_tasks.tools import DOCS_DIR
 from posttrain.data.sample import Sample
-from posttrain.data.tasks import TASK_FAMILIES, Episode, FinalState
+from posttrain.envs.tasks import TASK_FAMILIES, Episode, FinalState
 
 FILE_NAMES = ("answer.txt", "result.txt", "report.txt", "out.txt")
 

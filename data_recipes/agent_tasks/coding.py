@@ -15,8 +15,8 @@ from typing import Any
 
 from data_recipes.agent_tasks.common import ToolFamily, system_message, thinking
 from posttrain.data.sample import Sample
-from posttrain.data.tasks import TASK_FAMILIES, Episode, FinalState
 from posttrain.envs.sandbox import Sandbox
+from posttrain.envs.tasks import TASK_FAMILIES, Episode, FinalState
 
 PASS_MARK = "ALL TESTS PASSED"
 VERIFY_TIMEOUT_S = 10.0

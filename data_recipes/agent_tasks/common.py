@@ -12,7 +12,7 @@ import re
 from collections.abc import Sequence
 
 from data_recipes.agent_tasks.tools import DOCS_DIR
-from posttrain.data.tasks import TaskFamily
+from posttrain.envs.tasks import TaskFamily
 from posttrain.envs.tools import Tool, make_tools
 
 SYSTEM_PROMPTS: dict[str, tuple[str, ...]] = {

@@ -15,7 +15,7 @@ from typing import Any
 from data_recipes.agent_tasks.common import ToolFamily, normalise_answer, system_message, thinking
 from data_recipes.agent_tasks.tools import calculate
 from posttrain.data.sample import Sample
-from posttrain.data.tasks import TASK_FAMILIES, Episode, FinalState
+from posttrain.envs.tasks import TASK_FAMILIES, Episode, FinalState
 
 FACTS_PATH = Path(__file__).resolve().parents[1] / "facts" / "elements.json"
 NAMES = ("Ana", "Ben", "Cleo", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun", "Kai", "Lea")

@@ -15,7 +15,7 @@ from typing import Any
 
 from data_recipes.agent_tasks import FAMILIES
 from posttrain.data.sample import EFFORTS
-from posttrain.data.tasks import TASK_FAMILIES
+from posttrain.envs.tasks import TASK_FAMILIES
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parents[1] / "data" / "agent_sft.jsonl"
 DEFAULT_PER_FAMILY = 200

@@ -13,6 +13,14 @@ from __future__ import annotations
 import torch
 
 
+class NonFiniteLogprobError(ValueError):
+    """A sampled token's teacher or student log-prob is NaN; `rows` are the batch rows affected."""
+
+    def __init__(self, message: str, rows: list[int]) -> None:
+        super().__init__(message)
+        self.rows = rows
+
+
 def mopd_token_rewards(
     teacher_logprobs: torch.Tensor, student_logprobs: torch.Tensor, mask: torch.Tensor, r_max: float
 ) -> torch.Tensor:
@@ -30,8 +38,10 @@ def mopd_token_rewards(
     Returns:
         [B, T] rewards, detached (no grad_fn).
     Raises:
-        ValueError if a sampled token has a NaN log-prob: a trajectory is never trained on
-        without a valid teacher score.
+        NonFiniteLogprobError (a ValueError) if a sampled token has a NaN log-prob: a trajectory
+        is never trained on without a valid teacher score. The message says whose: a NaN student
+        log-prob means the student's weights diverged in an earlier step (the engine sampled from
+        them and recorded NaN).
     """
     if teacher_logprobs.shape != student_logprobs.shape or mask.shape != teacher_logprobs.shape:
         raise ValueError(
@@ -41,10 +51,24 @@ def mopd_token_rewards(
     if not r_max > 0:
         raise ValueError(f"r_max must be > 0, got {r_max}")
     mask = mask.bool()
+    for logprobs, whose, why in (
+        (
+            student_logprobs,
+            "student",
+            "the student diverged: an earlier optimizer step left weights that give NaN "
+            "(lower train.lr or raise train.warmup_steps)",
+        ),
+        (teacher_logprobs, "teacher", "its engine returned non-finite scores"),
+        (teacher_logprobs - student_logprobs, "teacher minus student", "both are infinite"),
+    ):
+        bad = torch.isnan(logprobs.detach()) & mask
+        if bad.any():
+            where = torch.nonzero(bad).tolist()
+            raise NonFiniteLogprobError(
+                f"NaN {whose} log-prob on sampled tokens at [row, position] {where[:8]}: {why}",
+                sorted({row for row, _ in where}),
+            )
     delta = teacher_logprobs.detach() - student_logprobs.detach()
-    if torch.isnan(delta[mask]).any():
-        where = torch.nonzero(torch.isnan(delta) & mask).tolist()
-        raise ValueError(f"NaN teacher or student log-prob on sampled tokens at [row, position] {where[:8]}")
     rewards = delta.clamp(-r_max, r_max)
     return torch.where(mask, rewards, torch.zeros_like(rewards))
 

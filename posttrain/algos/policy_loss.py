@@ -29,12 +29,18 @@ class PolicyLossConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    clip_eps_low: float = Field(0.2, ge=0.0, lt=1.0)
-    clip_eps_high: float = Field(0.2, ge=0.0)
-    tis_cap: float = Field(2.0, gt=0.0)
-    penalty: Literal["sq", "k3", "none"] = "sq"
-    penalty_coef: float = Field(0.1, ge=0.0)
-    reduction: Literal["mean", "sum"] = "mean"
+    clip_eps_low: float = Field(0.2, ge=0.0, lt=1.0, description="PPO clip below: rho >= 1 - eps_low")
+    clip_eps_high: float = Field(0.2, ge=0.0, description="PPO clip above: rho <= 1 + eps_high")
+    tis_cap: float = Field(
+        2.0, gt=0.0, description="C: truncated importance weight min(pi_prox / pi_behav, C)"
+    )
+    penalty: Literal["sq", "k3", "none"] = Field(
+        "sq", description="per-token log-ratio penalty: sq delta^2 / 2, k3 exp(delta) - 1 - delta, none"
+    )
+    penalty_coef: float = Field(0.1, ge=0.0, description="beta, the penalty's weight")
+    reduction: Literal["mean", "sum"] = Field(
+        "mean", description="mean over trained tokens or their sum (the policy step sums, then divides once)"
+    )
 
     @model_validator(mode="after")
     def _penalty_consistent(self) -> PolicyLossConfig:

@@ -98,28 +98,6 @@ def decode_record(row: dict[str, Any]) -> dict[str, Any]:
     return json.loads(row["record"])
 
 
-def trajectory_sample(record: dict[str, Any], renderer: ChatRenderer | None = None) -> Sample:
-    """The whole trajectory as a Sample; with a renderer, tokens and loss mask are filled and
-    prompt_length is the number of tokens before the first trained one."""
-    sample = Sample(
-        uid=record["uid"],
-        domain=record.get("domain", "general"),
-        effort=record.get("effort") or "high",
-        group=record["uid"],
-        messages=record["messages"],
-        tools=record.get("tools", []),
-        task=record.get("task", {}),
-    )
-    if renderer is not None:
-        ids, mask = renderer.render(sample.messages, sample.tools, record.get("effort"))
-        sample.tokens = ids
-        sample.loss_mask = mask
-        sample.prompt_length = mask.index(1) if 1 in mask else len(mask)
-        sample.rollout_logprobs = [0.0] * len(ids)
-        sample.policy_version = [-1] * len(ids)
-    return sample
-
-
 def prompt_sample(record: dict[str, Any]) -> Sample:
     """The prompt-only form (messages before the first assistant turn) with the hidden task kept:
     what an environment or an eval of tool-task success starts from."""

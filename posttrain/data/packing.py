@@ -1,10 +1,10 @@
-"""Packing rendered trajectories into fixed-length rows, and padded batches.
+"""Packing rendered trajectories into fixed-length rows (SFT's batches).
 
 Packed rows carry document boundaries as ``cu_seqlens`` (cumulative lengths, fla's varlen layout)
 and positions that restart at 0 in each document, so the K3 model resets KDA state and keeps MLA
 attention inside each document: a packed row trains exactly like its documents one by one, without
-padding waste. Padded batches serve generation (left padding, prompts end aligned) and training
-without packing (right padding).
+padding waste. Left-padded batches of trajectories (generation, RL and MOPD) are
+posttrain.data.batch's.
 
 Label convention is Hugging Face's: ``labels`` align with ``input_ids`` and the model shifts them;
 -100 marks tokens that are not targets (loss mask 0, padding, and each document's first token, which
@@ -99,38 +99,3 @@ def _pack_row(
         num_documents=len(documents),
         document_indices=list(members),
     )
-
-
-def pad_batch(
-    sequences: list[list[int]],
-    pad_id: int,
-    side: str = "right",
-    loss_masks: list[list[int]] | None = None,
-    pad_to_multiple_of: int = 1,
-) -> dict[str, torch.Tensor]:
-    """Pad to one length. Returns input_ids and attention_mask [B, T] (1 on real tokens) and
-    position_ids [B, T] counting real tokens only (0 on padding); with `loss_masks`, also labels
-    (-100 on padding and untrained tokens). side="left" for generation, "right" for training."""
-    if side not in ("left", "right"):
-        raise ValueError(f"side must be 'left' or 'right', got {side!r}")
-    if not sequences:
-        raise ValueError("pad_batch needs at least one sequence")
-    if loss_masks is not None and [len(m) for m in loss_masks] != [len(s) for s in sequences]:
-        raise ValueError("every loss mask must have its sequence's length")
-    longest = max(len(s) for s in sequences)
-    length = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
-    rows = {"input_ids": [], "attention_mask": [], "position_ids": [], "labels": []}
-    for index, ids in enumerate(sequences):
-        gap = length - len(ids)
-        labels = [IGNORE_INDEX] * len(ids)
-        if loss_masks is not None:
-            labels = [t if m else IGNORE_INDEX for t, m in zip(ids, loss_masks[index], strict=True)]
-        real = {"input_ids": ids, "attention_mask": [1] * len(ids), "position_ids": list(range(len(ids)))}
-        real["labels"] = labels
-        fill = {"input_ids": pad_id, "attention_mask": 0, "position_ids": 0, "labels": IGNORE_INDEX}
-        for key, values in real.items():
-            rows[key].append([fill[key]] * gap + values if side == "left" else values + [fill[key]] * gap)
-    batch = {key: torch.tensor(value, dtype=torch.long) for key, value in rows.items()}
-    if loss_masks is None:
-        del batch["labels"]
-    return batch

@@ -45,11 +45,12 @@ class Sample:
     Generation state
       finish_reason: why generation stopped, None while never generated; "paused" means the
         sample is queued as a partial rollout and resumes from `tokens` (and `sandbox_snapshot`).
+      done: the episode ended (answered, out of turns or submissions); set by the episode loop
+        (posttrain.envs.environments.play_episodes), which never plays a done sample again.
       sandbox_snapshot: directory of the environment's snapshot for a paused agent trajectory.
 
     Scores
       reward: scalar outcome reward (verifier / GenRM / budget), None until scored.
-      token_rewards: dense per-token rewards (MOPD), aligned with tokens.
       teacher_logprobs: teacher's log-prob of each token (MOPD prefill), aligned with tokens.
       metrics: free-form numbers for logging (usage tokens, verifier details, retries).
     """
@@ -70,10 +71,10 @@ class Sample:
     policy_version: list[int] = field(default_factory=list)
 
     finish_reason: FinishReason | None = None
+    done: bool = False
     sandbox_snapshot: str | None = None
 
     reward: float | None = None
-    token_rewards: list[float] | None = None
     teacher_logprobs: list[float] | None = None
     metrics: dict[str, float] = field(default_factory=dict)
 
@@ -83,8 +84,25 @@ class Sample:
         return len(self.tokens) - self.prompt_length
 
     @property
+    def generated_mask(self) -> list[int]:
+        """Per token, 1 where the policy generated it: loss_mask after the prompt (tool results
+        and feedback the environment appended are 0). What RL and MOPD train on."""
+        return [0] * self.prompt_length + self.loss_mask[self.prompt_length :]
+
+    @property
     def num_generated(self) -> int:
+        """Policy-generated tokens (tool results excluded): a trajectory's response length."""
         return sum(self.loss_mask[self.prompt_length :])
+
+    @property
+    def trailing_generated(self) -> int:
+        """Length of the trailing run of generated tokens: the current assistant turn so far."""
+        count = 0
+        for position in range(len(self.tokens) - 1, self.prompt_length - 1, -1):
+            if not self.loss_mask[position]:
+                break
+            count += 1
+        return count
 
     def append(
         self, token_ids: list[int], *, generated: bool, logprobs: list[float] | None = None, version: int = -1
@@ -105,10 +123,9 @@ class Sample:
             if len(getattr(self, name)) != n:
                 count = len(getattr(self, name))
                 raise ValueError(f"sample {self.uid}: {name} has {count} entries, tokens {n}")
-        for name in ("token_rewards", "teacher_logprobs"):
-            value = getattr(self, name)
-            if value is not None and len(value) != n:
-                raise ValueError(f"sample {self.uid}: {name} has {len(value)} entries, tokens {n}")
+        if self.teacher_logprobs is not None and len(self.teacher_logprobs) != n:
+            count = len(self.teacher_logprobs)
+            raise ValueError(f"sample {self.uid}: teacher_logprobs has {count} entries, tokens {n}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -157,14 +157,7 @@ def tokens_already_generated(sample: Sample) -> int:
     sample, or one a failed server left unfinished, resumes with its budget partly spent, so
     pause/resume and retries honour the same max_tokens.
     """
-    if sample.finish_reason not in ("paused", "aborted"):
-        return 0
-    count = 0
-    for position in range(len(sample.tokens) - 1, sample.prompt_length - 1, -1):
-        if not sample.loss_mask[position]:
-            break
-        count += 1
-    return count
+    return sample.trailing_generated if sample.finish_reason in ("paused", "aborted") else 0
 
 
 def sampling_key(seed: int, uid: str, position: int) -> int:

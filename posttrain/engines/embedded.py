@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from posttrain.data.batch import left_pad, positions_from_mask
 from posttrain.data.sample import Sample
 from posttrain.engines.base import (
     ENGINES,
@@ -103,22 +104,6 @@ def sample_tokens(
     chosen_processed = processed_all.gather(-1, tokens[:, None]).squeeze(-1)
     chosen_raw = raw.gather(-1, tokens[:, None]).squeeze(-1)
     return tokens, chosen_raw if sampling.logprobs == "raw" else chosen_processed
-
-
-def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token lists -> (input_ids [B, T], attention_mask [B, T]) with LEFT padding."""
-    width = max(len(seq) for seq in sequences)
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for row, seq in enumerate(sequences):
-        ids[row, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
-        mask[row, width - len(seq) :] = 1
-    return ids, mask
-
-
-def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
-    """Position ids that ignore left padding (rotary models need them; K3 accepts and ignores them)."""
-    return (mask.cumsum(dim=-1) - 1).clamp(min=0)
 
 
 def cache_row(cache: KimiK3Cache, row: int, config: object) -> KimiK3Cache:

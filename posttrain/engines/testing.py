@@ -17,7 +17,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 from posttrain.data.chat import ChatRenderer
-from posttrain.data.sample import Sample
+from posttrain.data.sample import FinishReason, Sample
+from posttrain.engines.base import Engine, PauseWhen, SamplingConfig, WeightsSource
 from posttrain.model import KimiK3ForCausalLM, load_model_config
 from posttrain.qat import QATConfig, apply_qat
 
@@ -138,3 +139,40 @@ def reference_logprobs(model: torch.nn.Module, tokens: list[int]) -> torch.Tenso
         logits = model(input_ids=torch.tensor([tokens])).logits[0].float()
     picked = torch.log_softmax(logits[:-1], dim=-1).gather(-1, torch.tensor(tokens[1:])[:, None]).squeeze(-1)
     return torch.cat([torch.zeros(1), picked])
+
+
+class ScriptedTurns(Engine):
+    """A real engine whose next turn for chosen samples is scripted, for tests that need a turn an
+    untrained tiny model never writes (a tool call, a correct answer): `script(sample, ids,
+    finish)` makes the next `generate` append `ids` as that sample's turn, as if sampled (log-prob
+    -1, the engine's policy version), ending with `finish`; every other row is the real engine's."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.turns: dict[str, tuple[list[int], FinishReason]] = {}
+
+    def script(self, sample: Sample, ids: list[int], finish: FinishReason) -> None:
+        self.turns[sample.uid] = (list(ids), finish)
+
+    def generate(
+        self, samples: list[Sample], sampling: SamplingConfig, pause_when: PauseWhen | None = None
+    ) -> list[Sample]:
+        rest = []
+        for sample in samples:
+            if sample.uid in self.turns:
+                ids, finish = self.turns.pop(sample.uid)
+                sample.append(
+                    ids, generated=True, logprobs=[-1.0] * len(ids), version=self.engine.policy_version
+                )
+                sample.finish_reason = finish
+            else:
+                rest.append(sample)
+        if rest:
+            self.engine.generate(rest, sampling, pause_when)
+        return samples
+
+    def score(self, samples: list[Sample]) -> list[list[float]]:
+        return self.engine.score(samples)
+
+    def update_weights(self, weights: WeightsSource) -> None:
+        self.engine.update_weights(weights)

@@ -9,7 +9,8 @@ b0 depends on (policy weights, sampling, counting, episode limits), so a new SFT
 setting re-estimates instead of reusing a stale budget.
 
 The formulas (usage counting, the quantile, tau) are the registered "budget" reward's
-(posttrain.rewards_registry); playing the cold start and keeping its results is this stage's job.
+(posttrain.rewards_registry); playing the cold start and keeping its results, and scoring each
+iteration's trajectories with it (`trajectory_rewards`), is this stage's job.
 """
 
 from __future__ import annotations
@@ -27,13 +28,15 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from posttrain.checkpoint import sha256_file
 from posttrain.config.rewards import BudgetRewardConfig
+from posttrain.data.chat import ChatRenderer
 from posttrain.data.sample import Sample
 from posttrain.engines.base import Engine
 from posttrain.envs.environments import Environment
+from posttrain.files import sha256_file
 from posttrain.rewards_registry import BaseBudget, budget_reward
 
 Effort = Literal["low", "high", "max"]
@@ -43,11 +46,11 @@ class ColdStartConfig(BaseModel):
     """How b0(x) is estimated: the SFT policy samples each training prompt `samples` times."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    samples: int = Field(4, gt=0)
+    samples: int = Field(4, gt=0, description="cold-start episodes per training prompt")
     effort: Effort = Field(
         "high", description="effort marker the cold-start policy samples with (shared by all runs)"
     )
-    temperature: float = Field(1.0, gt=0)
+    temperature: float = Field(1.0, gt=0, description="the cold start's sampling temperature")
 
 
 class BudgetConfig(BudgetRewardConfig):
@@ -141,6 +144,45 @@ def estimate(
         group = [s for s in samples if s.group == prompt.uid]
         successes = [s.reward is not None and s.reward >= 1.0 for s in group]
         cache.put(prompt.uid, digests[prompt.uid], key, reward.base_budget(group, successes))
+
+
+def trajectory_rewards(
+    samples: list[Sample],
+    budgets: Mapping[str, float],
+    cfg: BudgetRewardConfig,
+    step: int,
+    total_steps: int,
+    renderer: ChatRenderer,
+) -> tuple[list[Sample], torch.Tensor, dict[str, float]]:
+    """The scored samples of an RL iteration (a judge's unparsable verdicts are left out), their
+    budget rewards at iteration `step` of `total_steps` (-1 over tau(effort) * b0(prompt), else
+    the task reward; `budgets`: prompt uid -> b0) and metrics. `cfg`: the run's domain's config
+    (BudgetRewardConfig.for_domain)."""
+    markers = (renderer.token_ids["think_begin"], renderer.token_ids["think_end"])
+    budget = budget_reward(cfg, markers)
+    # tau_start on the first iteration, tau_end on the last.
+    progress, span = step - 1, max(total_steps - 1, 1)
+    scored = [s for s in samples if s.reward is not None]
+    rewards, usages, over = [], [], 0
+    for sample in scored:
+        outcome = budget.outcome(
+            sample, float(sample.reward), budgets[sample.task["prompt_uid"]], progress, span
+        )
+        rewards.append(outcome.reward)
+        usages.append(outcome.usage)
+        over += outcome.over_budget
+    n = max(len(scored), 1)
+    effort = scored[0].effort if scored else "high"
+    metrics = {
+        "reward_mean": sum(rewards) / n,
+        "task_reward_mean": sum(float(s.reward) for s in scored) / n,
+        "over_budget_fraction": over / n,
+        "usage_mean": sum(usages) / n,
+        "tau": budget.tau(effort, progress, span),
+        "response_tokens_mean": sum(s.num_generated for s in scored) / n,
+        "unscored": float(len(samples) - len(scored)),
+    }
+    return scored, torch.tensor(rewards, dtype=torch.float32), metrics
 
 
 def prompt_hash(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] = ()) -> str:

@@ -21,8 +21,8 @@ class EvalConfig(BaseModel):
     """Held-out prompts of the domain, the same for the three efforts (their own seed)."""
 
     model_config = ConfigDict(extra="forbid")
-    prompts: int = Field(16, gt=0)
-    samples_per_prompt: int = Field(1, gt=0)
+    prompts: int = Field(16, gt=0, description="held-out prompts of the domain")
+    samples_per_prompt: int = Field(1, gt=0, description="episodes per held-out prompt")
     temperature: float = Field(0.0, ge=0, description="0: greedy")
     seed: int = Field(
         0, description="draws the held-out prompts (not the stage seed: every effort sees the same)"

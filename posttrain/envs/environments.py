@@ -1,6 +1,6 @@
 """RL environments, one per domain: where prompts come from, how an episode is played, how it is scored.
 
-An environment draws prompts from the registered task families of its domain (posttrain.data.tasks;
+An environment draws prompts from the registered task families of its domain (posttrain.envs.tasks;
 the shipped ones live in data_recipes/agent_tasks), plays episodes against an `Engine` and scores
 them with the family's hidden verifier (or a generative reward model where configured). The
 episode loop is the same for every domain and for every caller (RL rollouts, the budget's cold
@@ -36,23 +36,24 @@ from typing import Any, ClassVar, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from posttrain.checkpoint import remove_tree
 from posttrain.data.chat import ChatRenderer
 from posttrain.data.sample import Sample
-from posttrain.data.tasks import TASK_FAMILIES, Episode, TaskFamily
-from posttrain.engines.base import Engine, LogprobsMode, SamplingConfig
+from posttrain.engines.base import Engine, LogprobsMode, PauseWhen, SamplingConfig
 from posttrain.envs.env_sandboxes import SandboxPool
 from posttrain.envs.sandbox import Sandbox
+from posttrain.envs.tasks import TASK_FAMILIES, Episode, TaskFamily
 from posttrain.envs.tools import TOOLS, Tool, make_tools
+from posttrain.files import remove_tree
 from posttrain.registry import Registry
 
 # Sample.metrics keys an environment maintains (JSON-safe floats, so they survive a checkpoint).
 TASK_REWARD = "task_reward"
-EPISODE_DONE = "episode_done"
 SUBMISSIONS = "submissions"
 TRUNCATED = "truncated"
 # A turn that ended with one of these answered; a "tool_call" turn continues the episode.
 ANSWERED = ("stop", "length")
+# The pause rule of an episode loop: given how many episodes have ended in this call, pause now?
+PauseRule = Callable[[int], bool]
 SANDBOX_LIMITS: dict[str, Any] = {"memory_mb": 512, "cpu_seconds": 30, "max_processes": 64, "network": False}
 SUBMISSION_FEEDBACK = (
     "The hidden tests failed. {left} submission{s} left: fix the code and reply with the complete function."
@@ -131,16 +132,6 @@ class _Play:
     episode: Episode
     sandbox: Sandbox | None = None
     done: bool = False
-
-
-def trailing_generated(sample: Sample) -> int:
-    """Length of the trailing run of policy-generated tokens: the current assistant turn so far."""
-    count = 0
-    for position in range(len(sample.tokens) - 1, sample.prompt_length - 1, -1):
-        if not sample.loss_mask[position]:
-            break
-        count += 1
-    return count
 
 
 class Environment:
@@ -274,49 +265,16 @@ class Environment:
         engine: Engine,
         samples: list[Sample],
         sampling: SamplingConfig,
-        should_pause: Callable[[int], bool] | None = None,
+        should_pause: PauseRule | None = None,
     ) -> None:
-        """Play each sample's episode until it ends or generation pauses.
-
-        samples: fresh trajectories (`start`), paused ones (finish_reason "paused": they continue
-          from their tokens, their sandbox restored from `sandbox_snapshot`), or ones whose last turn
-          was generated elsewhere and not yet acted on (finish_reason "stop"/"tool_call"/"length").
-        should_pause(ended) -> bool: asked between decoding steps and between turns with the number
-          of episodes ended so far in this call (turns that just answered count as ended). Once it
-          says yes, every episode still going is paused: finish_reason "paused", its sandbox written
-          to a snapshot (`sample.sandbox_snapshot`) and given back to the pool.
-        Ended episodes get sample.reward (the task reward; None when a judge could not score it)
-        and metrics task_reward, episode_done, submissions, truncated.
-        """
-        plays = [self._open(sample) for sample in samples]
-        try:
-            pending = [p for p in plays if p.sample.finish_reason in ("stop", "tool_call", "length")]
-            going = [p for p in plays if p not in pending] + self._act(pending)
-            ended = sum(p.done for p in pending)
-            if should_pause is not None and should_pause(ended):
-                self._pause(going)
-                going = []
-            while going:
-                pause_when = None if should_pause is None else _pause_rule(should_pause, ended)
-                engine.generate([p.sample for p in going], sampling, pause_when=pause_when)
-                turned = [p for p in going if p.sample.finish_reason != "paused"]
-                going = self._act(turned)
-                ended += len(turned) - len(going)
-                if going and should_pause is not None and should_pause(ended):
-                    self._pause(going)
-                    going = []
-            self._score([p for p in plays if p.done])
-            for play in plays:
-                if play.sample.finish_reason == "paused":
-                    self._park(play)
-        finally:
-            for play in plays:
-                if play.sandbox is not None:
-                    self.sandboxes.release(play.sandbox)
-                    play.sandbox = None
+        """Play each sample's episode until it ends or generation pauses: `play_episodes` over
+        this one environment."""
+        play_episodes(
+            {self.domain: self}, engine, samples, {self.domain: sampling}, should_pause=should_pause
+        )
 
     def _open(self, sample: Sample) -> _Play:
-        if sample.metrics.get(EPISODE_DONE):
+        if sample.done:
             raise ValueError(f"sample {sample.uid}: its episode already ended; play a fresh or paused one")
         if not sample.tokens:
             raise ValueError(f"sample {sample.uid} has no tokens; make it with Environment.start")
@@ -343,7 +301,7 @@ class Environment:
         going, answers = [], []
         for play in plays:
             sample = play.sample
-            turn = sample.tokens[len(sample.tokens) - trailing_generated(sample) :]
+            turn = sample.tokens[len(sample.tokens) - sample.trailing_generated :]
             message = self.renderer.parse_assistant(turn)
             calls = message.get("tool_calls") or []
             if any(self._needs_sandbox(play, call) for call in calls) and play.sandbox is None:
@@ -364,7 +322,7 @@ class Environment:
             going.append(play)
         for play in plays:
             if play.done:
-                play.sample.metrics[EPISODE_DONE] = 1.0
+                play.sample.done = True
         return going
 
     def _needs_sandbox(self, play: _Play, call: Mapping[str, Any]) -> bool:
@@ -403,10 +361,6 @@ class Environment:
                 play.done = True
         return going
 
-    def _pause(self, plays: list[_Play]) -> None:
-        for play in plays:
-            play.sample.finish_reason = "paused"
-
     def _park(self, play: _Play) -> None:
         """A paused episode keeps its sandbox's files as a snapshot; the sandbox goes back."""
         if play.sandbox is not None:
@@ -415,6 +369,14 @@ class Environment:
             play.sandbox = None
 
     # Scoring ---------------------------------------------------------------------------------
+
+    def _finish(self, plays: list[_Play]) -> None:
+        """Score the episodes that ended (their final state) and give their sandboxes back."""
+        self._score(plays)
+        for play in plays:
+            if play.sandbox is not None:
+                self.sandboxes.release(play.sandbox)
+                play.sandbox = None
 
     def _score(self, plays: list[_Play]) -> None:
         if not plays:
@@ -475,6 +437,65 @@ class CodingEnvironment(Environment):
         return play.sample.metrics.get(TASK_REWARD, 0.0)
 
 
+def play_episodes(
+    envs: Mapping[str, Environment],
+    engine: Engine,
+    samples: list[Sample],
+    sampling: Mapping[str, SamplingConfig],
+    *,
+    should_pause: PauseRule | None = None,
+    on_finished: Callable[[list[Sample]], None] | None = None,
+) -> None:
+    """The episode loop, for every caller (RL rollouts with partial-rollout pausing, the budget's
+    cold start, evaluations, MOPD, SFT's tool-task eval): each turn the engine decodes every
+    episode still going (one call per distinct sampling config, so several domains decode in one
+    batch), each sample's environment (`envs[sample.domain]`) acts on the turn (tools run, results
+    or feedback appended), and the episodes that ended are scored and handed to `on_finished`.
+
+    samples: fresh trajectories (Environment.start) or paused ones (finish_reason "paused": they
+      continue from their tokens, their sandbox restored from `sample.sandbox_snapshot`).
+    sampling: domain -> how a turn of that domain's episodes is decoded (Environment.turn_sampling).
+    should_pause(ended) -> bool: asked between decoding steps and between turns with the number of
+      episodes ended so far in this call (turns that just answered count as ended). Once it says
+      yes, every episode still going is paused: finish_reason "paused", its sandbox written to a
+      snapshot (`sample.sandbox_snapshot`) and given back to the pool.
+    Ended episodes get sample.done, sample.reward (the task reward; None when a judge could not
+    score it) and metrics task_reward, submissions, truncated.
+    """
+    for sample in samples:
+        if sample.domain not in envs:
+            raise ValueError(
+                f"sample {sample.uid}: no environment for domain {sample.domain!r} ({', '.join(envs)})"
+            )
+    plays = [(envs[s.domain], envs[s.domain]._open(s)) for s in samples]
+    try:
+        going, ended = list(plays), 0
+        while going and not (should_pause is not None and should_pause(ended)):
+            pause_when = None if should_pause is None else _pause_rule(should_pause, ended)
+            for config in dict.fromkeys(sampling[p.sample.domain] for _, p in going):
+                batch = [p.sample for _, p in going if sampling[p.sample.domain] == config]
+                engine.generate(batch, config, pause_when=pause_when)
+            # Rows the engine paused leave the loop; the others' environments act on their turn.
+            turned = [(env, p) for env, p in going if p.sample.finish_reason != "paused"]
+            going = [(env, p) for env in envs.values() for p in env._act([p for e, p in turned if e is env])]
+            finished = [(env, p) for env, p in turned if p.done]
+            ended += len(finished)
+            for env in envs.values():
+                env._finish([p for e, p in finished if e is env])
+            if finished and on_finished is not None:
+                on_finished([p.sample for _, p in finished])
+        for _, play in going:
+            play.sample.finish_reason = "paused"
+        for env, play in plays:
+            if play.sample.finish_reason == "paused":
+                env._park(play)
+    finally:
+        for env, play in plays:
+            if play.sandbox is not None:
+                env.sandboxes.release(play.sandbox)
+                play.sandbox = None
+
+
 def make_environment(
     domain: str,
     renderer: ChatRenderer,
@@ -487,7 +508,7 @@ def make_environment(
     return ENVIRONMENTS.get(domain)(renderer, config, sandbox_dir=sandbox_dir, judge=judge)
 
 
-def _pause_rule(should_pause: Callable[[int], bool], ended: int) -> Callable[[list[Sample]], bool]:
+def _pause_rule(should_pause: PauseRule, ended: int) -> PauseWhen:
     """The engine's pause_when for one generate call: rows that answered in it count as ended."""
     return lambda rows: should_pause(ended + sum(row.finish_reason in ANSWERED for row in rows))
 

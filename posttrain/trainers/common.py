@@ -47,8 +47,8 @@ class OptimConfig(BaseModel):
     warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warm-up from 0 to lr")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a fraction of lr")
     weight_decay: float = Field(0.0, ge=0, description="decoupled decay on matrices (not norms, biases)")
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = Field(1e-8, gt=0)
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW's moment decay rates")
+    eps: float = Field(1e-8, gt=0, description="AdamW's denominator epsilon")
     grad_clip: float | None = Field(1.0, gt=0, description="max global grad norm; null: no clipping")
 
 
@@ -72,7 +72,7 @@ class AccelerateConfig(BaseModel):
     in its log (the config is still checked, so a typo fails here and not on the cluster)."""
 
     model_config = ConfigDict(extra="forbid")
-    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    mixed_precision: Literal["no", "bf16", "fp16"] = Field("no", description="accelerate's mixed precision")
     deepspeed_config: str | None = Field(
         None, description="path of a DeepSpeed JSON config (ZeRO stage etc.)"
     )
@@ -355,8 +355,15 @@ class TrainState:
                 f"stage {self.ctx.stage_id}: {what} is {value} at optimizer step {step}{detail}. "
                 f"Lower the learning rate (train.lr, now {peak:g}) or "
                 "increase warm-up (train.warmup_steps), and check the data of this step for broken rows; "
-                "the last checkpoint before the step is intact."
+                f"{self.resume_note()}."
             )
+
+    def resume_note(self) -> str:
+        """What a rerun of the failed stage starts from: its newest checkpoint, or nothing."""
+        latest = self.ctx.checkpoints.latest_step()
+        if latest is None:
+            return "no checkpoint was written yet, so a rerun starts the stage over"
+        return f"checkpoint step {latest} is intact and a rerun resumes from it"
 
     def backward(self, loss: torch.Tensor) -> None:
         self.accelerator.backward(loss)

@@ -8,40 +8,34 @@ per-token policy loss on the rewards' discounted return. It is dense, on-policy 
 student learns where it samples.
 
 Which teacher scores which trajectory (teacher domains, routing, the pool of teacher engines that
-survives a dying engine) is posttrain.trainers.mopd_teachers. Here, in reading order: the stage's
-config, the episode loop over every domain at once (finished episodes are scored by their teachers
-between turns, batched), the per-token rewards (posttrain.algos.mopd_reward on each trajectory),
-the training step, and the stage with its before/after evaluation (DIR/mopd/eval.json). The
+survives a dying engine) is posttrain.trainers.mopd_teachers; what the evaluation measures is
+posttrain.trainers.mopd_eval. Here, in reading order: the stage's config, the per-token rewards
+(posttrain.algos.mopd_reward) and their advantages, the training step (the policy step RL uses,
+posttrain.trainers.policy_step), and the stage: every domain's episodes played at once by the
+episode loop (posttrain.envs.environments.play_episodes; finished episodes are scored by their
+teachers between turns, batched) and the before/after evaluation (DIR/mopd/eval.json). The
 student starts from the `student` need, the SFT model by default.
 """
 
 from __future__ import annotations
 
-import json
 import time
-from collections.abc import Callable, Mapping
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from posttrain.algos.mismatch import mismatch_stats
-from posttrain.algos.mopd_reward import (
-    exact_reverse_kl,
-    mopd_token_rewards,
-    paired_change_standard_error,
-    reverse_kl,
-    token_mean_standard_error,
-)
-from posttrain.algos.policy_loss import PolicyLoss, PolicyLossConfig, policy_loss
-from posttrain.checkpoint import atomic_write_text, remove_tree
+from posttrain.algos.advantages import group_balance_weights, returns_to_go, subtract_group_mean
+from posttrain.algos.mopd_reward import NonFiniteLogprobError, exact_reverse_kl, mopd_token_rewards
+from posttrain.algos.policy_loss import PolicyLossConfig
 from posttrain.config.stage_file import check_model_reference
+from posttrain.data.batch import left_pad_values
 from posttrain.data.chat import ChatRenderer, load_tokenizer
 from posttrain.data.sample import Sample
-from posttrain.engines import EmbeddedEngine, Engine, SamplingConfig
-from posttrain.engines.embedded import left_pad, positions_from_mask
-from posttrain.envs.environments import EPISODE_DONE, Environment, EnvironmentConfig
+from posttrain.engines import EmbeddedEngine
+from posttrain.envs.environments import EnvironmentConfig, play_episodes
+from posttrain.files import remove_tree
 from posttrain.stages import StageContext, stage_kind
 from posttrain.trainers.common import (
     AccelerateConfig,
@@ -53,6 +47,14 @@ from posttrain.trainers.common import (
     merged_model,
     save_final_model,
 )
+from posttrain.trainers.mopd_eval import (
+    EVAL_FILE,
+    episode_table,
+    exact_results,
+    final_metrics,
+    pair_results,
+    write_eval,
+)
 from posttrain.trainers.mopd_teachers import (
     TEACHER_DOMAINS,
     TeacherPool,
@@ -61,11 +63,8 @@ from posttrain.trainers.mopd_teachers import (
     pair_name,
     resolve_model,
     route_teachers,
-    student_mask,
 )
-
-EVAL_FILE = "eval.json"
-RESULT_KEYS = ("kl", "kl_se", "kl_exact", "kl_exact_se", "kl_tokens", "accuracy", "tokens")
+from posttrain.trainers.policy_step import policy_step
 
 
 class RolloutConfig(BaseModel):
@@ -164,156 +163,55 @@ class MOPDConfig(TeacherRoutingConfig):
 # Episodes and what they measure --------------------------------------------------------------------
 
 
-def mopd_sample_rewards(
-    sample: Sample, r_max: float, student_logprobs: list[float] | None = None
-) -> list[float]:
-    """Per-token MOPD rewards of one scored trajectory, aligned with sample.tokens (for
-    Sample.token_rewards): mopd_token_rewards on its student tokens, 0 elsewhere. Student log-probs
-    default to sample.rollout_logprobs, which the engine records at temperature 1; pass recomputed
-    ones when the student sampled at another temperature."""
-    if sample.teacher_logprobs is None:
-        raise ValueError(f"sample {sample.uid} has no teacher_logprobs: score it with its teacher first")
-    student = sample.rollout_logprobs if student_logprobs is None else student_logprobs
-    n = len(sample.tokens)
-    if len(sample.teacher_logprobs) != n or len(student) != n or len(sample.loss_mask) != n:
-        raise ValueError(
-            f"sample {sample.uid}: {n} tokens, {len(sample.teacher_logprobs)} teacher log-probs, "
-            f"{len(student)} student log-probs, {len(sample.loss_mask)} mask entries"
-        )
-    teacher = torch.tensor(
-        [float("nan") if x is None else x for x in sample.teacher_logprobs], dtype=torch.float64
-    )
-    mask = torch.tensor(student_mask(sample), dtype=torch.bool)
-    return mopd_token_rewards(teacher, torch.tensor(student, dtype=torch.float64), mask, r_max).tolist()
-
-
-def act_on_turn(ended: int) -> bool:
-    """Environment.play's should_pause: asked right after it acted on the turns generated outside
-    it (and before it would generate), so the next turn of every domain is decoded in one batch."""
-    return True
-
-
-def play_episodes(
-    envs: Mapping[str, Environment],
-    student: Engine,
-    samples: list[Sample],
-    sampling: Mapping[str, SamplingConfig],
-    on_finished: Callable[[list[Sample]], None],
-) -> None:
-    """Play every sample's episode to its end, turn by turn, all domains decoding together (at this
-    size a decoding step costs the same for 6 rows or 36). Each domain's environment acts on the
-    last turn (tools run in its sandboxes, results appended, the verifier at the end) and leaves
-    the others "paused" before their next turn; `on_finished` gets the episodes that just ended.
-    Samples may be fresh prompts or carry a turn not yet acted on (finish_reason set)."""
-    going = list(samples)
-    while going:
-        for domain, env in envs.items():
-            mine = [s for s in going if s.domain == domain]
-            if mine:
-                env.play(student, mine, sampling[domain], should_pause=act_on_turn)
-        finished = [s for s in going if s.metrics.get(EPISODE_DONE)]
-        if finished:
-            on_finished(finished)
-        going = [s for s in going if not s.metrics.get(EPISODE_DONE)]
-        for config in dict.fromkeys(sampling[s.domain] for s in going):
-            student.generate([s for s in going if sampling[s.domain] == config], config)
-
-
-def pair_results(samples: list[Sample], with_kl: bool = True) -> dict[str, dict[str, float]]:
-    """Per pair: accuracy, the mean verifier reward (0 when unscored); tokens, the mean
-    student-generated tokens per episode (tool results excluded); with_kl (teacher-scored samples):
-    kl, the reverse KL to its teacher (token mean over the student's tokens of
-    log p_student - log p_teacher), kl_tokens, how many tokens that mean is over, and (from two
-    episodes a pair) kl_se, its standard error with the episodes as units."""
-    by_pair: dict[str, list[Sample]] = {}
+def token_rewards(samples: list[Sample], r_max: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """([N, T] float64 per-token MOPD rewards, [N, T] bool student-token mask) of teacher-scored
+    samples, left-padded as posttrain.data.batch.TokenBatch pads them: mopd_token_rewards of the
+    teacher's and the student's recorded log-probs (the engine records them at temperature 1)."""
     for sample in samples:
-        by_pair.setdefault(pair_name((sample.domain, sample.effort)), []).append(sample)
-    results = {}
-    for name, group in by_pair.items():
-        results[name] = {
-            "accuracy": sum(s.reward or 0.0 for s in group) / len(group),
-            "tokens": sum(s.num_generated for s in group) / len(group),
-        }
-        if with_kl:
-            results[name]["kl"] = reverse_kl(
-                torch.tensor([x for s in group for x in s.rollout_logprobs], dtype=torch.float64),
-                torch.tensor([x for s in group for x in s.teacher_logprobs or []], dtype=torch.float64),
-                torch.tensor([m for s in group for m in student_mask(s)], dtype=torch.bool),
-            )
-            results[name]["kl_tokens"] = float(sum(sum(student_mask(s)) for s in group))
-            if len(group) > 1:
-                sums = [log_ratio_sum(s) for s in group]
-                results[name]["kl_se"] = standard_error(sums, [sum(student_mask(s)) for s in group])
-    return results
+        if sample.teacher_logprobs is None:
+            raise ValueError(f"sample {sample.uid} has no teacher_logprobs: score it with its teacher first")
+        sample.check()
+    width = max(len(s.tokens) for s in samples)
+    mask = left_pad_values([s.generated_mask for s in samples], width, torch.bool)
+    teacher = left_pad_values([teacher_row(s) for s in samples], width, torch.float64)
+    student = left_pad_values([s.rollout_logprobs for s in samples], width, torch.float64)
+    try:
+        return mopd_token_rewards(teacher, student, mask, r_max), mask
+    except NonFiniteLogprobError as error:
+        raise NonFiniteLogprobError(
+            f"{error}; trajectories {[samples[row].uid for row in error.rows[:4]]}", error.rows
+        ) from error
 
 
-def log_ratio_sum(sample: Sample) -> float:
-    """Sum of log p_student - log p_teacher over one scored episode's student tokens."""
-    pairs = zip(sample.rollout_logprobs, sample.teacher_logprobs or [], student_mask(sample), strict=True)
-    return sum(student - teacher for student, teacher, on in pairs if on)
+def teacher_row(sample: Sample) -> list[float]:
+    """The sample's teacher log-probs with NaN for positions a teacher left unscored (None)."""
+    return [float("nan") if x is None else x for x in sample.teacher_logprobs or []]
 
 
-def standard_error(episode_sums: list[float], episode_tokens: list[int]) -> float:
-    """token_mean_standard_error of per-episode sums; 0.0 when no episode has a student token."""
-    if not any(episode_tokens):
-        return 0.0
-    return token_mean_standard_error(
-        torch.tensor(episode_sums, dtype=torch.float64), torch.tensor(episode_tokens, dtype=torch.float64)
-    )
+def advantages_of(
+    samples: list[Sample], rewards: torch.Tensor, mask: torch.Tensor, cfg: MOPDConfig
+) -> torch.Tensor:
+    """[N, T] A_t: the discounted return of the rewards from each student token on (`discount`),
+    minus its (domain, effort) pair's mean under `baseline: pair_mean`."""
+    advantages = returns_to_go(rewards, mask, cfg.discount)
+    if cfg.baseline == "pair_mean":
+        advantages = subtract_group_mean(advantages, mask, [(s.domain, s.effort) for s in samples])
+    return advantages
 
 
-def exact_results(table: Mapping[str, Mapping[str, list]]) -> dict[str, dict[str, float]]:
-    """Per pair of an episode_table with exact sums: kl_exact, their token mean, and (from two
-    episodes a pair) kl_exact_se, its standard error over episodes."""
-    return {
-        name: {
-            "kl_exact": sum(rows["kl_exact"]) / max(sum(rows["tokens"]), 1),
-            **(
-                {"kl_exact_se": standard_error(rows["kl_exact"], rows["tokens"])}
-                if len(rows["uid"]) > 1
-                else {}
-            ),
-        }
-        for name, rows in table.items()
-    }
-
-
-def episode_table(
-    samples: list[Sample], exact_sums: Mapping[str, float] | None
-) -> dict[str, dict[str, list]]:
-    """Per pair, its teacher-scored episodes in order: uid, kl (the sum of log p_student -
-    log p_teacher over its student tokens), kl_exact (the exact sum, where there is one) and
-    tokens (how many student tokens). The before and after evaluations play the same uids, so
-    write_eval pairs them row by row for the error of the change."""
-    table: dict[str, dict[str, list]] = {}
-    for sample in samples:
-        rows = table.setdefault(
-            pair_name((sample.domain, sample.effort)),
-            {"uid": [], "kl": [], "tokens": [], **({"kl_exact": []} if exact_sums is not None else {})},
-        )
-        rows["uid"].append(sample.uid)
-        rows["kl"].append(log_ratio_sum(sample))
-        rows["tokens"].append(sum(student_mask(sample)))
-        if exact_sums is not None:
-            rows["kl_exact"].append(exact_sums[sample.uid])
-    return table
-
-
-def batch_metrics(samples: list[Sample], rewards: list[list[float]], r_max: float) -> dict[str, float]:
+def batch_metrics(samples: list[Sample], rewards: torch.Tensor, mask: torch.Tensor, r_max: float) -> dict:
     """Reward and reverse KL of a training batch (overall, per pair), response length per effort."""
-    deltas = [
-        (r, s.teacher_logprobs[t] - s.rollout_logprobs[t])
-        for s, row in zip(samples, rewards, strict=True)
-        for t, (r, m) in enumerate(zip(row, student_mask(s), strict=True))
-        if m
-    ]
-    n = max(len(deltas), 1)
+    width = rewards.shape[1]
+    teacher = left_pad_values([teacher_row(s) for s in samples], width, torch.float64)
+    student = left_pad_values([s.rollout_logprobs for s in samples], width, torch.float64)
+    deltas = (teacher - student)[mask]
+    n = max(int(mask.sum()), 1)
     metrics = {
-        "reward": sum(r for r, _ in deltas) / n,
-        "reward_clipped_fraction": sum(abs(d) > r_max for _, d in deltas) / n,
-        "kl": -sum(d for _, d in deltas) / n,
+        "reward": float(rewards[mask].sum()) / n,
+        "reward_clipped_fraction": float((deltas.abs() > r_max).sum()) / n,
+        "kl": -float(deltas.sum()) / n,
         "accuracy": sum(s.reward or 0.0 for s in samples) / len(samples),
-        "student_tokens": float(len(deltas)),
+        "student_tokens": float(mask.sum()),
     }
     metrics.update({f"kl/{name}": result["kl"] for name, result in pair_results(samples).items()})
     for effort in dict.fromkeys(s.effort for s in samples):
@@ -322,115 +220,29 @@ def batch_metrics(samples: list[Sample], rewards: list[list[float]], r_max: floa
     return metrics
 
 
-# Training -----------------------------------------------------------------------------------------
-
-
-def distillation_loss(
-    model: torch.nn.Module,
-    samples: list[Sample],
-    advantages: list[list[float]],
-    loss: PolicyLossConfig,
-    sample_weights: list[float] | None = None,
-) -> PolicyLoss:
-    """The per-token policy loss of one micro-batch with advantages A_t (`advantages`: the rewards
-    or their discounted return, aligned with each sample's tokens), the student's recorded log-probs
-    as behaviour, on student tokens only, each sample's tokens weighted by `sample_weights` (None:
-    1). Its stats also hold the train/rollout mismatch (posttrain.algos.mismatch_stats)."""
-    device = next(model.parameters()).device
-    ids, attention = left_pad([s.tokens for s in samples], 0)
-    width = ids.shape[1]
-
-    def padded(rows: list[list[float]], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return torch.tensor([[0] * (width - len(r)) + list(r) for r in rows], dtype=dtype, device=device)
-
-    logits = model(
-        input_ids=ids.to(device),
-        attention_mask=attention.to(device),
-        position_ids=positions_from_mask(attention).to(device),
-    ).logits.float()
-    picked = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None].to(device)).squeeze(-1)
-    logp = torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
-    mask = padded([student_mask(s) for s in samples], torch.bool)
-    behaviour = padded([s.rollout_logprobs for s in samples])
-    weights = None
-    if sample_weights is not None:
-        weights = padded([[w] * len(s.tokens) for s, w in zip(samples, sample_weights, strict=True)])
-    out = policy_loss(logp, behaviour, padded(advantages), mask, token_weights=weights, config=loss)
-    out.stats.update(mismatch_stats(logp, behaviour, mask, loss.tis_cap))
-    return out
-
-
-def returns_to_go(rewards: list[float], mask: list[int], discount: float) -> list[float]:
-    """Per token, the discounted sum of the rewards of this and later student tokens (mask 1);
-    tool-result and prompt tokens carry 0 and do not count as steps."""
-    out, running = [0.0] * len(rewards), 0.0
-    for t in range(len(rewards) - 1, -1, -1):
-        if mask[t]:
-            running = rewards[t] + discount * running
-            out[t] = running
-    return out
-
-
-def pair_balance_weights(samples: list[Sample]) -> list[float]:
-    """Per sample, total / (pairs x its pair's tokens) (student tokens): a token-mean loss weighted
-    by these is the mean over the step's (domain, effort) pairs of each pair's token-mean."""
-    tokens: dict[tuple, int] = {}
-    for sample in samples:
-        key = (sample.domain, sample.effort)
-        tokens[key] = tokens.get(key, 0) + sum(student_mask(sample))
-    total = sum(tokens.values())
-    return [total / (len(tokens) * max(tokens[(s.domain, s.effort)], 1)) for s in samples]
-
-
-def subtract_pair_mean(samples: list[Sample], advantages: list[list[float]]) -> list[list[float]]:
-    """Each student token's advantage minus the mean advantage over the student tokens of its
-    (domain, effort) pair in `samples`; other tokens stay 0. E[b grad log p(y_t)] = 0 for a b that
-    does not depend on y_t, so this keeps the gradient's expectation and removes the noise the
-    mean return (negative, about -KL / (1 - discount)) adds by pushing every sampled token down.
-    The mean includes the token's own episode, which shrinks that episode's expected gradient by
-    about (return horizon) / (the pair's student tokens): ~1% at the shipped batch."""
-    masks = [student_mask(s) for s in samples]
-    sums: dict[tuple, list[float]] = {}
-    for sample, row, mask in zip(samples, advantages, masks, strict=True):
-        acc = sums.setdefault((sample.domain, sample.effort), [0.0, 0.0])
-        acc[0] += sum(a for a, m in zip(row, mask, strict=True) if m)
-        acc[1] += sum(mask)
-    means = {pair: total / max(count, 1) for pair, (total, count) in sums.items()}
-    return [
-        [a - means[(sample.domain, sample.effort)] if m else 0.0 for a, m in zip(row, mask, strict=True)]
-        for sample, row, mask in zip(samples, advantages, masks, strict=True)
-    ]
-
-
-def train_on(state: TrainState, samples: list[Sample], cfg: MOPDConfig, step: int) -> dict[str, float]:
-    """One optimizer step over every trajectory of the step; the loss is the mean over all student
-    tokens of the batch (micro-batch sums divided once by the batch's token count), each pair's
-    tokens reweighted to an equal share under `train.balance: pair`, each token's advantage the
-    discounted return of the rewards from it on (`discount`)."""
-    rewards = [mopd_sample_rewards(s, cfg.r_max) for s in samples]
-    advantages = [
-        returns_to_go(row, student_mask(s), cfg.discount) for s, row in zip(samples, rewards, strict=True)
-    ]
-    if cfg.baseline == "pair_mean":
-        advantages = subtract_pair_mean(samples, advantages)
-    weights = pair_balance_weights(samples) if cfg.train.balance == "pair" else None
-    loss_cfg = cfg.loss.model_copy(update={"reduction": "sum"})
-    total = max(sum(sum(student_mask(s)) for s in samples), 1)
-    sums: dict[str, float] = {"loss": 0.0}
-    for start in range(0, len(samples), cfg.train.micro_batch_size):
-        rows = samples[start : start + cfg.train.micro_batch_size]
-        chunk = slice(start, start + len(rows))
-        row_weights = None if weights is None else weights[chunk]
-        out = distillation_loss(state.model, rows, advantages[chunk], loss_cfg, row_weights)
-        state.check_finite(out.loss, step, detail=f" (trajectories {[s.uid for s in rows][:4]} ...)")
-        state.backward(out.loss / total)
-        sums["loss"] += float(out.loss.detach()) / total
-        for key, value in out.stats.items():
-            if key.endswith("_max"):
-                sums[key] = max(sums.get(key, 0.0), value)
-            elif key != "num_tokens":
-                sums[key] = sums.get(key, 0.0) + value * float(out.num_tokens) / total
-    return {**sums, **state.optimizer_step(step), **batch_metrics(samples, rewards, cfg.r_max)}
+def train_on(
+    state: TrainState, samples: list[Sample], cfg: MOPDConfig, step: int, pad_id: int, policy_version: int
+) -> dict[str, float]:
+    """One optimizer step (posttrain.trainers.policy_step) over every trajectory of the step, on
+    `advantages_of` its rewards; the loss is the mean over all student tokens of the batch, each
+    pair's tokens reweighted to an equal share under `train.balance: pair`."""
+    try:
+        rewards, mask = token_rewards(samples, cfg.r_max)
+    except NonFiniteLogprobError as error:
+        raise NonFiniteLogprobError(f"step {step}: {error}; {state.resume_note()}", error.rows) from error
+    pairs = [(s.domain, s.effort) for s in samples]
+    metrics = policy_step(
+        state,
+        samples,
+        advantages_of(samples, rewards, mask, cfg),
+        step=step,
+        loss=cfg.loss,
+        micro_batch_size=cfg.train.micro_batch_size,
+        pad_id=pad_id,
+        sample_weights=group_balance_weights(mask, pairs) if cfg.train.balance == "pair" else None,
+        policy_version=policy_version,
+    )
+    return {**metrics, **batch_metrics(samples, rewards, mask, cfg.r_max)}
 
 
 # The stage ----------------------------------------------------------------------------------------
@@ -497,7 +309,7 @@ class Distiller:
             scoring[0] += time.perf_counter() - began
 
         sampling = {d: env.turn_sampling(temperature, self.seed) for d, env in self.envs.items()}
-        play_episodes(self.envs, self.student, samples, sampling, score)
+        play_episodes(self.envs, self.student, samples, sampling, on_finished=score)
         unscored = [s.uid for s in samples if scored and s.teacher_logprobs is None]
         if unscored:
             raise TeacherScoreError(f"episodes {unscored} ended without a teacher score")
@@ -542,7 +354,7 @@ class Distiller:
             student = self.student.next_token_logprobs(group)
             teacher = engines[key].next_token_logprobs(group)
             for sample, s_lp, t_lp in zip(group, student, teacher, strict=True):
-                mask = torch.tensor(student_mask(sample)[1:], dtype=torch.bool)
+                mask = torch.tensor(sample.generated_mask[1:], dtype=torch.bool)
                 sums[sample.uid] = float(exact_reverse_kl(s_lp, t_lp)[mask].sum())
         return sums
 
@@ -572,20 +384,21 @@ def run_mopd(ctx: StageContext) -> dict[str, float]:
     try:
         pool.start()
         checkpoint = state.restore()
+        last: dict[str, float] = {}  # the newest step's metrics, checkpointed with it
         if checkpoint is not None:
             step, before = checkpoint.step, checkpoint.extra["before"]
+            last = dict(checkpoint.extra["last"])
             before_episodes = checkpoint.extra["before_episodes"]
             pool.retries = int(checkpoint.extra["teacher_retries"])
         else:
             step, (before, before_episodes) = 0, distiller.evaluate()
             ctx.metrics.log(0, {f"eval/{k}_before/{p}": v[k] for p, v in before.items() for k in v})
         distiller.student.policy_version = step
-        last: dict[str, float] = {}
         while step < cfg.train.steps:
             step += 1
             samples = distiller.episodes(distiller.step_prompts(step), f"step{step}")
             timings = distiller.rollout(samples, cfg.rollout.temperature)
-            last = train_on(state, samples, cfg, step)
+            last = train_on(state, samples, cfg, step, renderer.pad_id, distiller.student.policy_version)
             last.update(timings, teacher_retries=float(pool.retries))
             distiller.student.policy_version = step
             ctx.metrics.log(step, last)
@@ -596,6 +409,7 @@ def run_mopd(ctx: StageContext) -> dict[str, float]:
                         "before": before,
                         "before_episodes": before_episodes,
                         "teacher_retries": pool.retries,
+                        "last": last,
                     },
                 )
             ctx.progress(step, cfg.train.steps, kl=last["kl"], reward=last["reward"])
@@ -610,53 +424,3 @@ def run_mopd(ctx: StageContext) -> dict[str, float]:
     # train_kl: the last batch's KL to the teachers, the training curve's end (with a baseline,
     # train_loss is the policy loss of centred advantages, about 0 whatever the KL)
     return {**final, "train_loss": last["loss"], "train_kl": last["kl"]} if "loss" in last else final
-
-
-def write_eval(
-    path: Path,
-    before: Mapping[str, Mapping[str, float]],
-    after: Mapping[str, Mapping[str, float]],
-    before_episodes: Mapping[str, Mapping[str, list]],
-    after_episodes: Mapping[str, Mapping[str, list]],
-) -> dict:
-    """DIR/mopd/eval.json: {"<domain>-<effort>": {kl_before, kl_after, kl_tokens_before,
-    kl_tokens_after, accuracy_before, accuracy_after, tokens_before, tokens_after}}, plus
-    kl_exact_before / kl_exact_after where the engines gave full distributions, and, where a pair
-    has two or more sampled episodes, the standard errors kl_se_* / kl_exact_se_* of each estimate
-    and kl_change_se / kl_exact_change_se of its change (the same episodes before and after,
-    `paired_change_standard_error`)."""
-    report = {
-        name: {
-            f"{key}_{when}": float(values[name][key])
-            for key in RESULT_KEYS
-            if key in before[name] and key in after[name]
-            for when, values in (("before", before), ("after", after))
-        }
-        for name in before
-    }
-    for name, values in report.items():
-        rows = before_episodes[name], after_episodes[name]
-        if (
-            rows[0]["uid"] != rows[1]["uid"]
-            or len(rows[0]["uid"]) < 2
-            or not all(sum(r["tokens"]) for r in rows)
-        ):
-            continue  # an error needs two paired episodes with student tokens
-        for kl in ("kl", "kl_exact"):
-            if all(kl in r for r in rows):
-                columns = [torch.tensor(r[key], dtype=torch.float64) for r in rows for key in (kl, "tokens")]
-                values[f"{kl}_change_se"] = paired_change_standard_error(*columns)
-    atomic_write_text(path, json.dumps(report, indent=1, sort_keys=True) + "\n")
-    return report
-
-
-def final_metrics(report: Mapping[str, Mapping[str, float]], retries: int, steps: int) -> dict[str, float]:
-    """Means over pairs, how many pairs moved closer to their teacher (by each KL estimate),
-    retries and steps."""
-    keys = [k for k in next(iter(report.values())) if "_se" not in k]  # errors do not average
-    final = {k: sum(r[k] for r in report.values()) / len(report) for k in keys}
-    for kl in ("kl", "kl_exact"):
-        if all(f"{kl}_before" in r for r in report.values()):
-            improved = sum(r[f"{kl}_after"] < r[f"{kl}_before"] for r in report.values())
-            final[f"pairs_{kl}_improved"] = float(improved)
-    return {**final, "teacher_retries": float(retries), "steps": float(steps)}

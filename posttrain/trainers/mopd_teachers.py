@@ -2,9 +2,10 @@
 
 MOPD distils nine specialists, one per (domain, effort); this module turns the stage file's
 teacher keys into engines and keeps them serving:
-- teacher domains (`TEACHER_DOMAINS`, filled by plug-ins; the shipped ones live in teachers/): a
-  domain's environment (prompt recipe, tools, verifier) and its teacher for each effort; teacher
-  backends (`TEACHER_BACKENDS`): model dir -> Engine;
+- teacher domains (`TEACHER_DOMAINS`, filled with `@teacher_domain` by plug-ins; the shipped
+  ones are registered in teachers/domains.py): a domain's environment (prompt recipe, tools,
+  verifier) and its teacher for each effort; a
+  teacher's engine is any `ENGINES` name, built by posttrain.engines.build.build_engine;
 - `TeacherRoutingConfig`, the routing keys of a `mopd` stage file, checked strictly: a pair without
   a teacher is an error before anything runs, naming the pair and the fix;
 - `route_teachers`: (domain, effort) -> teacher model dir + backend, resolved against the needs;
@@ -18,17 +19,19 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from posttrain.config.stage_file import check_model_reference
 from posttrain.data.sample import EFFORTS, Sample
-from posttrain.engines import Engine
+from posttrain.engines import ENGINES, Engine
+from posttrain.engines.build import build_engine
 from posttrain.envs.environments import Environment
 from posttrain.registry import Registry
 
 Pair = tuple[str, str]  # (domain, effort)
+EngineKey = tuple[str, str, str | None]  # (resolved model dir, engine name, server url)
 
 
 def pair_name(pair: Pair) -> str:
@@ -39,18 +42,42 @@ def pair_name(pair: Pair) -> str:
 # Teacher domains and backends ---------------------------------------------------------------------
 
 
-class TeacherDomain(Protocol):
-    """A registered teacher domain as MOPD reads it (`teachers.teacher_domain` registers them): the
-    environment class that makes and plays the domain's episodes (prompt recipe, tools, verifier),
-    and effort -> its teacher, a need's stage id or a model dir."""
+@dataclass(frozen=True)
+class TeacherDomain:
+    """A registered teacher domain: its name; environment, the Environment subclass that makes and
+    plays the domain's episodes (prompt recipe, tools, verifier); teachers, effort -> a need's
+    stage id or a model dir."""
 
+    name: str
     environment: type[Environment]
     teachers: Mapping[str, str]
 
 
 TEACHER_DOMAINS: Registry[TeacherDomain] = Registry("teacher domain")
-# backend name -> build(model_dir, work_dir) -> Engine; the shipped ones are in teachers/backends.py
-TEACHER_BACKENDS: Registry[Callable[[Path, Path], Engine]] = Registry("teacher backend")
+
+
+def teacher_domain(
+    name: str | None = None, *, teachers: Mapping[str, str] | None = None
+) -> Callable[[type[Environment]], type[Environment]]:
+    """Class decorator registering an Environment subclass as teacher domain `name` (default: its
+    `domain`). teachers: effort -> a need's stage id or a model dir; default rl-<name>-<effort> for
+    every effort, the stage ids of the RL specialists an `rl` matrix over the domain produces."""
+
+    def register(environment: type[Environment]) -> type[Environment]:
+        domain = name or environment.domain
+        if environment.domain != domain:
+            raise ValueError(
+                f"teacher domain {domain!r}: {environment.__name__}.domain is {environment.domain!r}; "
+                "its prompts carry that domain, so the two names must be equal"
+            )
+        chosen = dict(teachers) if teachers is not None else {e: f"rl-{domain}-{e}" for e in EFFORTS}
+        unknown = sorted(set(chosen) - set(EFFORTS))
+        if unknown:
+            raise ValueError(f"teacher domain {domain!r}: unknown efforts {unknown}; use {list(EFFORTS)}")
+        TEACHER_DOMAINS.register(domain)(TeacherDomain(domain, environment, chosen))
+        return environment
+
+    return register
 
 
 # Configuration ------------------------------------------------------------------------------------
@@ -61,17 +88,21 @@ class TeacherConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     model: str | None = Field(None, description="a need's stage id or a model dir; null: the domain's")
-    engine: str | None = Field(None, description="embedded, vllm, vllm_server; null: teacher_engine")
+    engine: str | None = Field(
+        None,
+        description="embedded, vllm, vllm_server, trl_vllm (posttrain.engines.build); null: teacher_engine",
+    )
+    url: str | None = Field(None, description="trl_vllm: base URL of the `trl vllm-serve` server of `model`")
 
     @field_validator("engine")
     @classmethod
     def _backend(cls, engine: str | None) -> str | None:
-        return None if engine is None else registered_backend(engine)
+        return None if engine is None else registered_engine(engine)
 
 
-def registered_backend(name: str) -> str:
-    if name not in TEACHER_BACKENDS:
-        raise ValueError(f"unknown teacher backend {name!r} (registered: {', '.join(TEACHER_BACKENDS)})")
+def registered_engine(name: str) -> str:
+    if name not in ENGINES:
+        raise ValueError(f"unknown teacher engine {name!r} (registered: {', '.join(ENGINES)})")
     return name
 
 
@@ -80,14 +111,19 @@ class TeacherRoutingConfig(BaseModel):
     pairs are distilled and who teaches each."""
 
     model_config = ConfigDict(extra="forbid")
-    domains: list[str] = Field(default_factory=lambda: ["general", "agent", "coding"])
-    efforts: list[str] = Field(default_factory=lambda: list(EFFORTS))
+    domains: list[str] = Field(
+        default_factory=lambda: ["general", "agent", "coding"],
+        description="registered teacher domains trained on",
+    )
+    efforts: list[str] = Field(
+        default_factory=lambda: list(EFFORTS), description="efforts each prompt is played at"
+    )
     teachers: dict[str, TeacherConfig] = Field(
         default_factory=dict,
         validate_default=True,
         description="'<domain>-<effort>' -> teacher; other pairs use the domain's",
     )
-    teacher_engine: str = Field("embedded", description="default teacher backend")
+    teacher_engine: str = Field("embedded", description="default teacher engine (an ENGINES name)")
     max_teacher_retries: int = Field(2, ge=0, description="engine rebuilds per scoring call before failing")
 
     @field_validator("domains")
@@ -138,7 +174,7 @@ class TeacherRoutingConfig(BaseModel):
     @field_validator("teacher_engine")
     @classmethod
     def _backend(cls, engine: str) -> str:
-        return registered_backend(engine)
+        return registered_engine(engine)
 
 
 # Routing ------------------------------------------------------------------------------------------
@@ -150,17 +186,18 @@ class TeacherRoutingError(ValueError):
 
 @dataclass(frozen=True)
 class Teacher:
-    """The teacher of one (domain, effort): a model dir served by a backend."""
+    """The teacher of one (domain, effort): a model dir served by an engine (at `url`, trl_vllm)."""
 
     domain: str
     effort: str
     model_dir: Path
     engine: str
+    url: str | None = None
 
     @property
-    def engine_key(self) -> tuple[str, str]:
-        """Teachers with equal keys share one engine (same checkpoint, same backend)."""
-        return (str(self.model_dir.resolve()), self.engine)
+    def engine_key(self) -> EngineKey:
+        """Teachers with equal keys share one engine (same checkpoint, same engine, same server)."""
+        return (str(self.model_dir.resolve()), self.engine, self.url)
 
 
 def resolve_model(ref: str, inputs: Mapping[str, Path], what: str) -> Path:
@@ -188,7 +225,13 @@ def route_teachers(cfg: TeacherRoutingConfig, inputs: Mapping[str, Path]) -> dic
                 inputs,
                 f"teacher of (domain {domain!r}, effort {effort!r})",
             )
-            routes[(domain, effort)] = Teacher(domain, effort, path, declared.engine or cfg.teacher_engine)
+            engine = declared.engine or cfg.teacher_engine
+            if engine == "trl_vllm" and not declared.url:
+                raise TeacherRoutingError(
+                    f"teacher of (domain {domain!r}, effort {effort!r}) uses engine trl_vllm: give its "
+                    f"server, `teachers: {{{pair_name((domain, effort))}: {{url: http://host:port}}}}`"
+                )
+            routes[(domain, effort)] = Teacher(domain, effort, path, engine, declared.url)
     return routes
 
 
@@ -214,7 +257,7 @@ class TeacherPool:
         self.max_retries = max_retries
         self.log = log
         self.retries = 0
-        self.engines: dict[tuple[str, str], Engine] = {}
+        self.engines: dict[EngineKey, Engine] = {}
 
     def teacher_for(self, sample: Sample) -> Teacher:
         teacher = self.routes.get((sample.domain, sample.effort))
@@ -227,10 +270,14 @@ class TeacherPool:
             )
         return teacher
 
-    def engine(self, key: tuple[str, str]) -> Engine:
+    def engine(self, key: EngineKey) -> Engine:
         if key not in self.engines:
             self.log.info("teacher engine %s for %s", key[1], key[0])
-            self.engines[key] = TEACHER_BACKENDS.get(key[1])(Path(key[0]), self.work_dir)
+            model_dir = Path(key[0])
+            name = f"vllm-teacher-{model_dir.parent.name or model_dir.name}"
+            self.engines[key] = build_engine(
+                key[1], model_dir, work_dir=self.work_dir, log_name=name, url=key[2]
+            )
         return self.engines[key]
 
     def start(self) -> None:
@@ -238,9 +285,9 @@ class TeacherPool:
         for teacher in self.routes.values():
             self.engine(teacher.engine_key)
 
-    def by_engine(self, samples: list[Sample]) -> dict[tuple[str, str], list[Sample]]:
+    def by_engine(self, samples: list[Sample]) -> dict[EngineKey, list[Sample]]:
         """The samples grouped by the engine of their teacher (one batched call each)."""
-        groups: dict[tuple[str, str], list[Sample]] = {}
+        groups: dict[EngineKey, list[Sample]] = {}
         for sample in samples:
             groups.setdefault(self.teacher_for(sample).engine_key, []).append(sample)
         return groups
@@ -249,7 +296,7 @@ class TeacherPool:
         for key, group in self.by_engine(samples).items():
             self._score_group(key, group)
 
-    def _score_group(self, key: tuple[str, str], group: list[Sample]) -> None:
+    def _score_group(self, key: EngineKey, group: list[Sample]) -> None:
         for attempt in range(self.max_retries + 1):
             engine = self.engine(key)
             restarts = getattr(engine, "restarts", 0)
@@ -278,7 +325,7 @@ class TeacherPool:
                 sample.teacher_logprobs = [float(x) for x in score]
             return
 
-    def _drop(self, key: tuple[str, str]) -> None:
+    def _drop(self, key: EngineKey) -> None:
         engine = self.engines.pop(key, None)
         if engine is not None:
             try:
@@ -300,13 +347,8 @@ def check_teacher_scores(samples: list[Sample], scores: list[list[float]]) -> No
             raise TeacherScoreError(
                 f"sample {sample.uid}: {len(score)} teacher log-probs, {len(sample.tokens)} tokens"
             )
-        bad = [t for t, m in enumerate(student_mask(sample)) if m and not math.isfinite(score[t])]
+        bad = [t for t, m in enumerate(sample.generated_mask) if m and not math.isfinite(score[t])]
         if bad:
             raise TeacherScoreError(
                 f"sample {sample.uid}: non-finite teacher log-probs at positions {bad[:8]}"
             )
-
-
-def student_mask(sample: Sample) -> list[int]:
-    """1 on the tokens the student sampled (after the prompt; tool results are 0 in loss_mask)."""
-    return [0] * sample.prompt_length + sample.loss_mask[sample.prompt_length :]

@@ -33,26 +33,19 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from torch import nn
-from transformers.core_model_loading import revert_weight_conversion
-from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
-from posttrain.algos import group_advantages, mismatch_stats, policy_loss, staleness_stats, token_advantages
+from posttrain.algos import group_advantages
 from posttrain.algos.policy_loss import PolicyLossConfig
-from posttrain.checkpoint import atomic_write_text, remove_tree
 from posttrain.config.rewards import GenRMConfig
 from posttrain.data.chat import ChatRenderer, load_tokenizer
 from posttrain.data.sample import DOMAINS, EFFORTS, Sample
-from posttrain.engines import ENGINES, EmbeddedEngine, Engine, SamplingConfig
-from posttrain.engines.embedded import left_pad, positions_from_mask
-from posttrain.envs.env_budget import BudgetConfig, base_budgets, model_digest
+from posttrain.engines import EmbeddedEngine, Engine, SamplingConfig
+from posttrain.envs.env_budget import BudgetConfig, base_budgets, model_digest, trajectory_rewards
 from posttrain.envs.env_eval import EvalConfig, evaluate
 from posttrain.envs.environments import Environment, EnvironmentConfig, Judge, make_environment
-from posttrain.qat import qat_config_of
-from posttrain.qat.export import dequantized_state_dict
-from posttrain.rewards_registry import budget_reward, generative_reward_model
+from posttrain.files import atomic_write_text, remove_tree
+from posttrain.rewards_registry import generative_reward_model
 from posttrain.stages import StageContext, stage_kind
 from posttrain.trainers.common import (
     AccelerateConfig,
@@ -62,6 +55,8 @@ from posttrain.trainers.common import (
     load_policy,
     save_final_model,
 )
+from posttrain.trainers.policy_step import policy_step
+from posttrain.trainers.policy_sync import publish_policy, rollout_engine, serve_policy
 from posttrain.trainers.rollout import PartialRolloutConfig, RolloutQueue
 
 Effort = Literal["low", "high", "max"]
@@ -88,12 +83,24 @@ class RolloutConfig(BaseModel):
     temperature: float = Field(
         1.0, gt=0, description="sampling temperature; the trainer scores tokens at the same temperature"
     )
-    engine: Literal["embedded", "vllm", "vllm_server"] = Field(
+    engine: Literal["embedded", "vllm", "vllm_server", "trl_vllm"] = Field(
         "embedded",
         description="embedded: the trained module itself; vllm: vllm.LLM in this process; vllm_server: "
-        "vLLM's OpenAI server as a subprocess (both synced from the trainer after every update)",
+        "vLLM's OpenAI server as a subprocess; trl_vllm: a `trl vllm-serve` server at `url` (the last "
+        "three are sent the trainer's weights after every update)",
     )
+    url: str | None = Field(None, description="trl_vllm: base URL of the `trl vllm-serve` server")
     partial: PartialRolloutConfig = Field(default_factory=PartialRolloutConfig)
+
+    @model_validator(mode="after")
+    def _url_with_trl(self) -> RolloutConfig:
+        if (self.engine == "trl_vllm") != (self.url is not None):
+            raise ValueError(
+                "rollout.url is the `trl vllm-serve` server's base URL: set it with rollout.engine "
+                "trl_vllm, "
+                f"and only then (engine is {self.engine!r}, url {self.url!r})"
+            )
+        return self
 
     @model_validator(mode="after")
     def _distinct_groups(self) -> RolloutConfig:
@@ -107,8 +114,8 @@ class RolloutConfig(BaseModel):
 
 class AdvantageConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    scale_by_std: bool = True
-    leave_one_out: bool = False
+    scale_by_std: bool = Field(True, description="divide each group's advantages by its reward std")
+    leave_one_out: bool = Field(False, description="RLOO: the baseline is the mean of the group's others")
 
 
 class JudgeConfig(GenRMConfig):
@@ -214,56 +221,6 @@ def _judge(cfg: JudgeConfig, ctx: StageContext) -> Judge:
     )
 
 
-def rollout_engine(
-    cfg: RolloutConfig, policy: nn.Module, init: Path, renderer: ChatRenderer, ctx: StageContext
-) -> Engine:
-    """The engine rollouts, the cold start and evaluation sample from (`rollout.engine`).
-
-    embedded shares the trained module `policy`. vllm and vllm_server serve the `init` checkpoint
-    (the architecture vLLM loads; the weights come from `publish_policy`) and record processed
-    log-probs: of the distribution sampled at rollout.temperature, which the trainer recomputes.
-    """
-    engine_class = ENGINES.get(cfg.engine)
-    if cfg.engine == "embedded":
-        return engine_class(policy, pad_token_id=renderer.pad_id)
-    if cfg.engine == "vllm":
-        return engine_class(init, seed=ctx.seed, logprobs_mode="processed")
-    from posttrain.engines.vllm_server import VLLMServer
-
-    log_path = ctx.stage_dir / "vllm-rollout.log"
-    ctx.log.info("rollout engine: vLLM server for %s, log %s", init, log_path)
-    return engine_class(VLLMServer(model=init, logprobs_mode="processed", log_path=log_path))
-
-
-def rollout_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """`model`'s weights named as save_pretrained writes them, the names a vLLM engine loaded (K3's
-    batched routed experts split per expert, tied copies dropped). Under QAT the routed experts
-    hold their MXFP4 values (`dequantized_state_dict`): a vLLM engine computes with the weights the
-    trainer's forward uses, though not with its MXFP8 activation rounding."""
-    qat = qat_config_of(getattr(model, "config", None))
-    if qat is not None and qat.enabled:
-        state = dequantized_state_dict(model, qat)
-    else:
-        state = remove_tied_weights_from_state_dict(model.state_dict(), model)
-    return revert_weight_conversion(model, state)
-
-
-def _serve_policy(engine: Engine, model: nn.Module, version: int) -> None:
-    """Point the engine at `model`'s current weights as policy `version` (start and resume)."""
-    publish_policy(engine, model)
-    engine.policy_version = version
-
-
-def publish_policy(engine: Engine, model: nn.Module) -> None:
-    """Make the next rollouts sample `model`'s current weights under the next policy version: an
-    embedded engine over the module itself already does (only its version advances); any other
-    engine is sent the weights (`update_weights`, which advances its version)."""
-    if isinstance(engine, EmbeddedEngine) and engine.model is model:
-        engine.policy_version += 1
-    else:
-        engine.update_weights(rollout_weights(model))
-
-
 # The loop --------------------------------------------------------------------------------------
 
 
@@ -293,12 +250,12 @@ def run_rl(ctx: StageContext) -> dict[str, float]:
     sandbox_dir = ctx.stage_dir / "sandboxes"
     remove_tree(sandbox_dir)
     with (
-        rollout_engine(cfg.rollout, model, init, renderer, ctx) as engine,
+        rollout_engine(cfg.rollout.engine, cfg.rollout.url, model, init, renderer, ctx) as engine,
         make_environment(domain, renderer, env_cfg, sandbox_dir=sandbox_dir, judge=judge) as env,
     ):
         # From the first rollout on the engine samples the trainer's weights (a vLLM engine loaded
         # the init checkpoint as written, without QAT's rounding).
-        _serve_policy(engine, model, version=0)
+        serve_policy(engine, model, version=0)
         # Behaviour log-probs of the distribution actually sampled, which the trainer recomputes.
         sampling = env.turn_sampling(cfg.rollout.temperature, ctx.seed, logprobs="processed")
         held_out = env.prompts("eval", cfg.eval.prompts, cfg.eval.seed)
@@ -324,22 +281,25 @@ def run_rl(ctx: StageContext) -> dict[str, float]:
         ctx.log.info("budget: %s", _shown(budget_metrics))
         queue = RolloutQueue(env, engine, sampling, cfg.rollout.partial)
         checkpoint = state.restore()
+        # The metrics of the newest iteration are checkpointed with it: a stage resumed from its
+        # final checkpoint reports them too.
+        last: dict[str, float] = {}
         if checkpoint is not None:
             step, before = checkpoint.step, dict(checkpoint.extra["before"])
-            _serve_policy(engine, model, version=int(checkpoint.extra["policy_version"]))
+            last = dict(checkpoint.extra["last"])
+            serve_policy(engine, model, version=int(checkpoint.extra["policy_version"]))
             queue.restore(checkpoint)
         else:
             step, before = 0, evaluate(env, engine, held_out, effort, cfg.eval, ctx.seed, "before")
             ctx.metrics.log(0, {**before, **budget_metrics})
             ctx.log.info("before training (the %s model): %s", cfg.init, _shown(before))
-        last: dict[str, float] = {}
         while step < cfg.train.steps:
             step += 1
             groups = _new_groups(env, train_prompts, step, cfg.rollout, effort, ctx.seed)
             rollout = queue.step([s for group in groups for s in group])
             last = {
                 **rollout.metrics,
-                **_train_step(state, engine, rollout.samples, budgets, cfg, step, renderer),
+                **_train_step(state, engine, rollout.samples, budgets, cfg, domain, step, renderer),
             }
             if judge is not None:
                 last.update({f"genrm/{k}": float(v) for k, v in judge.counts.items()})
@@ -350,7 +310,7 @@ def run_rl(ctx: StageContext) -> dict[str, float]:
                     model=state.unwrapped,
                     optimizer=state.optimizer,
                     scheduler=state.scheduler,
-                    extra={"before": before, "policy_version": engine.policy_version},
+                    extra={"before": before, "policy_version": engine.policy_version, "last": last},
                     samples=queue.samples(),
                     write_files=queue.write_files,
                 )
@@ -407,51 +367,22 @@ def _new_groups(
     return groups
 
 
-def trajectory_rewards(
-    samples: list[Sample], budgets: dict[str, float], cfg: RLConfig, step: int, renderer: ChatRenderer
-) -> tuple[list[Sample], torch.Tensor, dict[str, float]]:
-    """The scored samples (a judge's unparsable verdicts are left out), their budget rewards at
-    iteration `step` (-1 over tau(effort) * b0(prompt), else the task reward) and metrics."""
-    markers = (renderer.token_ids["think_begin"], renderer.token_ids["think_end"])
-    budget = budget_reward(cfg.budget.for_domain(cfg.domain), markers)
-    # tau_start on the first iteration, tau_end on the last.
-    progress, span = step - 1, max(cfg.train.steps - 1, 1)
-    scored = [s for s in samples if s.reward is not None]
-    rewards, usages, over = [], [], 0
-    for sample in scored:
-        outcome = budget.outcome(
-            sample, float(sample.reward), budgets[sample.task["prompt_uid"]], progress, span
-        )
-        rewards.append(outcome.reward)
-        usages.append(outcome.usage)
-        over += outcome.over_budget
-    n = max(len(scored), 1)
-    effort = scored[0].effort if scored else "high"
-    metrics = {
-        "reward_mean": sum(rewards) / n,
-        "task_reward_mean": sum(float(s.reward) for s in scored) / n,
-        "over_budget_fraction": over / n,
-        "usage_mean": sum(usages) / n,
-        "tau": budget.tau(effort, progress, span),
-        "response_tokens_mean": sum(s.num_generated for s in scored) / n,
-        "unscored": float(len(samples) - len(scored)),
-    }
-    return scored, torch.tensor(rewards, dtype=torch.float32), metrics
-
-
 def _train_step(
     state: TrainState,
     engine: Engine,
     samples: list[Sample],
     budgets: dict[str, float],
     cfg: RLConfig,
+    domain: str,
     step: int,
     renderer: ChatRenderer,
 ) -> dict[str, float]:
     """Score and advantage the iteration's complete groups, then `updates_per_iteration` optimizer
-    steps over all of them (PPO epochs: the clip is measured against the policy before the first)."""
+    steps over all of them (posttrain.trainers.policy_step)."""
     started = time.perf_counter()
-    scored, rewards, metrics = trajectory_rewards(samples, budgets, cfg, step, renderer)
+    scored, rewards, metrics = trajectory_rewards(
+        samples, budgets, cfg.budget.for_domain(domain), step, cfg.train.steps, renderer
+    )
     if not scored:
         return {**metrics, "skipped": 1.0}
     advantages = group_advantages(
@@ -464,93 +395,29 @@ def _train_step(
         # Every group's rewards are equal: no policy gradient, only rounding noise in the penalty,
         # which Adam's normalisation would blow up into a full-size step in a random direction.
         return {**metrics, "skipped": 1.0}
-    loss_cfg = cfg.loss.model_copy(update={"reduction": "sum"})
-    total = sum(s.num_generated for s in scored)
-    size = cfg.train.micro_batch_size
-    chunks = [scored[start : start + size] for start in range(0, len(scored), size)]
-    # pi_prox of each chunk: the policy before this iteration's first update (PPO's old policy).
-    proximal: list[torch.Tensor] = []
-    stats: dict[str, float] = {}
-    updates = cfg.train.updates_per_iteration
-    for update in range(updates):
-        for index, chunk in enumerate(chunks):
-            logp, trained, behaviour, versions = _token_logprobs(
-                state, chunk, cfg.rollout.temperature, renderer
-            )
-            if update == 0:
-                proximal.append(logp.detach())
-            device = logp.device
-            out = policy_loss(
-                logp,
-                behaviour.to(device),
-                token_advantages(advantages[index * size : (index + 1) * size], trained).to(device),
-                trained.to(device),
-                old_logp=proximal[index],
-                config=loss_cfg,
-            )
-            state.check_finite(
-                out.loss, step, detail=f" (trajectories {', '.join(s.uid for s in chunk[:4])} ...)"
-            )
-            state.backward(out.loss / max(total, 1))
-            chunk_stats = {
-                **out.stats,
-                **mismatch_stats(logp.detach().cpu(), behaviour, trained, loss_cfg.tis_cap),
-            }
-            chunk_stats.update(staleness_stats(versions, engine.policy_version, trained))
-            _accumulate(stats, chunk_stats, float(out.num_tokens) / max(total, 1) / updates)
-        metrics.update(state.optimizer_step(step))
-    metrics.update(stats)
+    width = max(len(s.tokens) for s in scored)
+    metrics.update(
+        policy_step(
+            state,
+            scored,
+            advantages[:, None].expand(-1, width),  # one outcome advantage for every token
+            step=step,
+            loss=cfg.loss,
+            micro_batch_size=cfg.train.micro_batch_size,
+            pad_id=renderer.pad_id,
+            temperature=cfg.rollout.temperature,
+            updates=cfg.train.updates_per_iteration,
+            policy_version=engine.policy_version,
+        )
+    )
     synced = time.perf_counter()
     publish_policy(engine, base_without_peft(state.unwrapped))
     metrics.update(
-        trained_tokens=float(total),
         train_s=synced - started,
         weight_sync_s=time.perf_counter() - synced,
         policy_version=float(engine.policy_version),
     )
     return metrics
-
-
-def _token_logprobs(
-    state: TrainState, chunk: list[Sample], temperature: float, renderer: ChatRenderer
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """log pi_theta (at the sampling temperature, with gradient) of every target token of a
-    left-padded chunk, and the aligned trained mask, behaviour log-probs and versions."""
-    device = state.accelerator.device
-    ids, mask = left_pad([s.tokens for s in chunk], renderer.pad_id)
-    logits = state.model(
-        input_ids=ids.to(device),
-        attention_mask=mask.to(device),
-        position_ids=positions_from_mask(mask).to(device),
-    ).logits.float()
-    logp = torch.log_softmax(logits[:, :-1] / temperature, dim=-1).gather(-1, ids[:, 1:, None].to(device))
-    return (logp.squeeze(-1), *_aligned(chunk, ids.shape[1]))
-
-
-def _accumulate(stats: dict[str, float], new: dict[str, float], weight: float) -> None:
-    """Token-weighted means across chunks and updates; maxima for *_max; num_tokens left out."""
-    for key, value in new.items():
-        if key == "num_tokens":
-            continue
-        stats[key] = (
-            max(stats.get(key, 0.0), value) if key.endswith("_max") else stats.get(key, 0.0) + weight * value
-        )
-
-
-def _aligned(chunk: list[Sample], width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-target-position tensors [B, width - 1] under left padding: 1 where the target token was
-    generated by the policy, its behaviour log-prob, and the policy version that sampled it."""
-    trained = torch.zeros(len(chunk), width - 1)
-    behaviour = torch.zeros(len(chunk), width - 1)
-    versions = torch.zeros(len(chunk), width - 1, dtype=torch.long)
-    for row, sample in enumerate(chunk):
-        n = len(sample.tokens)
-        offset = width - n - 1
-        mask = [m if i >= sample.prompt_length else 0 for i, m in enumerate(sample.loss_mask)]
-        trained[row, offset + 1 :] = torch.tensor(mask[1:], dtype=torch.float32)
-        behaviour[row, offset + 1 :] = torch.tensor(sample.rollout_logprobs[1:], dtype=torch.float32)
-        versions[row, offset + 1 :] = torch.tensor([max(v, 0) for v in sample.policy_version[1:]])
-    return trained, behaviour, versions
 
 
 def _shown(metrics: dict[str, Any]) -> str:

@@ -22,16 +22,16 @@ from __future__ import annotations
 import math
 import shutil
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from posttrain.checkpoint import Checkpoint, remove_tree
+from posttrain.checkpoint import Checkpoint
 from posttrain.data.sample import Sample
 from posttrain.engines.base import Engine, SamplingConfig
-from posttrain.envs.environments import Environment
+from posttrain.envs.environments import Environment, PauseRule
+from posttrain.files import remove_tree
 
 QUEUE = "rollout_queue"
 SNAPSHOTS = "sandbox-snapshots"
@@ -68,14 +68,18 @@ class Rollout:
 
 def _oldest(sample: Sample, default: int) -> int:
     """Policy version of the sample's oldest generated token (`default` before any was generated)."""
-    versions = [v for v, m in zip(sample.policy_version, sample.loss_mask, strict=True) if m and v >= 0]
-    return min(versions, default=default)
+    return min(_versions(sample), default=default)
 
 
 def version_span(sample: Sample) -> int:
     """How many policy updates happened while the trajectory was being generated."""
-    versions = [v for v, m in zip(sample.policy_version, sample.loss_mask, strict=True) if m and v >= 0]
+    versions = _versions(sample)
     return max(versions) - min(versions) if versions else 0
+
+
+def _versions(sample: Sample) -> list[int]:
+    """The policy version of each generated token."""
+    return [v for v, m in zip(sample.policy_version, sample.generated_mask, strict=True) if m and v >= 0]
 
 
 class RolloutQueue:
@@ -170,5 +174,5 @@ class RolloutQueue:
         return dropped
 
 
-def _threshold(target: int) -> Callable[[int], bool]:
+def _threshold(target: int) -> PauseRule:
     return lambda ended: ended >= target

@@ -2,25 +2,29 @@
 
 SFT's eval loss says how well the model imitates demonstrations; this says whether it can do the
 tasks. Each held-out record's prompt (messages before the first assistant turn, with the hidden
-task data) is played as an episode: the policy generates a turn greedily through an `Engine`, the
-turn's tool calls run for real through the task family's tools (in a sandbox where they run code),
-their results are appended with the chat renderer, and so on until the model answers or runs out
-of turns. The family's `verify` scores the final state. Generation runs batched over all episodes
-still going, with the same model object the trainer optimises (QAT hooks included).
+task data) is played as an episode of its domain's RL environment, through the one episode loop
+(posttrain.envs.environments.play_episodes): the policy generates a turn greedily, the turn's tool
+calls run for real (in a sandbox where they need one), their results are appended, and so on until
+the model answers or runs out of turns; the environment's verifier scores it. Generation runs
+batched over all episodes still going, with the same model object the trainer optimises (QAT
+hooks included).
 """
 
 from __future__ import annotations
 
 import contextlib
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from torch import nn
 
 from posttrain.data.chat import ChatRenderer
 from posttrain.data.loading import prompt_sample
-from posttrain.data.tasks import TASK_FAMILIES, Episode
-from posttrain.engines import EmbeddedEngine, SamplingConfig
+from posttrain.engines import EmbeddedEngine
+from posttrain.envs.environments import EnvironmentConfig, make_environment, play_episodes
+from posttrain.envs.tasks import TASK_FAMILIES
 
 
 @dataclass
@@ -67,45 +71,30 @@ def tool_task_success(
     max_new_tokens: int,
     max_turns: int,
 ) -> ToolEvalResult:
-    """Play one greedy episode per record (see the module docstring) and verify each."""
+    """Play one greedy episode per record through its domain's environment (the RL episode loop,
+    posttrain.envs.environments.play_episodes) and verify each."""
     if not records:
         raise ValueError("tool-task eval: no held-out record names a registered task family")
     engine = EmbeddedEngine(model, pad_token_id=renderer.pad_id)
-    sampling = SamplingConfig(
-        max_tokens=max_new_tokens,
-        temperature=0.0,
-        stop_token_ids=(renderer.end_of_turn_id,),
-        tool_call_token_ids=(renderer.tool_calls_end_id,),
-    )
-    with contextlib.ExitStack() as sandboxes:
-        episodes = []
-        for record in records:
-            family = TASK_FAMILIES.get(record["task"]["family"])()
-            sample = prompt_sample(record)
-            sample.tokens = renderer.render_prompt(sample.messages, sample.tools, record.get("effort"))
-            sample.prompt_length = len(sample.tokens)
-            sample.loss_mask = [0] * len(sample.tokens)
-            sample.rollout_logprobs = [0.0] * len(sample.tokens)
-            sample.policy_version = [-1] * len(sample.tokens)
-            episodes.append(Episode(family, sample, sandboxes.enter_context(family.open_sandbox())))
-        active = list(episodes)
-        for turn in range(max_turns):
-            if not active:
-                break
-            starts = [len(episode.sample.tokens) for episode in active]
-            engine.generate([episode.sample for episode in active], sampling)
-            going = []
-            for episode, start in zip(active, starts, strict=True):
-                sample = episode.sample
-                results = episode.step(renderer.parse_assistant(sample.tokens[start:]))
-                if results and sample.finish_reason == "tool_call" and turn + 1 < max_turns:
-                    sample.append(renderer.render_tool_results(results), generated=False)
-                    going.append(episode)
-            active = going
-        rewards = [episode.reward() for episode in episodes]
+    config = EnvironmentConfig(max_turns=max_turns, max_tokens_per_turn=max_new_tokens)
+    prompts = [prompt_sample(record) for record in records]
+    with tempfile.TemporaryDirectory(prefix="tool-eval-") as root, contextlib.ExitStack() as stack:
+        envs = {
+            domain: stack.enter_context(
+                make_environment(domain, renderer, config, sandbox_dir=Path(root) / domain)
+            )
+            for domain in dict.fromkeys(p.domain for p in prompts)
+        }
+        samples = [envs[p.domain].start(p, uid=p.uid, group=p.uid, effort=p.effort) for p in prompts]
+        sampling = {domain: env.turn_sampling(0.0, seed=0) for domain, env in envs.items()}
+        play_episodes(envs, engine, samples, sampling)
+    rewards = [s.reward or 0.0 for s in samples]
+    calls = [
+        sum(len(m.get("tool_calls") or []) for m in s.messages if m["role"] == "assistant") for s in samples
+    ]
     return ToolEvalResult(
         success=sum(r >= 1.0 for r in rewards) / len(rewards),
         reward=sum(rewards) / len(rewards),
-        tool_calls=sum(e.tool_calls for e in episodes) / len(episodes),
-        episodes=len(episodes),
+        tool_calls=sum(calls) / len(samples),
+        episodes=len(samples),
     )

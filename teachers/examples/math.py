@@ -1,7 +1,7 @@
 """A worked custom teacher domain, "math", plugged into MOPD without touching posttrain/.
 
 Three registrations make a domain MOPD can distil:
-1. a task family (posttrain.data.tasks.TASK_FAMILIES): the prompt recipe and the hidden verifier;
+1. a task family (posttrain.envs.tasks.TASK_FAMILIES): the prompt recipe and the hidden verifier;
 2. an environment (posttrain.envs.environments.ENVIRONMENTS): how the domain's episodes are
    played; the base class plays every registered family of its domain, tools included, so a domain
    without special scoring needs only a subclass naming it (and RL can train on it too);
@@ -22,10 +22,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from posttrain.data.sample import Sample
-from posttrain.data.tasks import TASK_FAMILIES, Episode, FinalState, TaskFamily
 from posttrain.envs.environments import ENVIRONMENTS, Environment
+from posttrain.envs.tasks import TASK_FAMILIES, Episode, FinalState, TaskFamily
 from posttrain.envs.tools import Tool
-from teachers.domain import teacher_domain
+from posttrain.trainers.mopd_teachers import teacher_domain
 
 DOMAIN = "math"
 

@@ -1,6 +1,6 @@
 """MOPD reward (posttrain.algos.mopd_reward, a pure tensor function of the engine rather than a reward
 plug-in): the spec's sign examples, clip bounds, stop-gradient, masking of non-student tokens, and
-the per-sample helper the `mopd` stage applies to each trajectory."""
+the batch helper the `mopd` stage applies to its trajectories."""
 
 import math
 
@@ -14,9 +14,10 @@ from posttrain.algos import (
     reverse_kl,
     token_mean_standard_error,
 )
+from posttrain.algos.mopd_reward import NonFiniteLogprobError
 from posttrain.algos.policy_loss import policy_loss
 from posttrain.data.sample import Sample
-from posttrain.trainers.mopd import mopd_sample_rewards
+from posttrain.trainers.mopd import token_rewards
 
 
 def test_spec_sign_examples():
@@ -73,17 +74,28 @@ def test_sample_rewards_cover_only_student_tokens():
     s.append([10], generated=False)  # tool result
     s.append([11], generated=True, logprobs=[math.log(0.9)])
     s.teacher_logprobs = [None, -1.0, -1.0, math.log(0.6), math.log(0.5), -0.1, math.log(0.45)]
-    rewards = mopd_sample_rewards(s, r_max=1.0)
+    short = Sample(uid="n", domain="agent", effort="low", prompt_length=1)
+    short.append([5], generated=False)
+    short.append([8], generated=True, logprobs=[math.log(0.5)])
+    short.teacher_logprobs = [None, math.log(0.25)]
+    rewards, mask = token_rewards([s, short], r_max=1.0)
     # log 0.6 - log 0.2 = log 3 is clipped at r_max = 1; log 0.45 - log 0.9 = log 0.5
     expected = [0.0, 0.0, 0.0, 1.0, 0.0, 0.0, math.log(0.5)]
-    assert rewards == pytest.approx(expected, abs=1e-12)
-    recomputed = mopd_sample_rewards(
-        s, r_max=1.0, student_logprobs=[0.0] * 3 + [math.log(0.6), -1.0, 0.0, -1.0]
-    )
-    assert recomputed[3] == pytest.approx(0.0) and recomputed[4] == pytest.approx(math.log(0.5) + 1.0)
+    assert rewards[0].tolist() == pytest.approx(expected, abs=1e-12)
+    assert rewards[1].tolist() == pytest.approx([0.0] * 5 + [0.0, math.log(0.5)], abs=1e-12)  # left-padded
+    assert mask.tolist() == [[0, 0, 0, 1, 1, 0, 1], [0] * 6 + [1]]
     s.teacher_logprobs = None
     with pytest.raises(ValueError, match="sample m has no teacher_logprobs"):
-        mopd_sample_rewards(s, r_max=1.0)
+        token_rewards([s], r_max=1.0)
+
+
+def test_a_nan_student_log_prob_says_the_student_diverged():
+    teacher, student = torch.tensor([[-1.0, -2.0]]), torch.tensor([[0.0, float("nan")]])
+    with pytest.raises(
+        NonFiniteLogprobError, match=r"NaN student log-prob .*\[\[0, 1\]\]: the student diverged"
+    ) as error:
+        mopd_token_rewards(teacher, student, torch.ones(1, 2), r_max=1.0)
+    assert error.value.rows == [0]
 
 
 def test_reverse_kl_is_the_mean_student_minus_teacher_on_student_tokens():

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from posttrain.data.packing import IGNORE_INDEX, pack_documents, pad_batch
+from posttrain.data.packing import IGNORE_INDEX, pack_documents
 from posttrain.engines.testing import tiny_k3
 
 
@@ -51,21 +51,6 @@ def test_packing_errors_say_what_to_change():
         pack_documents([([1, 2, 3], [0, 1])], seq_len=10, pad_id=0)
 
 
-def test_left_and_right_padding():
-    sequences, masks = [[5, 6, 7], [8]], [[0, 1, 1], [1]]
-    right = pad_batch(sequences, pad_id=0, side="right", loss_masks=masks)
-    assert right["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
-    assert right["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
-    assert right["labels"].tolist() == [[IGNORE_INDEX, 6, 7], [8, IGNORE_INDEX, IGNORE_INDEX]]
-    left = pad_batch(sequences, pad_id=0, side="left", pad_to_multiple_of=4)
-    assert left["input_ids"].tolist() == [[0, 5, 6, 7], [0, 0, 0, 8]]
-    assert left["attention_mask"].tolist() == [[0, 1, 1, 1], [0, 0, 0, 1]]
-    assert left["position_ids"].tolist() == [[0, 0, 1, 2], [0, 0, 0, 0]]
-    assert "labels" not in left
-    with pytest.raises(ValueError, match="side must be 'left' or 'right'"):
-        pad_batch(sequences, pad_id=0, side="middle")
-
-
 def _document_losses(logits: torch.Tensor, labels: torch.Tensor, bounds: list[int]) -> list[torch.Tensor]:
     """Summed next-token cross entropy of each document [start, end) of one row."""
     losses = []
@@ -92,9 +77,9 @@ def test_packed_and_unpacked_forward_give_the_same_document_losses(renderer, shi
         packed = model(input_ids=row.input_ids, cu_seqlens=row.cu_seqlens, labels=row.labels)
         packed_losses = _document_losses(packed.logits, row.labels, row.cu_seqlens.tolist())
         for (ids, mask), packed_loss in zip(documents, packed_losses, strict=False):
-            alone = pad_batch([ids], pad_id=renderer.pad_id, loss_masks=[mask])
-            logits = model(input_ids=alone["input_ids"]).logits
-            (alone_loss,) = _document_losses(logits, alone["labels"], [0, len(ids)])
+            labels = torch.tensor([[t if m else IGNORE_INDEX for t, m in zip(ids, mask, strict=True)]])
+            logits = model(input_ids=torch.tensor([ids])).logits
+            (alone_loss,) = _document_losses(logits, labels, [0, len(ids)])
             torch.testing.assert_close(packed_loss, alone_loss, rtol=1e-4, atol=1e-4)
     targets = (row.labels[0, 1:] != IGNORE_INDEX).sum()
     torch.testing.assert_close(packed.loss, torch.stack(packed_losses).sum() / targets, rtol=1e-5, atol=1e-5)

@@ -12,7 +12,7 @@ import data_recipes  # noqa: F401  (registers the shipped families and the calcu
 from data_recipes.agent_tasks import FAMILIES
 from data_recipes.agent_tasks.tools import calculate
 from posttrain.data.sample import DOMAINS, EFFORTS
-from posttrain.data.tasks import TASK_FAMILIES, Episode, FinalState
+from posttrain.envs.tasks import TASK_FAMILIES, Episode, FinalState
 
 
 def test_every_shipped_family_is_registered_and_covers_the_domains():

@@ -11,16 +11,16 @@ import pytest
 
 from posttrain.data.chat import ChatRenderer
 from posttrain.data.sample import Sample
-from posttrain.data.tasks import TASK_FAMILIES, Episode
 from posttrain.engines import SamplingConfig
+from posttrain.engines.testing import ScriptedTurns
 from posttrain.envs.environments import (
-    EPISODE_DONE,
     SUBMISSION_FEEDBACK,
     SUBMISSIONS,
     EnvironmentConfig,
     HarnessConfig,
     make_environment,
 )
+from posttrain.envs.tasks import TASK_FAMILIES, Episode
 
 
 def sampling(renderer: ChatRenderer, max_tokens: int = 6) -> SamplingConfig:
@@ -32,11 +32,12 @@ def sampling(renderer: ChatRenderer, max_tokens: int = 6) -> SamplingConfig:
     )
 
 
-def scripted(sample: Sample, renderer: ChatRenderer, message: dict, finish: str) -> list[int]:
-    """Append an assistant turn as if the engine had generated it; returns its ids."""
+def scripted(
+    engine: ScriptedTurns, sample: Sample, renderer: ChatRenderer, message: dict, finish: str
+) -> list[int]:
+    """Make `message` the sample's next turn, as if the engine generated it; returns its ids."""
     ids = renderer.render_assistant(message)
-    sample.append(ids, generated=True, logprobs=[-1.0] * len(ids), version=0)
-    sample.finish_reason = finish
+    engine.script(sample, ids, finish)
     return ids
 
 
@@ -54,9 +55,10 @@ def test_tool_calls_run_for_real_and_results_are_appended_never_rerendered(
         prompt = env.prompts("train", 1, seed=3)[0]
         sample = env.start(prompt, uid="t/0", group="t", effort="high")
         assert sample.tokens == renderer.render_prompt(prompt.messages, prompt.tools, "high")
-        turn = scripted(sample, renderer, first_turn(sample), "tool_call")
-        before = list(sample.tokens)
-        env.play(tiny_k3_engine, [sample], sampling(renderer))
+        engine = ScriptedTurns(tiny_k3_engine)
+        turn = scripted(engine, sample, renderer, first_turn(sample), "tool_call")
+        before = sample.tokens + turn
+        env.play(engine, [sample], sampling(renderer))
 
     tool_messages = [m for m in sample.messages if m["role"] == "tool"]
     assert [m["tool_call_id"] for m in tool_messages] == ["functions.search:0", "functions.search:1"]
@@ -69,7 +71,7 @@ def test_tool_calls_run_for_real_and_results_are_appended_never_rerendered(
     # The engine sampled the second turn right after the appended assistant header.
     second = sample.response_length - len(turn) - len(appended)
     assert 1 <= second <= 6 and sample.loss_mask[-second:] == [1] * second
-    assert sample.metrics[EPISODE_DONE] == 1.0 and sample.reward == 0.0
+    assert sample.done and sample.reward == 0.0
     assert sample.finish_reason in ("stop", "length", "tool_call")
 
 
@@ -79,6 +81,7 @@ def test_agent_is_scored_on_the_sandbox_files_it_wrote(tmp_path, renderer, tiny_
         prompts = env.prompts("train", 2, seed=0)
         samples = [env.start(p, uid=f"w/{i}", group=f"w{i}", effort="low") for i, p in enumerate(prompts)]
         right, wrong = samples
+        engine = ScriptedTurns(tiny_k3_engine)
         for sample, content in ((right, right.task["answer"]), (wrong, "Atlantis")):
             call = {"path": sample.task["path"], "content": content}
             message = {
@@ -93,8 +96,8 @@ def test_agent_is_scored_on_the_sandbox_files_it_wrote(tmp_path, renderer, tiny_
                     }
                 ],
             }
-            scripted(sample, renderer, message, "tool_call")
-        env.play(tiny_k3_engine, samples, sampling(renderer))
+            scripted(engine, sample, renderer, message, "tool_call")
+        env.play(engine, samples, sampling(renderer))
         assert env.sandboxes.lent == 0 and env.sandboxes.created == 2
     assert (right.reward, wrong.reward) == (1.0, 0.0)
     # max_turns 1: the write ended the episode, no tool result was appended to the tokens.
@@ -120,14 +123,16 @@ def test_coding_submissions_are_limited_and_failures_get_feedback_without_tests(
             for i, p in enumerate(env.prompts("train", 2, seed=1))
         )
         name = wrong.task["function"]
+        engine = ScriptedTurns(tiny_k3_engine)
         scripted(
+            engine,
             wrong,
             renderer,
             {"role": "assistant", "content": f"```python\ndef {name}(x):\n    return None\n```"},
             "stop",
         )
-        scripted(right, renderer, first_turn(right), "stop")
-        env.play(tiny_k3_engine, [wrong, right], sampling(renderer))
+        scripted(engine, right, renderer, first_turn(right), "stop")
+        env.play(engine, [wrong, right], sampling(renderer))
 
     assert right.reward == 1.0 and right.metrics[SUBMISSIONS] == 1.0
     assert wrong.reward == 0.0 and wrong.metrics[SUBMISSIONS] == 2.0

@@ -6,7 +6,6 @@ import pytest
 
 import rewards.budget
 import rewards.genrm
-import rewards.verifiers
 from posttrain.config.rewards import BudgetRewardConfig, GenRMConfig
 from posttrain.data.sample import Sample
 from posttrain.engines import SamplingConfig
@@ -16,8 +15,6 @@ from posttrain.rewards_registry import REWARDS, BudgetOutcome, budget_reward, ge
 BUILT_IN = {
     "budget": rewards.budget.AnnealedBudgetReward,
     "genrm": rewards.genrm.GenRM,
-    "exact_match": rewards.verifiers.exact_match_reward,
-    "unit_tests": rewards.verifiers.UnitTestVerifier,
 }
 THINK, END_THINK = 900, 901
 

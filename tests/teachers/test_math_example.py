@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from posttrain.data.sample import EFFORTS
-from posttrain.data.tasks import TASK_FAMILIES, FinalState
 from posttrain.envs.environments import EnvironmentConfig
+from posttrain.envs.tasks import TASK_FAMILIES, FinalState
 from posttrain.registry import import_plugin
 from posttrain.trainers.mopd_teachers import TEACHER_DOMAINS
 from teachers.testing import mopd_context, run_mopd_stage

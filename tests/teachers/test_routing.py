@@ -12,11 +12,11 @@ import torch
 from pydantic import ValidationError
 
 from posttrain.data.sample import EFFORTS, Sample
+from posttrain.engines.build import build_engine
 from posttrain.envs.environments import Environment
 from posttrain.trainers.mopd import MOPDConfig
 from posttrain.trainers.mopd_teachers import TeacherPool, TeacherRoutingError, route_teachers
 from teachers import teacher_domain
-from teachers.backends import embedded_teacher
 
 
 @teacher_domain(
@@ -57,7 +57,7 @@ def test_a_pair_without_a_teacher_is_a_validation_error_naming_pair_and_fix():
             "general-max: not a trained",
         ),
         ({"teachers": {"general-low": {"engine": "vllm-gpu"}}}, "teachers.general-low.engine", "'vllm-gpu'"),
-        ({"teacher_engine": "vllm-gpu"}, "teacher_engine", "unknown teacher backend 'vllm-gpu'"),
+        ({"teacher_engine": "vllm-gpu"}, "teacher_engine", "unknown teacher engine 'vllm-gpu'"),
         ({"efforts": ["medium"]}, "efforts", "['medium'] are not efforts; use ['low', 'high', 'max']"),
         ({"environments": {"math": {}}}, "environments", "['math'] are not in `domains`"),
         ({"environments": {"coding": {"reward": "genrm"}}}, "environments", "set reward: verifier"),
@@ -160,7 +160,7 @@ def test_each_sample_is_scored_by_its_pairs_teacher_and_shared_checkpoints_share
         pool.score(samples)
     finally:
         pool.close()
-    references = {e: embedded_teacher(tiny_dirs[e], tmp_path) for e in EFFORTS}
+    references = {e: build_engine("embedded", tiny_dirs[e], work_dir=tmp_path, log_name=e) for e in EFFORTS}
     for sample in samples:
         own = "max" if sample.domain == "agent" else sample.effort
         expected = references[own].score([sample])[0]

@@ -17,14 +17,16 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 import posttrain.model  # noqa: F401  (registers kimi_k3 with AutoModelForCausalLM)
 from posttrain.algos.policy_loss import PolicyLossConfig
+from posttrain.data.batch import TokenBatch
 from posttrain.data.sample import Sample
-from posttrain.data.tasks import TASK_FAMILIES
 from posttrain.engines import EmbeddedEngine, SamplingConfig
 from posttrain.engines.testing import build_tiny_llama, reference_logprobs
 from posttrain.engines.vllm_engine import VLLMEngine
+from posttrain.envs.tasks import TASK_FAMILIES
 from posttrain.qat import restore_qat
-from posttrain.trainers.mopd import MOPDConfig, distillation_loss, mopd_sample_rewards
-from posttrain.trainers.mopd_teachers import TeacherPool, route_teachers, student_mask
+from posttrain.trainers.mopd import MOPDConfig, token_rewards
+from posttrain.trainers.mopd_teachers import TeacherPool, route_teachers
+from posttrain.trainers.policy_step import micro_batch_loss
 
 pytestmark = pytest.mark.vllm
 R_MAX = 5.0
@@ -108,14 +110,14 @@ def test_vllm_prefill_rewards_equal_the_transformers_teachers(pool, teacher_dir,
     pool.score(samples)
     llama = LlamaForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).eval()
     for sample in samples:
-        served = torch.tensor(mopd_sample_rewards(sample, R_MAX))
+        served = token_rewards([sample], R_MAX)[0][0]
         reference = reference_logprobs(llama, sample.tokens)
-        mask = torch.tensor(student_mask(sample), dtype=torch.bool)
+        mask = torch.tensor(sample.generated_mask, dtype=torch.bool)
         torch.testing.assert_close(
             torch.tensor(sample.teacher_logprobs)[mask], reference[mask], atol=1e-4, rtol=0
         )
         sample.teacher_logprobs = reference.tolist()
-        expected = torch.tensor(mopd_sample_rewards(sample, R_MAX))
+        expected = token_rewards([sample], R_MAX)[0][0]
         torch.testing.assert_close(served, expected, atol=1e-4, rtol=0)
         assert (served[~mask] == 0).all() and served[mask].std() > 0.5  # varied: a misalignment would show
 
@@ -123,15 +125,11 @@ def test_vllm_prefill_rewards_equal_the_transformers_teachers(pool, teacher_dir,
 def test_the_student_loss_is_driven_by_the_vllm_rewards(pool, renderer, student):
     samples = trajectories(renderer, student)
     pool.score(samples)
-    rewards = [mopd_sample_rewards(s, R_MAX) for s in samples]
+    rewards, mask = token_rewards(samples, R_MAX)
     student.train()
-    out = distillation_loss(student, samples, rewards, PolicyLossConfig())
-    trained = [
-        r
-        for s, row in zip(samples, rewards, strict=True)
-        for r, m in zip(row, student_mask(s), strict=True)
-        if m
-    ]
+    batch = TokenBatch.of(samples, renderer.pad_id)
+    out, _ = micro_batch_loss(student, batch, rewards, config=PolicyLossConfig())
+    trained = rewards[mask].tolist()
     assert float(out.loss.detach()) == pytest.approx(-sum(trained) / len(trained), abs=1e-3)
     out.loss.backward()
     assert student.lm_head.weight.grad.abs().sum() > 0

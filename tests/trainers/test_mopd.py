@@ -17,31 +17,23 @@ from transformers import AutoModelForCausalLM
 
 import posttrain.model  # noqa: F401  (registers kimi_k3 with AutoModelForCausalLM)
 from posttrain.algos import paired_change_standard_error, token_mean_standard_error
+from posttrain.algos.advantages import group_balance_weights, returns_to_go, subtract_group_mean
 from posttrain.algos.policy_loss import PolicyLossConfig
+from posttrain.data.batch import TokenBatch
 from posttrain.data.chat import ChatRenderer
 from posttrain.data.sample import DOMAINS, EFFORTS, Sample
-from posttrain.data.tasks import TASK_FAMILIES, Episode
 from posttrain.engines import EmbeddedEngine, SamplingConfig
-from posttrain.envs.environments import EPISODE_DONE, EnvironmentConfig, make_environment
+from posttrain.engines.testing import ScriptedTurns
+from posttrain.envs.environments import EnvironmentConfig, make_environment, play_episodes
+from posttrain.envs.tasks import TASK_FAMILIES, Episode
 from posttrain.metrics import read_metrics
 from posttrain.qat import qat_config_of, restore_qat
 from posttrain.trainers import mopd
 from posttrain.trainers.common import TrainState
-from posttrain.trainers.mopd import (
-    Distiller,
-    MOPDConfig,
-    distillation_loss,
-    episode_table,
-    exact_results,
-    mopd_sample_rewards,
-    pair_balance_weights,
-    pair_results,
-    play_episodes,
-    returns_to_go,
-    subtract_pair_mean,
-    write_eval,
-)
-from posttrain.trainers.mopd_teachers import TeacherConfig, TeacherPool, route_teachers, student_mask
+from posttrain.trainers.mopd import Distiller, MOPDConfig, token_rewards
+from posttrain.trainers.mopd_eval import episode_table, exact_results, pair_results, write_eval
+from posttrain.trainers.mopd_teachers import TeacherConfig, TeacherPool, route_teachers
+from posttrain.trainers.policy_step import micro_batch_loss
 from teachers.testing import save_tiny_k3
 
 R_MAX = 5.0
@@ -103,7 +95,7 @@ def test_the_loss_is_the_policy_gradient_of_the_clipped_log_ratio_on_student_tok
         for k, i in enumerate(trained):
             deltas[i] = STUDENT_DELTAS[k % len(STUDENT_DELTAS)]
         sample.teacher_logprobs = [s + d for s, d in zip(sample.rollout_logprobs, deltas, strict=True)]
-        return mopd_sample_rewards(sample, R_MAX)
+        return token_rewards([sample], R_MAX)[0][0].tolist()
 
     rewards = with_teacher(50.0)
     expected = [max(-R_MAX, min(R_MAX, STUDENT_DELTAS[k % len(STUDENT_DELTAS)])) for k in range(len(trained))]
@@ -113,7 +105,8 @@ def test_the_loss_is_the_policy_gradient_of_the_clipped_log_ratio_on_student_tok
     assert rewards[trained[1]] == pytest.approx(-1.3863, abs=1e-4)
 
     student.train()
-    out = distillation_loss(student, [sample], [rewards], PolicyLossConfig())
+    batch = TokenBatch.of([sample], renderer.pad_id)
+    out, _ = micro_batch_loss(student, batch, torch.tensor([rewards]), config=PolicyLossConfig())
     assert float(out.loss.detach()) == pytest.approx(-sum(expected) / len(expected), abs=1e-4)
     assert out.stats["log_ratio_abs_max"] < 1e-4  # trainer and engine agree: on-policy
     out.loss.backward()
@@ -149,19 +142,19 @@ def test_agent_episodes_run_real_tools_and_only_student_tokens_are_rewarded(dirs
         family = TASK_FAMILIES.get(sample.task["family"])()
         # The first turn calls the search tool (the family's own solution), as a trained student would.
         turn = renderer.render_assistant(next(family.demonstration(sample, Episode(family, sample, None))))
-        sample.append(turn, generated=True, logprobs=[-1.0] * len(turn), version=0)
-        sample.finish_reason = "tool_call"
+        scripted = ScriptedTurns(student)
+        scripted.script(sample, turn, "tool_call")
         finished: list[list[str]] = []
         play_episodes(
             {"agent": env},
-            student,
+            scripted,
             [sample],
             {"agent": sampling},
-            lambda done: (finished.append([s.uid for s in done]), pool.score(done)),
+            on_finished=lambda done: (finished.append([s.uid for s in done]), pool.score(done)),
         )
     pool.close()
 
-    assert finished == [["ep/0"]] and sample.metrics[EPISODE_DONE] == 1.0 and sample.reward is not None
+    assert finished == [["ep/0"]] and sample.done and sample.reward is not None
     tool_messages = [m for m in sample.messages if m["role"] == "tool"]
     assert tool_messages and "price" in tool_messages[0]["content"]  # the shipped catalog, searched for real
     results = renderer.render_tool_results(tool_messages)
@@ -170,7 +163,7 @@ def test_agent_episodes_run_real_tools_and_only_student_tokens_are_rewarded(dirs
     second = sample.tokens[start + len(results) :]
     assert 1 <= len(second) <= 6 and sample.loss_mask[start + len(results) :] == [1] * len(second)
     assert len(sample.teacher_logprobs) == len(sample.tokens)
-    rewards = mopd_sample_rewards(sample, R_MAX)
+    rewards = token_rewards([sample], R_MAX)[0][0].tolist()
     assert rewards[start : start + len(results)] == [0.0] * len(results)
     assert rewards[: sample.prompt_length] == [0.0] * sample.prompt_length
     assert all(r != 0.0 for r in rewards[start + len(results) :])
@@ -254,6 +247,41 @@ def test_a_killed_stage_resumes_bit_for_bit(uninterrupted, dirs, tmp_path, stage
     assert (tmp_path / "mopd" / "eval.json").read_text() == (stage_dir / "eval.json").read_text()
 
 
+def test_a_stage_resumed_from_its_final_checkpoint_reports_its_last_step(
+    uninterrupted, dirs, tmp_path, stage_runner
+):
+    _, straight = uninterrupted
+    steps = stage_body()["train"]["steps"]
+    crashed = stage_runner.context("mopd", tmp_path, stage_body(), inputs=stage_inputs(dirs), crash_at=steps)
+    with pytest.raises(stage_runner.FakeCrash):  # killed after the final checkpoint, before the end
+        stage_runner.run(crashed)
+    resumed = stage_runner.run(
+        stage_runner.context("mopd", tmp_path, stage_body(), inputs=stage_inputs(dirs))
+    )
+    assert resumed["train_loss"] == straight["train_loss"] and resumed["train_kl"] == straight["train_kl"]
+
+
+def test_a_diverged_student_fails_the_next_step_saying_so_and_that_no_checkpoint_exists(
+    dirs, tmp_path, stage_runner, monkeypatch
+):
+    real = TrainState.optimizer_step
+
+    def diverging_step(self, step):  # injected fault: the update leaves a NaN weight behind
+        metrics = real(self, step)
+        with torch.no_grad():
+            self.unwrapped.lm_head.weight[0, 0] = float("nan")
+        return metrics
+
+    monkeypatch.setattr(TrainState, "optimizer_step", diverging_step)
+    body = stage_body() | {"checkpoint_every": 5}
+    ctx = stage_runner.context("mopd", tmp_path, body, inputs=stage_inputs(dirs))
+    with pytest.raises(ValueError) as error:
+        stage_runner.run(ctx)
+    message = str(error.value)
+    assert message.startswith("step 2: NaN student log-prob") and "the student diverged" in message
+    assert "no checkpoint was written yet" in message and "intact" not in message
+
+
 def test_lora_trains_only_the_adapters_and_saves_them_merged(dirs, tmp_path, stage_runner):
     body = stage_body() | {"lora": {"r": 4, "alpha": 8}, "train": {"steps": 2, "lr": 1e-2}}
     ctx = stage_runner.context("mopd", tmp_path, body, inputs=stage_inputs(dirs))
@@ -332,7 +360,7 @@ def test_the_exact_kl_is_the_full_vocabulary_reverse_kl_on_the_students_episodes
                 ls = torch.log_softmax(student(input_ids=ids).logits.double()[0, :-1], -1)
                 lt = torch.log_softmax(teacher(input_ids=ids).logits.double()[0, :-1], -1)
             kl = (ls.exp() * (ls - lt)).sum(-1)
-            episodes.append([float(k) for k, m in zip(kl, student_mask(s)[1:], strict=True) if m])
+            episodes.append([float(k) for k, m in zip(kl, s.generated_mask[1:], strict=True) if m])
         per_token = [k for episode in episodes for k in episode]
         assert len(episodes) == 2 and exact["coding-max"]["kl_exact"] > 0
         assert exact["coding-max"]["kl_exact"] == pytest.approx(sum(per_token) / len(per_token), rel=1e-4)
@@ -412,7 +440,8 @@ def test_pair_balance_gives_every_domain_effort_pair_the_same_share_of_the_loss(
         episode("b", "general", "low", 6),
         episode("c", "agent", "max", 30),
     ]
-    weights = pair_balance_weights(samples)
+    mask = TokenBatch.of(samples, 0).generated
+    weights = group_balance_weights(mask, [(s.domain, s.effort) for s in samples]).tolist()
     assert weights == pytest.approx([2.0, 2.0, 40 / 60])
     shares = {}
     for s, w in zip(samples, weights, strict=True):
@@ -432,28 +461,30 @@ def test_the_pair_mean_baseline_centres_each_pairs_student_advantages():
         episode("b", "general", [0, 1]),
         episode("c", "agent", [0, 1, 0, 1]),
     ]
-    advantages = [[0.0, 1.0, 3.0], [0.0, 5.0], [0.0, 2.0, 0.0, -4.0]]
-    centred = subtract_pair_mean(samples, advantages)
-    assert centred == [
-        pytest.approx([0.0, -2.0, 0.0]),
-        pytest.approx([0.0, 2.0]),
-        pytest.approx([0.0, 3.0, 0.0, -3.0]),
-    ]
-    assert advantages[0] == [0.0, 1.0, 3.0]  # the input is left as it was
+    advantages = torch.tensor(
+        [[0.0, 0.0, 1.0, 3.0], [0.0, 0.0, 0.0, 5.0], [0.0, 2.0, 0.0, -4.0]]
+    )  # left-padded
+    mask = torch.tensor([[0, 0, 1, 1], [0, 0, 0, 1], [0, 1, 0, 1]])
+    centred = subtract_group_mean(advantages, mask, [s.domain for s in samples])
+    assert centred.tolist() == [[0.0, 0.0, -2.0, 0.0], [0.0, 0.0, 0.0, 2.0], [0.0, 3.0, 0.0, -3.0]]
+    assert advantages[0].tolist() == [0.0, 0.0, 1.0, 3.0]  # the input is left as it was
 
 
 def test_returns_to_go_discount_over_later_student_tokens_and_skip_tool_results():
     # prompt (2), student (2), tool result (2), student (2)
-    rewards = [0.0, 0.0, 1.0, -2.0, 0.0, 0.0, 0.5, 4.0]
-    mask = [0, 0, 1, 1, 0, 0, 1, 1]
-    assert returns_to_go(rewards, mask, 0.0) == rewards  # discount 0: A_t = r_t
+    rewards = torch.tensor(
+        [[0.0, 0.0, 1.0, -2.0, 0.0, 0.0, 0.5, 4.0], [0.0] * 7 + [2.0]], dtype=torch.float64
+    )
+    mask = torch.tensor([[0, 0, 1, 1, 0, 0, 1, 1], [0] * 7 + [1]])
+    assert torch.equal(returns_to_go(rewards, mask, 0.0), rewards)  # discount 0: A_t = r_t
     g = 0.5
     a8 = 4.0
     a7 = 0.5 + g * a8
     a4 = -2.0 + g * a7  # the tool result's tokens are not steps: no decay across them
     a3 = 1.0 + g * a4
-    assert returns_to_go(rewards, mask, g) == pytest.approx([0, 0, a3, a4, 0, 0, a7, a8])
-    assert returns_to_go(rewards, mask, 1.0) == pytest.approx([0, 0, 3.5, 2.5, 0, 0, 4.5, 4.0])
+    assert returns_to_go(rewards, mask, g)[0].tolist() == pytest.approx([0, 0, a3, a4, 0, 0, a7, a8])
+    assert returns_to_go(rewards, mask, 1.0)[0].tolist() == pytest.approx([0, 0, 3.5, 2.5, 0, 0, 4.5, 4.0])
+    assert returns_to_go(rewards, mask, g)[1].tolist() == [0.0] * 7 + [2.0]  # rows are independent
 
 
 @pytest.mark.parametrize("baseline", ["none", "pair_mean"])
@@ -466,22 +497,26 @@ def test_a_step_trains_on_the_discounted_return_of_the_rewards(
     state = TrainState.create(ctx, model, ctx.config.train, ctx.config.accelerate, ctx.config.train.steps)
     sample = agent_trajectory(renderer)
     sample.rollout_logprobs = EmbeddedEngine(model).score([sample])[0]
-    trained = [i for i, m in enumerate(student_mask(sample)) if m]
+    trained = [i for i, m in enumerate(sample.generated_mask) if m]
     sample.teacher_logprobs = list(sample.rollout_logprobs)
     for k, i in enumerate(trained):
         sample.teacher_logprobs[i] += STUDENT_DELTAS[k % len(STUDENT_DELTAS)]
     passed = []
-    real = mopd.distillation_loss
+    real = mopd.policy_step
 
-    def spy(model, rows, advantages, *args, **kwargs):
-        passed.extend(advantages)
-        return real(model, rows, advantages, *args, **kwargs)
+    def spy(state, samples, advantages, **kwargs):
+        passed.extend(advantages.tolist())
+        return real(state, samples, advantages, **kwargs)
 
-    monkeypatch.setattr(mopd, "distillation_loss", spy)
-    mopd.train_on(state, [sample], ctx.config, 1)
-    rewards = mopd_sample_rewards(sample, R_MAX)
-    mask = student_mask(sample)
-    expected = returns_to_go(rewards, mask, 0.5)
+    monkeypatch.setattr(mopd, "policy_step", spy)
+    mopd.train_on(state, [sample], ctx.config, 1, renderer.pad_id, 0)
+    rewards = token_rewards([sample], R_MAX)[0][0].tolist()
+    mask = sample.generated_mask
+    expected = [0.0] * len(rewards)  # returns to go, written out: A_t = r_t + 0.5 A_(next student token)
+    running = 0.0
+    for t in reversed(trained):
+        running = rewards[t] + 0.5 * running
+        expected[t] = running
     assert expected != pytest.approx(rewards)
     if baseline == "pair_mean":  # one episode: its own mean over student tokens
         mean = sum(a for a, m in zip(expected, mask, strict=True) if m) / sum(mask)

@@ -20,12 +20,12 @@ from safetensors.torch import load_file
 
 from posttrain.data.chat import ChatRenderer, load_tokenizer
 from posttrain.data.sample import DOMAINS, EFFORTS, Sample
-from posttrain.engines import Engine, SamplingConfig
+from posttrain.engines import ENGINES, Engine, SamplingConfig
+from posttrain.engines.build import build_engine
 from posttrain.engines.testing import build_tiny_llama
 from posttrain.metrics import read_metrics
 from posttrain.trainers.mopd import MOPDConfig
-from posttrain.trainers.mopd_teachers import TEACHER_BACKENDS, TeacherPool, TeacherScoreError, route_teachers
-from teachers.backends import embedded_teacher
+from posttrain.trainers.mopd_teachers import TeacherPool, TeacherScoreError, route_teachers
 from teachers.testing import mopd_context, run_mopd_stage, save_tiny_k3
 
 
@@ -65,10 +65,17 @@ class FakeDyingTeacher(Engine):
         self.inner.update_weights(weights)
 
 
-@TEACHER_BACKENDS.register("fake-dying")
-def fake_dying_teacher(model_dir: Path, work_dir: Path) -> Engine:
-    FAULTS.builds += 1
-    return FakeDyingTeacher(embedded_teacher(model_dir, work_dir))
+def embedded_teacher(model_dir: Path, work_dir: Path) -> Engine:
+    return build_engine("embedded", model_dir, work_dir=work_dir, log_name="teacher")
+
+
+@ENGINES.register("fake-dying")
+class FakeDyingEngine(FakeDyingTeacher):
+    """The engine plug-in a stage names (`teacher_engine: fake-dying`): built as cls(model_dir)."""
+
+    def __init__(self, model_dir: Path) -> None:
+        FAULTS.builds += 1
+        super().__init__(embedded_teacher(model_dir, model_dir))
 
 
 @pytest.fixture(autouse=True)

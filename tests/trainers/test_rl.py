@@ -14,9 +14,10 @@ from safetensors.torch import load_file
 
 from posttrain.data.sample import Sample
 from posttrain.engines.testing import tiny_k3
+from posttrain.envs.env_budget import trajectory_rewards
 from posttrain.metrics import read_metrics
 from posttrain.stages import StageContext
-from posttrain.trainers.rl import RLConfig, trajectory_rewards
+from posttrain.trainers.rl import RLConfig
 
 TINY_BODY = {
     "train": {"steps": 2, "lr": 1e-3},
@@ -90,13 +91,19 @@ def test_budget_reward_is_minus_one_over_tau_times_b0_and_tau_anneals(renderer):
         "max": {"tau_start": 3.0, "tau_end": 3.0},
     }}}  # fmt: skip
     cfg = RLConfig.model_validate(body)
+
+    def rewarded(samples: list[Sample], budgets: dict[str, float], step: int):
+        return trajectory_rewards(samples, budgets, cfg.budget, step, cfg.train.steps, renderer)
+
     low = [trajectory("a", "general", "low", 10, 1.0), trajectory("b", "general", "low", 11, 1.0)]
     unjudged = trajectory("c", "general", "low", 1, None)
-    scored, rewards, metrics = trajectory_rewards([*low, unjudged], {"p": 10.0}, cfg, 1, renderer)
+    scored, rewards, metrics = rewarded([*low, unjudged], {"p": 10.0}, 1)
     assert scored == low and rewards.tolist() == [1.0, -1.0]  # 10 thinking tokens = tau 1.0 * b0: within
     assert metrics["tau"] == 1.0 and metrics["unscored"] == 1.0 and metrics["over_budget_fraction"] == 0.5
     last = [trajectory("d", "general", "low", 5, 1.0), trajectory("e", "general", "low", 6, 0.0)]
-    _, rewards, metrics = trajectory_rewards(last, {"p": 10.0}, cfg, 5, renderer)
+    _, rewards, metrics = trajectory_rewards(
+        last, {"p": 10.0}, cfg.budget.for_domain(cfg.domain), 5, cfg.train.steps, renderer
+    )
     assert metrics["tau"] == 0.5 and rewards.tolist() == [1.0, -1.0]
 
     # Agent usage counts every generated token (thinking, answer, end of turn), tool results never.
@@ -106,9 +113,13 @@ def test_budget_reward_is_minus_one_over_tau_times_b0_and_tau_anneals(renderer):
         generated=False,
     )
     agent.append([word] * 3, generated=True)
-    _, rewards, metrics = trajectory_rewards([agent], {"p": 9.0}, cfg, 1, renderer)
+    _, rewards, metrics = trajectory_rewards(
+        [agent], {"p": 9.0}, cfg.budget.for_domain(cfg.domain), 1, cfg.train.steps, renderer
+    )
     assert metrics["usage_mean"] == 1 + 20 + 1 + 1 + 1 + 3 and rewards.tolist() == [1.0]  # 27 <= 3.0 * 9
-    _, rewards, _ = trajectory_rewards([agent], {"p": 8.0}, cfg, 1, renderer)
+    _, rewards, _ = trajectory_rewards(
+        [agent], {"p": 8.0}, cfg.budget.for_domain(cfg.domain), 1, cfg.train.steps, renderer
+    )
     assert rewards.tolist() == [-1.0]
 
 
@@ -192,6 +203,18 @@ def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(tmp_path, sft_dir, 
     records = [r for r in read_metrics(resumed.stage_dir / "metrics.jsonl") if "reward_mean" in r]
     assert [r["step"] for r in records] == [1, 2, 3]
     assert any(r["rollout/resumed"] > 0 for r in records)  # the queue crossed the crash
+
+
+def test_a_stage_resumed_from_its_final_checkpoint_reports_its_last_iteration(
+    tmp_path, make_ctx, stage_runner
+):
+    straight = stage_runner.run(make_ctx(tmp_path / "straight", TINY_BODY, "agent", "low"))
+    crashed = make_ctx(tmp_path / "resumed", TINY_BODY, "agent", "low", crash_at=2)
+    with pytest.raises(stage_runner.FakeCrash):  # killed after the final checkpoint, before the end
+        stage_runner.run(crashed)
+    resumed = stage_runner.run(make_ctx(tmp_path / "resumed", TINY_BODY, "agent", "low"))
+    for key in ("reward_mean", "task_reward_mean", "over_budget_fraction"):
+        assert resumed[key] == straight[key], key
 
 
 def test_stage_errors_name_the_fix(tmp_path, make_ctx, stage_runner):

@@ -13,6 +13,7 @@ from posttrain.checkpoint import CheckpointManager
 from posttrain.data.chat import ChatRenderer
 from posttrain.data.sample import Sample
 from posttrain.engines import SamplingConfig
+from posttrain.engines.testing import ScriptedTurns
 from posttrain.envs.environments import EnvironmentConfig, HarnessConfig, make_environment
 from posttrain.trainers.rollout import PartialRolloutConfig, RolloutQueue, version_span
 
@@ -96,10 +97,11 @@ def test_a_paused_agent_resumes_from_a_checkpoint_with_its_sandbox_files(tmp_pat
     with make_environment("agent", renderer, cfg, sandbox_dir=tmp_path / "live-1") as env:
         prompt = env.prompts("train", 1, seed=2)[0]
         quick, agent = (env.start(prompt, uid=f"a/{k}", group="a", effort="high") for k in range(2))
-        _turn(quick, renderer, "Done.", None, "stop")
+        engine = ScriptedTurns(tiny_k3_engine)
+        _turn(engine, quick, renderer, "Done.", None, "stop")
         path, city = agent.task["path"], agent.task["answer"]
-        _turn(agent, renderer, "", ("write_file", {"path": path, "content": city}), "tool_call")
-        queue = RolloutQueue(env, tiny_k3_engine, sampling, PartialRolloutConfig(fraction=0.5))
+        _turn(engine, agent, renderer, "", ("write_file", {"path": path, "content": city}), "tool_call")
+        queue = RolloutQueue(env, engine, sampling, PartialRolloutConfig(fraction=0.5))
         rollout = queue.step([quick, agent])
         assert rollout.groups == [] and agent.finish_reason == "paused"
         snapshot = Path(agent.sandbox_snapshot)
@@ -116,16 +118,23 @@ def test_a_paused_agent_resumes_from_a_checkpoint_with_its_sandbox_files(tmp_pat
         assert Path(agent.sandbox_snapshot).parent == tmp_path / "live-2"
         assert agent.tokens == paused_tokens
         # The next turn reads the file back from the sandbox restored in this new environment.
-        _turn(agent, renderer, "", ("read_file", {"path": path}), "tool_call")
-        env.play(tiny_k3_engine, [agent], sampling)
+        _turn(engine, agent, renderer, "", ("read_file", {"path": path}), "tool_call")
+        env.play(engine, [agent], sampling)
     assert agent.tokens[: len(paused_tokens)] == paused_tokens
     assert [m["content"] for m in agent.messages if m["role"] == "tool"][-1] == city
     assert agent.reward == 1.0  # verified on the restored sandbox's final files
     assert not Path(agent.sandbox_snapshot or tmp_path / "none").exists()
 
 
-def _turn(sample: Sample, renderer: ChatRenderer, content: str, call: tuple | None, finish: str) -> None:
-    """Append one assistant turn as if the engine had generated it."""
+def _turn(
+    engine: ScriptedTurns,
+    sample: Sample,
+    renderer: ChatRenderer,
+    content: str,
+    call: tuple | None,
+    finish: str,
+) -> None:
+    """Make one assistant turn the sample's next, as if the engine generated it."""
     message = {"role": "assistant", "reasoning_content": "", "content": content}
     if call is not None:
         index = sum(len(m.get("tool_calls") or []) for m in sample.messages if m["role"] == "assistant")
@@ -137,6 +146,4 @@ def _turn(sample: Sample, renderer: ChatRenderer, content: str, call: tuple | No
                 "function": {"name": name, "arguments": json.dumps(arguments)},
             }
         ]
-    ids = renderer.render_assistant(message)
-    sample.append(ids, generated=True, logprobs=[-1.0] * len(ids), version=0)
-    sample.finish_reason = finish
+    engine.script(sample, renderer.render_assistant(message), finish)

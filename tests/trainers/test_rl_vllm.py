@@ -36,7 +36,7 @@ from posttrain.engines.vllm_engine import VLLMEngine
 from posttrain.envs.environments import EnvironmentConfig, make_environment
 from posttrain.metrics import read_metrics
 from posttrain.qat import QATConfig, quantize_dequantize
-from posttrain.trainers.rl import publish_policy, rollout_weights
+from posttrain.trainers.policy_sync import publish_policy, rollout_weights
 from posttrain.trainers.rollout import PartialRolloutConfig, RolloutQueue
 
 pytestmark = pytest.mark.vllm
@@ -253,9 +253,14 @@ def test_bad_rollout_settings_are_config_errors_naming_the_key_and_the_choices(t
     stage.write_text("kind: rl\ndomain: general\neffort: low\ntrain: {steps: 1}\nrollout:\n  engine: vlm\n")
     with pytest.raises(ConfigError) as error:
         load_pipeline(stage)
-    assert "rl-bad.yaml:6: rollout.engine: Input should be 'embedded', 'vllm' or 'vllm_server'" in str(
-        error.value
+    choices = "'embedded', 'vllm', 'vllm_server' or 'trl_vllm'"
+    assert f"rl-bad.yaml:6: rollout.engine: Input should be {choices}" in str(error.value)
+
+    stage.write_text(
+        "kind: rl\ndomain: general\neffort: low\ntrain: {steps: 1}\nrollout: {engine: trl_vllm}\n"
     )
+    with pytest.raises(ConfigError, match=r"rollout.url is the `trl vllm-serve` server's base URL"):
+        load_pipeline(stage)
 
     stage.write_text("kind: rl\ntrain: {steps: 1}\nrollout: {engine: vllm}\neval: {temperature: 0.6}\n")
     with pytest.raises(ConfigError, match=r"eval.temperature is 0.6 but rollout.engine 'vllm' can only"):

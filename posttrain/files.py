@@ -1,0 +1,72 @@
+"""Durable file operations: what survives a kill at any instruction, for everything that writes
+a run directory (checkpoints, metrics, manifests, the final model, the budget cache).
+
+A file or directory is written under a temporary name, fsynced, renamed into place and its parent
+directory fsynced, so a reader sees the old content or the new, never a mix; a tree is removed by
+renaming it away first. Content is identified by sha256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new entry in `path` durable (a file's fsync does not cover its dir)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def hash_tree(directory: Path) -> tuple[dict[str, str], str]:
+    """({relative file: sha256}, digest of that listing) for a model dir."""
+    files = {
+        str(p.relative_to(directory)): sha256_file(p)
+        for p in sorted(Path(directory).rglob("*"))
+        if p.is_file()
+    }
+    return files, hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Replace `path` with `text` so a reader sees the old or the new content, never a mix."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    with open(tmp, "w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def remove_tree(path: Path) -> None:
+    """Delete a directory so that it disappears at once: a kill during a plain rmtree would leave
+    a half-deleted dir that looks like a damaged checkpoint or model."""
+    if not path.exists():
+        return
+    trash = path.with_name(f".trash-{path.name}-{uuid.uuid4().hex[:8]}")
+    os.rename(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)

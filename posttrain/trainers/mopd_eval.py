@@ -1,0 +1,155 @@
+"""What MOPD's evaluation measures, per (domain, effort) pair, and DIR/mopd/eval.json.
+
+Before and after training the student plays the held-out prompts of every domain at every effort:
+sampled episodes (temperature 1, the student's own distribution) for the reverse KL to each pair's
+teacher, by the sampled estimate and, where the engines give full distributions, the exact one;
+greedy ones for accuracy and length. The two evaluations play the same episode uids, so the change
+of each estimate gets a paired standard error. Pure functions of scored Samples; the stage
+(posttrain.trainers.mopd) plays the episodes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from posttrain.algos.mopd_reward import paired_change_standard_error, reverse_kl, token_mean_standard_error
+from posttrain.data.sample import Sample
+from posttrain.files import atomic_write_text
+from posttrain.trainers.mopd_teachers import pair_name
+
+EVAL_FILE = "eval.json"
+RESULT_KEYS = ("kl", "kl_se", "kl_exact", "kl_exact_se", "kl_tokens", "accuracy", "tokens")
+
+
+def pair_results(samples: list[Sample], with_kl: bool = True) -> dict[str, dict[str, float]]:
+    """Per pair: accuracy, the mean verifier reward (0 when unscored); tokens, the mean
+    student-generated tokens per episode (tool results excluded); with_kl (teacher-scored samples):
+    kl, the reverse KL to its teacher (token mean over the student's tokens of
+    log p_student - log p_teacher), kl_tokens, how many tokens that mean is over, and (from two
+    episodes a pair) kl_se, its standard error with the episodes as units."""
+    by_pair: dict[str, list[Sample]] = {}
+    for sample in samples:
+        by_pair.setdefault(pair_name((sample.domain, sample.effort)), []).append(sample)
+    results = {}
+    for name, group in by_pair.items():
+        results[name] = {
+            "accuracy": sum(s.reward or 0.0 for s in group) / len(group),
+            "tokens": sum(s.num_generated for s in group) / len(group),
+        }
+        if with_kl:
+            results[name]["kl"] = reverse_kl(
+                torch.tensor([x for s in group for x in s.rollout_logprobs], dtype=torch.float64),
+                torch.tensor([x for s in group for x in s.teacher_logprobs or []], dtype=torch.float64),
+                torch.tensor([m for s in group for m in s.generated_mask], dtype=torch.bool),
+            )
+            results[name]["kl_tokens"] = float(sum(sum(s.generated_mask) for s in group))
+            if len(group) > 1:
+                sums = [log_ratio_sum(s) for s in group]
+                results[name]["kl_se"] = standard_error(sums, [sum(s.generated_mask) for s in group])
+    return results
+
+
+def log_ratio_sum(sample: Sample) -> float:
+    """Sum of log p_student - log p_teacher over one scored episode's student tokens."""
+    pairs = zip(sample.rollout_logprobs, sample.teacher_logprobs or [], sample.generated_mask, strict=True)
+    return sum(student - teacher for student, teacher, on in pairs if on)
+
+
+def standard_error(episode_sums: list[float], episode_tokens: list[int]) -> float:
+    """token_mean_standard_error of per-episode sums; 0.0 when no episode has a student token."""
+    if not any(episode_tokens):
+        return 0.0
+    return token_mean_standard_error(
+        torch.tensor(episode_sums, dtype=torch.float64), torch.tensor(episode_tokens, dtype=torch.float64)
+    )
+
+
+def exact_results(table: Mapping[str, Mapping[str, list]]) -> dict[str, dict[str, float]]:
+    """Per pair of an episode_table with exact sums: kl_exact, their token mean, and (from two
+    episodes a pair) kl_exact_se, its standard error over episodes."""
+    return {
+        name: {
+            "kl_exact": sum(rows["kl_exact"]) / max(sum(rows["tokens"]), 1),
+            **(
+                {"kl_exact_se": standard_error(rows["kl_exact"], rows["tokens"])}
+                if len(rows["uid"]) > 1
+                else {}
+            ),
+        }
+        for name, rows in table.items()
+    }
+
+
+def episode_table(
+    samples: list[Sample], exact_sums: Mapping[str, float] | None
+) -> dict[str, dict[str, list]]:
+    """Per pair, its teacher-scored episodes in order: uid, kl (the sum of log p_student -
+    log p_teacher over its student tokens), kl_exact (the exact sum, where there is one) and
+    tokens (how many student tokens). The before and after evaluations play the same uids, so
+    write_eval pairs them row by row for the error of the change."""
+    table: dict[str, dict[str, list]] = {}
+    for sample in samples:
+        rows = table.setdefault(
+            pair_name((sample.domain, sample.effort)),
+            {"uid": [], "kl": [], "tokens": [], **({"kl_exact": []} if exact_sums is not None else {})},
+        )
+        rows["uid"].append(sample.uid)
+        rows["kl"].append(log_ratio_sum(sample))
+        rows["tokens"].append(sum(sample.generated_mask))
+        if exact_sums is not None:
+            rows["kl_exact"].append(exact_sums[sample.uid])
+    return table
+
+
+def write_eval(
+    path: Path,
+    before: Mapping[str, Mapping[str, float]],
+    after: Mapping[str, Mapping[str, float]],
+    before_episodes: Mapping[str, Mapping[str, list]],
+    after_episodes: Mapping[str, Mapping[str, list]],
+) -> dict:
+    """DIR/mopd/eval.json: {"<domain>-<effort>": {kl_before, kl_after, kl_tokens_before,
+    kl_tokens_after, accuracy_before, accuracy_after, tokens_before, tokens_after}}, plus
+    kl_exact_before / kl_exact_after where the engines gave full distributions, and, where a pair
+    has two or more sampled episodes, the standard errors kl_se_* / kl_exact_se_* of each estimate
+    and kl_change_se / kl_exact_change_se of its change (the same episodes before and after,
+    `paired_change_standard_error`)."""
+    report = {
+        name: {
+            f"{key}_{when}": float(values[name][key])
+            for key in RESULT_KEYS
+            if key in before[name] and key in after[name]
+            for when, values in (("before", before), ("after", after))
+        }
+        for name in before
+    }
+    for name, values in report.items():
+        rows = before_episodes[name], after_episodes[name]
+        if (
+            rows[0]["uid"] != rows[1]["uid"]
+            or len(rows[0]["uid"]) < 2
+            or not all(sum(r["tokens"]) for r in rows)
+        ):
+            continue  # an error needs two paired episodes with student tokens
+        for kl in ("kl", "kl_exact"):
+            if all(kl in r for r in rows):
+                columns = [torch.tensor(r[key], dtype=torch.float64) for r in rows for key in (kl, "tokens")]
+                values[f"{kl}_change_se"] = paired_change_standard_error(*columns)
+    atomic_write_text(path, json.dumps(report, indent=1, sort_keys=True) + "\n")
+    return report
+
+
+def final_metrics(report: Mapping[str, Mapping[str, float]], retries: int, steps: int) -> dict[str, float]:
+    """Means over pairs, how many pairs moved closer to their teacher (by each KL estimate),
+    retries and steps."""
+    keys = [k for k in next(iter(report.values())) if "_se" not in k]  # errors do not average
+    final = {k: sum(r[k] for r in report.values()) / len(report) for k in keys}
+    for kl in ("kl", "kl_exact"):
+        if all(f"{kl}_before" in r for r in report.values()):
+            improved = sum(r[f"{kl}_after"] < r[f"{kl}_before"] for r in report.values())
+            final[f"pairs_{kl}_improved"] = float(improved)
+    return {**final, "teacher_retries": float(retries), "steps": float(steps)}

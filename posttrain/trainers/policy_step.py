@@ -1,0 +1,142 @@
+"""The one policy-gradient step: RL and MOPD differ only in the advantages they hand it.
+
+slime's shape: a rollout returns fully scored Samples, the algorithm turns their scores into
+per-token advantages (RL: group-relative outcome advantages broadcast over each trajectory's
+tokens; MOPD: the discounted return of the teacher log-ratio rewards, posttrain.algos.mopd_reward),
+and this step does the rest the same way for both: left-pad the trajectories once
+(posttrain.data.batch.TokenBatch), per micro-batch recompute log pi_theta of the generated tokens at
+the sampling temperature, apply the per-token policy loss (posttrain.algos.policy_loss) against the
+behaviour log-probs, backpropagate the micro-batch's share of the token sum, and take one
+optimizer step per update (PPO epochs: the clip is measured against the policy before the first).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from posttrain.algos import mismatch_stats, policy_loss, staleness_stats
+from posttrain.algos.policy_loss import PolicyLoss, PolicyLossConfig
+from posttrain.data.batch import TokenBatch
+from posttrain.data.sample import Sample
+from posttrain.trainers.common import TrainState
+
+
+def target_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float = 1.0) -> torch.Tensor:
+    """[B, T - 1] log pi(token t | tokens[:t]) at `temperature`, with gradient: the forward's
+    log-softmax gathered at each target token."""
+    device = next(model.parameters()).device
+    ids = batch.input_ids.to(device)
+    logits = model(
+        input_ids=ids,
+        attention_mask=batch.attention_mask.to(device),
+        position_ids=batch.position_ids.to(device),
+    ).logits.float()
+    logp = torch.log_softmax(logits[:, :-1] / temperature, dim=-1)
+    return logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
+
+
+def micro_batch_loss(
+    model: torch.nn.Module,
+    batch: TokenBatch,
+    advantages: torch.Tensor,
+    *,
+    config: PolicyLossConfig,
+    temperature: float = 1.0,
+    token_weights: torch.Tensor | None = None,
+    old_logp: torch.Tensor | None = None,
+) -> tuple[PolicyLoss, torch.Tensor]:
+    """The per-token policy loss of one micro-batch and its log pi_theta [B, T - 1].
+
+    advantages / token_weights: [B, T] aligned with batch's tokens. old_logp: [B, T - 1] pi_prox
+    (None: this forward's, detached: one update per batch). The loss's stats also hold the
+    train/rollout mismatch (posttrain.algos.mismatch_stats)."""
+    logp = target_logprobs(model, batch, temperature)
+    device = logp.device
+    mask = TokenBatch.targets(batch.generated)
+    behaviour = TokenBatch.targets(batch.behaviour_logprobs)
+    out = policy_loss(
+        logp,
+        behaviour.to(device),
+        TokenBatch.targets(advantages).to(device),
+        mask.to(device),
+        old_logp=old_logp,
+        token_weights=None if token_weights is None else TokenBatch.targets(token_weights).to(device),
+        config=config,
+    )
+    out.stats.update(mismatch_stats(logp.detach().cpu(), behaviour, mask, config.tis_cap))
+    return out, logp
+
+
+def policy_step(
+    state: TrainState,
+    samples: Sequence[Sample],
+    advantages: torch.Tensor,
+    *,
+    step: int,
+    loss: PolicyLossConfig,
+    micro_batch_size: int,
+    pad_id: int,
+    temperature: float = 1.0,
+    updates: int = 1,
+    sample_weights: torch.Tensor | None = None,
+    policy_version: int = 0,
+) -> dict[str, float]:
+    """`updates` optimizer steps of the per-token policy loss over `samples`.
+
+    advantages: [N, T] aligned with TokenBatch.of(samples, pad_id) (left-padded, per token; a
+      trajectory advantage is its value repeated); only generated tokens are read.
+    sample_weights: [N] a weight on each trajectory's token losses (None: 1).
+    The loss is the sum over generated tokens divided once by the batch's generated-token count:
+    the token mean, whatever the micro-batching. Returns the optimizer's metrics, loss, the policy
+    loss's stats, train/rollout mismatch and staleness (token-weighted means over micro-batches and
+    updates; maxima for *_max), and trained_tokens.
+    """
+    batch = TokenBatch.of(samples, pad_id)
+    if advantages.shape != batch.input_ids.shape:
+        raise ValueError(
+            f"policy_step: advantages {tuple(advantages.shape)}, batch {tuple(batch.input_ids.shape)}"
+        )
+    config = loss.model_copy(update={"reduction": "sum"})
+    total = max(int(batch.generated.sum()), 1)
+    weights = None if sample_weights is None else sample_weights[:, None].expand_as(advantages)
+    proximal: list[torch.Tensor] = []  # pi_prox per micro-batch: the policy before the first update
+    metrics: dict[str, float] = {"loss": 0.0}
+    for update in range(updates):
+        for index, start in enumerate(range(0, len(samples), micro_batch_size)):
+            stop = min(start + micro_batch_size, len(samples))
+            chunk = batch.rows(start, stop)
+            width = chunk.width
+            out, logp = micro_batch_loss(
+                state.model,
+                chunk,
+                advantages[start:stop, -width:],
+                config=config,
+                temperature=temperature,
+                token_weights=None if weights is None else weights[start:stop, -width:],
+                old_logp=proximal[index] if update else None,
+            )
+            if update == 0:
+                proximal.append(logp.detach())
+            uids = ", ".join(s.uid for s in samples[start : start + 4])
+            state.check_finite(out.loss, step, detail=f" (trajectories {uids} ...)")
+            state.backward(out.loss / total)
+            mask = TokenBatch.targets(chunk.generated)
+            stats = {**out.stats, **staleness_stats(TokenBatch.targets(chunk.versions), policy_version, mask)}
+            metrics["loss"] += float(out.loss.detach()) / total / updates
+            _accumulate(metrics, stats, float(out.num_tokens) / total / updates)
+        metrics.update(state.optimizer_step(step))
+    metrics["trained_tokens"] = float(batch.generated.sum())
+    return metrics
+
+
+def _accumulate(metrics: dict[str, float], new: dict[str, float], weight: float) -> None:
+    """Token-weighted means across micro-batches and updates; maxima for *_max; num_tokens left out."""
+    for key, value in new.items():
+        if key == "num_tokens":
+            continue
+        if key.endswith("_max"):
+            metrics[key] = max(metrics.get(key, 0.0), value)
+        else:
+            metrics[key] = metrics.get(key, 0.0) + weight * value
