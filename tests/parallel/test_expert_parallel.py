@@ -9,15 +9,14 @@ Routing is uneven on purpose: the rows per rank differ and experts 6 and 7 get a
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from dist_support import run_ranks
+from dist_support import TINY_YAML, batch, run_ranks, seeded_model
 
-from posttrain.model import KimiK3ForCausalLM, load_model_config
+from posttrain.model import load_model_config
 from posttrain.model.balancing import update_router_bias
 from posttrain.model.moe import KimiK3Experts, KimiK3MoEGate
 from posttrain.parallel import (
@@ -30,8 +29,6 @@ from posttrain.parallel import (
 from posttrain.qat import QATConfig, apply_qat
 from posttrain.qat.apply import act_fake_quant, weight_fake_quant
 
-REPO_TINY = Path(__file__).resolve().parents[2] / "stages" / "models" / "tiny.yaml"
-T = 11
 FP32 = {"atol": 2e-5, "rtol": 1e-4}
 RMS_TOL = 1e-5  # relative RMS error of a whole tensor: fp32 reduction-order noise is ~1e-7
 
@@ -48,28 +45,6 @@ def rows_of(rank: int, world: int) -> slice:
     """Rank 0 takes two batch rows, every other rank one: ranks see different token counts."""
     start = 0 if rank == 0 else rank + 1
     return slice(start, start + (2 if rank == 0 else 1))
-
-
-def seeded_model() -> KimiK3ForCausalLM:
-    config = load_model_config(REPO_TINY)
-    torch.manual_seed(0)
-    model = KimiK3ForCausalLM(config).train()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("res_proj.weight"):
-                p.normal_(0.0, 0.5)
-        for m in model.modules():
-            if isinstance(m, KimiK3MoEGate):
-                m.e_score_correction_bias.normal_(0.0, 0.05)
-                m.e_score_correction_bias[6:] = -10.0  # experts 6, 7 are never picked
-                m.balancer.mode = "histogram"  # the reference observes the same way the ranks do
-    return model
-
-
-def batch(world: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(1, 2048, (world + 1, T), generator=g)
-    return ids, torch.randint(0, 2048, (world + 1, T), generator=g)
 
 
 def summed_loss(model, ids, labels) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,7 +116,7 @@ def check_experts_with_qat(rank: int, world: int) -> None:
     """The experts module alone with MXFP4/MXFP8 fake quantisation: bitwise-identical inputs, so
     the quantised values and the straight-through gradients match the unsharded module."""
     mesh = expert_parallel_mesh(world)
-    config = load_model_config(REPO_TINY)
+    config = load_model_config(TINY_YAML)
     torch.manual_seed(2)
     full = KimiK3Experts(config, 32)
     with torch.no_grad():
