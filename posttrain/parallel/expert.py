@@ -144,26 +144,27 @@ def shard_experts(model: nn.Module, group: ProcessGroup) -> list[str]:
     return sorted(replaced)
 
 
-def expert_parameters(model: nn.Module) -> set[nn.Parameter]:
-    """The parameters that live on one rank of an EP group only (the sharded experts)."""
-    return {p for m in model.modules() if isinstance(m, ShardedKimiK3Experts) for p in m.parameters()}
+def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters that live on one rank of an EP group only (the sharded experts), in module
+    order (the same on every rank, so flat buffers line up across ranks)."""
+    return [p for m in model.modules() if isinstance(m, ShardedKimiK3Experts) for p in m.parameters()]
 
 
 @torch.no_grad()
 def sync_gradients(model: nn.Module, mesh: DeviceMesh) -> None:
     """Turn each rank's gradients into those of the mean of all ranks' losses (plain data parallel
-    with expert parallelism inside; FSDP2 or DeepSpeed would do the dense half themselves).
+    with expert parallelism inside; under FSDP2, which averages the dense half itself, call
+    `sync_expert_gradients` alone).
 
-    Dense parameters: summed over the world (one all-reduce of one flat buffer). Expert parameters:
-    the exchange's backward already summed them over the EP group, so only the ranks holding the
-    same experts (the mesh's expert_replica dim) sum them. Both are then divided by the world size.
-    A parameter that has a gradient on some rank only gets a zero gradient on the others, so every
-    rank sends buffers of the same size; one that has none on any rank (unused by the model) keeps
-    None, so the optimizer skips it as it would on one process. Every rank holds the same module
-    structure, so parameters are matched by position.
+    Dense parameters: summed over the world (one all-reduce of one flat buffer), then divided by the
+    world size; expert parameters: `sync_expert_gradients`. A parameter that has a gradient on some
+    rank only gets a zero gradient on the others, so every rank sends buffers of the same size; one
+    that has none on any rank (unused by the model) keeps None, so the optimizer skips it as it
+    would on one process. Every rank holds the same module structure, so parameters are matched by
+    position.
     """
     world = dist.get_world_size()
-    experts = expert_parameters(model)
+    experts = set(expert_parameters(model))
     params = [p for p in model.parameters() if p.requires_grad]
     has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
     dist.all_reduce(has_grad, op=dist.ReduceOp.MAX)
@@ -171,11 +172,19 @@ def sync_gradients(model: nn.Module, mesh: DeviceMesh) -> None:
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    dense = [p.grad for p in params if p not in experts]
-    sharded = [p.grad for p in params if p in experts]
-    _sum_then_divide(dense, dist.group.WORLD, world)
+    _sum_then_divide([p.grad for p in params if p not in experts], dist.group.WORLD, world)
+    sync_expert_gradients(model, mesh)
+
+
+@torch.no_grad()
+def sync_expert_gradients(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Expert gradients of the mean of all ranks' losses: the exchange's backward already summed
+    them over the EP group, so only the ranks holding the same experts (the mesh's expert_replica
+    dim) sum them, and all are divided by the world size. Every local expert runs on every forward,
+    so every rank has these gradients after a backward."""
     replicas = mesh[REPLICA_DIM]
-    _sum_then_divide(sharded, replicas.get_group() if replicas.size() > 1 else None, world)
+    grads = [p.grad for p in expert_parameters(model) if p.grad is not None]
+    _sum_then_divide(grads, replicas.get_group() if replicas.size() > 1 else None, dist.get_world_size())
 
 
 def _sum_then_divide(grads: list[torch.Tensor], group: ProcessGroup | None, world: int) -> None:

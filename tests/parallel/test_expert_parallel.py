@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from dist_support import TINY_YAML, batch, run_ranks, seeded_model
+from torch.distributed.tensor import DTensor
 
 from posttrain.model import load_model_config
 from posttrain.model.balancing import update_router_bias
@@ -24,8 +25,10 @@ from posttrain.parallel import (
     expert_parallel_mesh,
     expert_parameters,
     shard_experts,
+    sync_expert_gradients,
     sync_gradients,
 )
+from posttrain.parallel.fsdp import fully_shard_dense
 from posttrain.qat import QATConfig, apply_qat
 from posttrain.qat.apply import act_fake_quant, weight_fake_quant
 
@@ -76,7 +79,7 @@ def check_model_forward_backward(rank: int, world: int) -> None:
     loss.backward()
     torch.testing.assert_close(logits, ref_logits[mine], **FP32)
 
-    experts = expert_parameters(model)
+    experts = set(expert_parameters(model))
     ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():
         ref_grad = ref_params[name].grad
@@ -169,7 +172,7 @@ def check_synced_gradients(rank: int, world: int, ep_size: int) -> None:
     ep_rank = mesh["expert"].get_local_rank()
     per_rank = 8 // ep_size
     ref_params = dict(ref.named_parameters())
-    experts = expert_parameters(model)
+    experts = set(expert_parameters(model))
     for name, p in model.named_parameters():
         want = ref_params[name].grad
         if want is None:  # unused on every rank: left missing, so an optimizer skips it
@@ -180,10 +183,39 @@ def check_synced_gradients(rank: int, world: int, ep_size: int) -> None:
         assert_rms_close(p.grad, want, f"synced gradient of {name}")
 
 
+def check_fsdp2_over_the_rest(rank: int, world: int) -> None:
+    """FSDP2 over the dense part (experts left to EP): after `sync_expert_gradients`, FSDP's
+    gradient shards and the expert gradients are those of one process on the whole batch."""
+    mesh = expert_parallel_mesh(world)
+    ids, labels = batch(world)
+    ids, labels = ids[:world], labels[:world]
+    model = seeded_model()
+    ref = copy.deepcopy(model)
+    logits = ref(input_ids=ids).logits
+    F.cross_entropy(logits.flatten(0, 1), labels.flatten()).backward()
+    shard_experts(model, mesh["expert"].get_group())
+    fully_shard_dense(model)
+    logits = model(input_ids=ids[rank : rank + 1]).logits
+    F.cross_entropy(logits.flatten(0, 1), labels[rank]).backward()
+    sync_expert_gradients(model, mesh)
+    experts = set(expert_parameters(model))
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        want = ref_params[name].grad
+        if want is None:
+            assert p.grad is None, name
+        elif p in experts:
+            assert_rms_close(p.grad, want[rank * (8 // world) : (rank + 1) * (8 // world)], name)
+        else:
+            assert isinstance(p, DTensor)  # sharded by FSDP2
+            assert_rms_close(p.grad.full_tensor(), want, name)
+
+
 def _worker(rank: int, world: int, workdir: str) -> None:
     check_model_forward_backward(rank, world)
     check_experts_with_qat(rank, world)
     check_synced_gradients(rank, world, ep_size=world)
+    check_fsdp2_over_the_rest(rank, world)
     if world == 4:
         check_synced_gradients(rank, world, ep_size=2)
 
