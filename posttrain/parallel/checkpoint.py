@@ -90,8 +90,11 @@ def load_sharded(
     # get_state_dict gives a fresh optimizer state for every parameter; the checkpoint has none for
     # the parameters that never had a gradient, and these stay without one.
     saved = dcp.FileSystemReader(Path(path)).read_metadata().state_dict_metadata
+    with_state = {
+        k.removeprefix("optim.state.").rsplit(".", 1)[0] for k in saved if k.startswith("optim.state.")
+    }
     optim_state = state["optim"]["state"]
-    for name in [n for n in optim_state if not any(k.startswith(f"optim.state.{n}.") for k in saved)]:
+    for name in [n for n in optim_state if n not in with_state]:
         del optim_state[name]
     dcp.load(state, checkpoint_id=Path(path))
     plain = _unwrapped(state)
