@@ -10,7 +10,10 @@ during the training forwards since the previous update.
 On one process the quantile is exact (the margins are kept). Across processes each rank keeps
 per-expert histograms (`num_bins` uniform bins over [min b - 1, max b + 1], which contains every
 margin because scores lie in [0, 1]) and one all_reduce sums them; the quantile is then read off the
-pooled histogram with linear interpolation inside the target bin.
+pooled histogram with linear interpolation inside the target bin. That bin holds the order statistic
+ceil(qn) (1-based), one of the two the exact quantile interpolates between, so the two paths differ by
+at most one bin width plus the gap between those two margins (mean-centring at most doubles it);
+tests/parallel/test_quantile_histogram.py checks the bound.
 """
 
 from __future__ import annotations

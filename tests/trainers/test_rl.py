@@ -154,6 +154,23 @@ def test_rl_stage_end_to_end_and_b0_is_estimated_once_for_all_efforts(tmp_path, 
     assert maximal["mean_response_tokens_before"] > 0
 
 
+def test_tau_by_domain_applies_when_the_domain_comes_from_the_matrix_alone(tmp_path, make_ctx, stage_runner):
+    """The body names no `domain` (the shipped rl.yaml routes it through the matrix): the run's
+    tau must still be the matrix domain's `tau_by_domain` entry, not the shared `tau`."""
+    body = {
+        **TINY_BODY,
+        "budget": {
+            **TINY_BODY["budget"],
+            "tau_by_domain": {"coding": {"low": {"tau_start": 0.95, "tau_end": 0.85}}},
+        },
+    }
+    assert "domain" not in body
+    ctx = make_ctx(tmp_path, body, "coding", "low")
+    stage_runner.run(ctx)
+    records = {r["step"]: r for r in read_metrics(ctx.stage_dir / "metrics.jsonl") if "tau" in r}
+    assert (records[1]["tau"], records[2]["tau"]) == (0.95, 0.85)
+
+
 def test_unparsable_judgements_are_counted_and_never_trained_on(tmp_path, sft_dir, make_ctx, stage_runner):
     body = json.loads(json.dumps(TINY_BODY))
     body["environments"]["general"]["reward"] = "genrm"
