@@ -158,7 +158,7 @@ def synced_weights(model_dir: Path, architectures: list[str]) -> dict[str, torch
     import posttrain.model  # noqa: F401
     from posttrain.engines.vllm_engine import vllm_weight_name
     from posttrain.qat import restore_qat
-    from posttrain.trainers.rl import rollout_weights
+    from posttrain.trainers.policy_sync import rollout_weights
 
     loaded = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     # A policy built in memory (as a stage from a preset builds it) names its tensors `model.*`;
