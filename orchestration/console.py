@@ -23,7 +23,15 @@ from rich.table import Table
 
 from orchestration.executors import Outcome
 from orchestration.pipeline import Pipeline
-from orchestration.rundir import StageState, is_running, read_json, read_manifest, read_progress, stage_dir
+from orchestration.rundir import (
+    StageState,
+    is_running,
+    model_damage,
+    read_json,
+    read_manifest,
+    read_progress,
+    stage_dir,
+)
 from posttrain.checkpoint import latest_checkpoint_step
 from posttrain.config.errors import ConfigError
 
@@ -35,6 +43,7 @@ STATUS_STYLE = {
     "running": "magenta",
     "failed": "red",
     "blocked": "red",
+    "damaged": "red",
 }
 
 
@@ -114,6 +123,9 @@ def status_table(run_dir: Path) -> Table:
         detail = (
             manifest.get("error", "") if status == "failed" else _metrics_text(manifest.get("metrics", {}))
         )
+        damage = model_damage(directory, manifest) if status == "done" else None
+        if damage:
+            status, detail = "damaged", f"{damage}; train it again with --restart {sid}"
         table.add_row(
             sid,
             f"[{STATUS_STYLE.get(status, '')}]{status}[/]",
