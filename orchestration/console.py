@@ -23,6 +23,7 @@ from rich.table import Table
 
 from orchestration.executors import Outcome
 from orchestration.pipeline import Pipeline
+from orchestration.report import headline_order, is_timing
 from orchestration.rundir import (
     StageState,
     is_running,
@@ -75,9 +76,7 @@ def plan_table(pipeline: Pipeline, states: dict[str, StageState]) -> Table:
 
 
 def _metrics_text(metrics: dict[str, Any], limit: int = 4) -> str:
-    items = sorted(
-        metrics.items(), key=lambda kv: ("/" in kv[0], kv[0])
-    )  # headline numbers before breakdowns
+    items = [(k, v) for k, v in headline_order(metrics) if not is_timing(k)]  # timings: in the manifest
     text = ", ".join(f"{k}={v:.4g}" for k, v in items[:limit])
     return text + (f" (+{len(items) - limit})" if len(items) > limit else "")
 
