@@ -40,6 +40,8 @@ _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 def read_rows(source: str | Path, split: str = "train") -> datasets.Dataset:
     """Raw rows of a local file, a directory of files, or a hub dataset id (needs a network)."""
     path = Path(source)
+    if path.is_dir() and split != "train":  # a dataset folder whose files name their splits
+        return datasets.load_dataset(str(path), split=split)
     if path.is_dir():
         files = sorted(p for p in path.iterdir() if p.suffix in _BUILDERS)
         if not files:
