@@ -40,7 +40,7 @@ def stage_dir(run_dir: Path, stage_id: str) -> Path:
 def read_json(path: Path) -> dict[str, Any] | None:
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (FileNotFoundError, ValueError):
+    except (OSError, ValueError):  # missing, or a path through a file (a bad --run-dir)
         return None
     return data if isinstance(data, dict) else None
 

@@ -69,6 +69,7 @@ def write_request(pipeline: Pipeline, run_dir: Path, stage_id: str, restart: boo
         "restart": restart,
     }
     (directory / REQUEST).write_text(json.dumps(request, indent=1, sort_keys=True), encoding="utf-8")
+    (directory / PROGRESS).unlink(missing_ok=True)  # an earlier attempt's steps are not this one's
 
 
 def run_stage(run_dir: Path | str, stage_id: str, executor: str = "local") -> int:

@@ -61,7 +61,8 @@ def test_a_diverged_stage_ends_failed_and_publishes_nothing(write, posttrain, tm
     code, out, err = posttrain("run", stage_file, "--run-dir", run)  # the shipped lr: publishes
     assert code == 0, out + err
     assert json.loads((run / "sft" / "manifest.json").read_text())["status"] == "done"
-    assert (run / "sft" / "model" / "model.safetensors").is_file()
+    weights = run / "sft" / "model" / "model.safetensors"
+    assert weights.stat().st_mode & 0o777 == 0o644  # save_pretrained had left it 0600
 
 
 @pytest.mark.parametrize("betas", [(0.9, 0.95), (0.9, 0.999), (0.5, 0.6)])
