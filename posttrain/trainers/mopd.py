@@ -580,7 +580,8 @@ def run_mopd(ctx: StageContext) -> dict[str, float]:
             step, (before, before_episodes) = 0, distiller.evaluate()
             ctx.metrics.log(0, {f"eval/{k}_before/{p}": v[k] for p, v in before.items() for k in v})
         distiller.student.policy_version = step
-        last: dict[str, float] = {}
+        # The last step's metrics ride in the checkpoint: a resume from the final one runs no step.
+        last: dict[str, float] = dict(checkpoint.extra.get("last", {})) if checkpoint is not None else {}
         while step < cfg.train.steps:
             step += 1
             samples = distiller.episodes(distiller.step_prompts(step), f"step{step}")
@@ -596,6 +597,7 @@ def run_mopd(ctx: StageContext) -> dict[str, float]:
                         "before": before,
                         "before_episodes": before_episodes,
                         "teacher_retries": pool.retries,
+                        "last": last,
                     },
                 )
             ctx.progress(step, cfg.train.steps, kl=last["kl"], reward=last["reward"])

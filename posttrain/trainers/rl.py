@@ -332,7 +332,8 @@ def run_rl(ctx: StageContext) -> dict[str, float]:
             step, before = 0, evaluate(env, engine, held_out, effort, cfg.eval, ctx.seed, "before")
             ctx.metrics.log(0, {**before, **budget_metrics})
             ctx.log.info("before training (the %s model): %s", cfg.init, _shown(before))
-        last: dict[str, float] = {}
+        # The last step's metrics ride in the checkpoint: a resume from the final one runs no step.
+        last: dict[str, float] = dict(checkpoint.extra.get("last", {})) if checkpoint is not None else {}
         while step < cfg.train.steps:
             step += 1
             groups = _new_groups(env, train_prompts, step, cfg.rollout, effort, ctx.seed)
@@ -350,7 +351,7 @@ def run_rl(ctx: StageContext) -> dict[str, float]:
                     model=state.unwrapped,
                     optimizer=state.optimizer,
                     scheduler=state.scheduler,
-                    extra={"before": before, "policy_version": engine.policy_version},
+                    extra={"before": before, "policy_version": engine.policy_version, "last": last},
                     samples=queue.samples(),
                     write_files=queue.write_files,
                 )
