@@ -42,9 +42,19 @@ def mopd_token_rewards(
         raise ValueError(f"r_max must be > 0, got {r_max}")
     mask = mask.bool()
     delta = teacher_logprobs.detach() - student_logprobs.detach()
-    if torch.isnan(delta[mask]).any():
+    for side, logprobs, cause in (
+        ("student", student_logprobs, "the student diverged (lower train.lr or raise train.warmup_steps)"),
+        ("teacher", teacher_logprobs, "its teacher's engine returned them (check that teacher's checkpoint)"),
+    ):
+        bad = torch.isnan(logprobs.detach()) & mask
+        if bad.any():
+            where = torch.nonzero(bad).tolist()
+            raise ValueError(
+                f"{side} log-probs are NaN at [row, position] {where[:8]} of sampled tokens: {cause}"
+            )
+    if torch.isnan(delta[mask]).any():  # -inf on both sides: a token neither model can produce
         where = torch.nonzero(torch.isnan(delta) & mask).tolist()
-        raise ValueError(f"NaN teacher or student log-prob on sampled tokens at [row, position] {where[:8]}")
+        raise ValueError(f"teacher and student log-probs are both -inf at [row, position] {where[:8]}")
     rewards = delta.clamp(-r_max, r_max)
     return torch.where(mask, rewards, torch.zeros_like(rewards))
 

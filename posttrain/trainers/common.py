@@ -341,11 +341,15 @@ class TrainState:
         value = float(loss.detach())
         if not math.isfinite(value):
             peak = self.optimizer.param_groups[0]["initial_lr"]
+            saved = self.ctx.checkpoints.latest_step()
+            resume = (
+                f"the last checkpoint (step {saved}) is intact" if saved else "no checkpoint was written yet"
+            )
             raise NonFiniteLossError(
                 f"stage {self.ctx.stage_id}: {what} is {value} at optimizer step {step}{detail}. "
                 f"Lower the learning rate (train.lr, now {peak:g}) or "
                 "increase warm-up (train.warmup_steps), and check the data of this step for broken rows; "
-                "the last checkpoint before the step is intact."
+                f"{resume}."
             )
 
     def backward(self, loss: torch.Tensor) -> None:

@@ -1,7 +1,7 @@
 """A stage resumed from its final checkpoint (killed after the last step was saved, before the
 model was published) reports the same final metrics as the uninterrupted run: the last step's
 metrics travel in the checkpoint (RL's reward_mean, task_reward_mean, over_budget_fraction; SFT's
-train_loss)."""
+train_loss). A NaN loss before the first checkpoint says so."""
 
 from __future__ import annotations
 
@@ -40,3 +40,14 @@ def test_sft_resumed_from_its_final_checkpoint_keeps_its_metrics(tmp_path, small
         stage_runner.run(crashed)
     resumed = stage_runner.run(stage_runner.context("sft", tmp_path / "resumed", cfg))
     assert "train_loss" in straight and resumed.get("train_loss") == straight["train_loss"]
+
+
+def test_a_nan_loss_before_any_checkpoint_does_not_promise_one(tmp_path, small_recipe, stage_runner):  # noqa: F811
+    from posttrain.trainers.common import NonFiniteLossError
+
+    cfg = body(small_recipe[0], steps=3, lr=1e9, warmup_steps=0)
+    cfg["checkpoint_every"] = 10
+    with pytest.raises(NonFiniteLossError) as caught:
+        stage_runner.run(stage_runner.context("sft", tmp_path, cfg))
+    assert "no checkpoint was written yet" in str(caught.value)
+    assert "is intact" not in str(caught.value)
