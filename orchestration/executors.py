@@ -99,7 +99,6 @@ def execute(
     outcome = Outcome()
     waiting = list(scope)
     running: dict[str, Any] = {}
-    launched: dict[str, float] = {}
     try:
         while waiting or running:
             for sid in list(waiting):
@@ -124,12 +123,11 @@ def execute(
                     continue
                 write_request(pipeline, run_dir, sid, restart=sid in forced)
                 log(f"stage {sid} starting ({state.status}: {state.reason})")
-                launched[sid] = time.time()
                 running[sid] = backend.launch(sid, pipeline.stages[sid].resources)
                 display.started(sid)
             for sid, handle in list(running.items()):
                 progress = read_progress(stage_dir(run_dir, sid))
-                if progress and progress.get("time", 0.0) >= launched[sid] - 1.0:  # not a stale file
+                if progress:
                     display.progress(sid, progress)
                 code = backend.poll(handle)
                 if code is None:
