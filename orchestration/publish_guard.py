@@ -45,7 +45,9 @@ def adamw_movement_bound(
     lr_t wd |w_{t-1}| <= lr_t wd (start_abs_max + D_{t-1}). Every schedule posttrain builds
     (warm-up, cosine) stays at or below the peak lr, so the peak bounds each step:
         D_t = D_{t-1} + lr (B_t + wd (start_abs_max + D_{t-1})).
-    Gradient clipping, accumulation and skipped steps only lower the true movement.
+    Gradient clipping, accumulation and skipped steps only lower the true movement. The bound is
+    tight (a gradient of constant sign moves a weight lr per early step: a real 4-step rl run came
+    to 0.999 of it), so it gets 0.01% plus fp32 rounding as slack.
     """
     b1, b2 = betas
     ratio = b1 * b1 / b2
@@ -54,7 +56,7 @@ def adamw_movement_bound(
         series += ratio ** (t - 1)
         adam = (1 - b1) * math.sqrt(1 - b2**t) / ((1 - b1**t) * math.sqrt(1 - b2)) * math.sqrt(series)
         moved += lr * (adam + weight_decay * (start_abs_max + moved))
-    return moved * (1 + 1e-6) + ROUNDING * steps * (start_abs_max + moved)
+    return moved * (1 + 1e-4) + ROUNDING * steps * (start_abs_max + moved)
 
 
 def check_publishable(
