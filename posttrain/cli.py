@@ -208,6 +208,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
             console.print(
                 f"all {len(scope)} stages in scope are done (run dir {run_dir}); "
                 "use --restart STAGE or --from STAGE to run again",
+                markup=False,
                 highlight=False,
             )
         live = RichDisplay if console.is_terminal else LineDisplay
