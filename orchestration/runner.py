@@ -270,9 +270,12 @@ def _commit(output: Path, final: Path) -> Path:
 
 
 def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+    """This process's umask, read without changing it (os.umask would, for a moment, under the
+    stage's other threads)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("Umask:"):
+            return int(line.split()[1], 8)
+    return 0o022
 
 
 class _ProgressFile:
