@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -23,7 +24,16 @@ from rich.table import Table
 
 from orchestration.executors import Outcome
 from orchestration.pipeline import Pipeline
-from orchestration.rundir import StageState, is_running, read_json, read_manifest, read_progress, stage_dir
+from orchestration.report import headline_order, is_timing
+from orchestration.rundir import (
+    StageState,
+    is_running,
+    model_damage,
+    read_json,
+    read_manifest,
+    read_progress,
+    stage_dir,
+)
 from posttrain.checkpoint import latest_checkpoint_step
 from posttrain.config.errors import ConfigError
 
@@ -35,6 +45,7 @@ STATUS_STYLE = {
     "running": "magenta",
     "failed": "red",
     "blocked": "red",
+    "damaged": "red",
 }
 
 
@@ -61,14 +72,12 @@ def plan_table(pipeline: Pipeline, states: dict[str, StageState]) -> Table:
         state = states[sid]
         kind = stage.kind if stage.registered else f"{stage.kind}*"
         style = STATUS_STYLE.get(state.status, "")
-        table.add_row(sid, kind, _needs(stage.needs), f"[{style}]{state.status}[/]", state.reason)
+        table.add_row(sid, kind, _needs(stage.needs), f"[{style}]{state.status}[/]", escape(state.reason))
     return table
 
 
 def _metrics_text(metrics: dict[str, Any], limit: int = 4) -> str:
-    items = sorted(
-        metrics.items(), key=lambda kv: ("/" in kv[0], kv[0])
-    )  # headline numbers before breakdowns
+    items = [(k, v) for k, v in headline_order(metrics) if not is_timing(k)]  # timings: in the manifest
     text = ", ".join(f"{k}={v:.4g}" for k, v in items[:limit])
     return text + (f" (+{len(items) - limit})" if len(items) > limit else "")
 
@@ -89,9 +98,24 @@ def summary_table(pipeline: Pipeline, run_dir: Path, outcome: Outcome) -> Table:
             f"[{STATUS_STYLE[status]}]{status}[/]",
             f"{seconds:.1f}" if seconds else "",
             str(manifest.get("attempts", "")),
-            detail,
+            escape(detail),
         )
     return table
+
+
+def summary_lines(run_dir: Path, outcome: Outcome) -> list[str]:
+    """The summary as plain lines, for output that is not a terminal: nothing is cut to a width."""
+    lines = [f"summary: {run_dir}"]
+    for sid, status in outcome.status.items():
+        manifest = read_manifest(stage_dir(run_dir, sid)) or {}
+        seconds = manifest.get("run_seconds")
+        time_text = f" {seconds:.1f}s" if seconds else ""
+        if status == "failed":
+            detail = f"{manifest.get('error', '')} (log: {stage_dir(run_dir, sid) / 'stage.log'})"
+        else:
+            detail = _metrics_text(manifest.get("metrics", {}))
+        lines.append(f"  {sid}: {status}{time_text}" + (f", {detail}" if detail else ""))
+    return lines
 
 
 def status_table(run_dir: Path) -> Table:
@@ -114,13 +138,16 @@ def status_table(run_dir: Path) -> Table:
         detail = (
             manifest.get("error", "") if status == "failed" else _metrics_text(manifest.get("metrics", {}))
         )
+        damage = model_damage(directory, manifest) if status == "done" else None
+        if damage:
+            status, detail = "damaged", f"{damage}; train it again with --restart {sid}"
         table.add_row(
             sid,
             f"[{STATUS_STYLE.get(status, '')}]{status}[/]",
             shown,
             str(manifest.get("attempts", 0)),
             f"{seconds:.1f}" if seconds else "",
-            detail,
+            escape(detail),
         )
     return table
 
@@ -171,3 +198,51 @@ class RichDisplay:
             )
             self.bars.stop_task(task)
         self.bars.advance(self.overall)
+
+
+class LineDisplay:
+    """Progress as plain lines, for output that is not a terminal (CI, nohup, `| tee`), where
+    progress bars would print nothing until the end: a line when a stage starts and ends, and a
+    progress line at every tenth of its steps (and at least every PROGRESS_EVERY_S seconds)."""
+
+    PROGRESS_EVERY_S = 60.0
+
+    def __init__(self, console: Console, total: int) -> None:
+        self.console = console
+        self.total = total
+        self.finished_count = 0
+        self.started_at: dict[str, float] = {}
+        self.last: dict[str, tuple[int, float]] = {}  # stage -> (tenth of steps, time) last shown
+
+    def __enter__(self) -> LineDisplay:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def _print(self, text: str) -> None:
+        stamp = time.strftime("%H:%M:%S")
+        self.console.print(f"{stamp} {text}", markup=False, highlight=False, soft_wrap=True)
+        self.console.file.flush()
+
+    def started(self, stage_id: str) -> None:
+        self.started_at[stage_id] = time.monotonic()
+        self.last[stage_id] = (-1, time.monotonic())
+        self._print(f"{stage_id} started")
+
+    def progress(self, stage_id: str, record: dict[str, Any]) -> None:
+        step, total = int(record.get("step", 0)), record.get("total")
+        tenth = int(10 * step / total) if total else step
+        shown_tenth, shown_at = self.last.get(stage_id, (-1, 0.0))
+        now = time.monotonic()
+        if tenth == shown_tenth and now - shown_at < self.PROGRESS_EVERY_S:
+            return
+        self.last[stage_id] = (tenth, now)
+        values = " ".join(f"{k}={v}" for k, v in record.get("shown", {}).items())
+        self._print(f"{stage_id} step {step}/{total or '?'}" + (f" {values}" if values else ""))
+
+    def finished(self, stage_id: str, status: str) -> None:
+        self.finished_count += 1
+        started = self.started_at.get(stage_id)
+        took = f" in {time.monotonic() - started:.1f}s" if started is not None else ""
+        self._print(f"{stage_id} {status}{took} ({self.finished_count}/{self.total} stages)")

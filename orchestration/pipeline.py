@@ -25,6 +25,7 @@ from posttrain.config.stage_file import (
     STRUCTURAL_KEYS,
     StageHeader,
     expand_matrix,
+    number_issues,
     pydantic_issues,
     relative_display,
     schema_paths,
@@ -336,6 +337,7 @@ def _validate(
             config.model_validate(body, context={NEEDS_CONTEXT: list(inst.needs)})
         except ValidationError as exc:
             issues.extend(pydantic_issues(exc, config, inst.display, inst.lines, overridden, GENERIC_KEYS))
+        issues.extend(number_issues(body, config, inst.display, inst.lines, overridden))
     else:
         for key in body:  # a misspelled generic key would otherwise pass as an unchecked body key
             hint = did_you_mean(key, GENERIC_KEYS)

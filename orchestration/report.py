@@ -1,9 +1,11 @@
 """DIR/report.md: every stage's final metrics in one table, and PNG plots of the curves that tell
 whether the recipe worked (loss, reward, response length by effort, MOPD KL).
 
-A curve is plotted when a stage logged a metric with that name, alone or as a path part:
-`loss`, `sft/loss`, `response_length/low` all count. Response length is split by reasoning effort:
-the effort of an RL specialist's matrix, or the `/low|/high|/max` suffix a MOPD stage logs.
+Each plot lists the metric names the stage kinds log, in order of preference; a stage contributes
+the first one it logged, alone or as a path part (`loss`, `sft/loss`, `kl/agent-high`). Curves
+whose scales differ are drawn on separate axes: loss and reward per stage kind (SFT's token loss,
+RL's policy loss, MOPD's near-zero loss with its baseline), response length per reasoning effort
+(the effort of an RL specialist's matrix, or the `/low|/high|/max` suffix a MOPD stage logs).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 from orchestration.pipeline import Pipeline
 from orchestration.rundir import read_manifest, stage_dir
@@ -18,32 +21,72 @@ from posttrain.metrics import METRICS_FILE, read_metrics
 
 REPORT = "report.md"
 PLOTS_DIR = "plots"
-# plot file stem -> (title, metric base name)
+# plot file stem -> (title, metric names in order of preference): sft logs `loss`; rl `loss`
+# (`pg_loss` beside it), `reward_mean`, `response_tokens_mean`; mopd `loss`, `reward`,
+# `response_length/<effort>`, `kl` and `kl/<domain>-<effort>`.
 PLOTS = {
-    "loss": ("Training loss", "loss"),
-    "reward": ("Reward", "reward"),
-    "response_length": ("Response length by effort", "response_length"),
-    "mopd_kl": ("MOPD KL (student vs teacher)", "kl"),
+    "loss": ("Training loss", ("loss", "pg_loss")),
+    "reward": ("Reward", ("reward_mean", "reward")),
+    "response_length": ("Response length by effort", ("response_tokens_mean", "response_length")),
+    "mopd_kl": ("MOPD KL (student vs teacher)", ("kl",)),
 }
-
+# How a plot's curves are split into axes: by the stage's kind, or by reasoning effort.
+SPLIT = {"loss": "kind", "reward": "kind", "response_length": "effort", "mopd_kl": ""}
+# Final metrics shown first, in this order (the rest follow alphabetically).
+HEADLINE = (
+    "reward_mean",
+    "task_reward_mean",
+    "kl_after",
+    "kl_exact_after",
+    "pairs_kl_improved",
+    "accuracy_after",
+    "eval_loss_after",
+    "tool_success_after",
+    "train_loss",
+    "loss",
+)
 
 Series = tuple[str, str, list[int], list[float]]  # (stage, metric, steps, values)
 
 
-def collect_series(pipeline: Pipeline, run_dir: Path, base: str) -> list[Series]:
+def headline_order(metrics: dict[str, Any]) -> list[tuple[str, Any]]:
+    """Final metrics in reading order: HEADLINE names, then the other plain names, then the
+    breakdowns (`a/b`)."""
+    rank = {name: i for i, name in enumerate(HEADLINE)}
+    return sorted(metrics.items(), key=lambda kv: (rank.get(kv[0], len(rank)), "/" in kv[0], kv[0]))
+
+
+def is_timing(name: str) -> bool:
+    """Seconds and rates (`eval_s_after`, `train_tokens_per_s`): kept in the manifest, not shown."""
+    return "s" in name.rsplit("/", 1)[-1].split("_")
+
+
+def table_metrics(metrics: dict[str, Any]) -> str:
+    """The report table's cell: no timings and no breakdown that is 0 (a wall of
+    `data/skipped/*=0` hides the numbers that matter)."""
+    shown = [(k, v) for k, v in headline_order(metrics) if not is_timing(k) and not ("/" in k and v == 0)]
+    return ", ".join(f"{k}={v:.4g}" for k, v in shown)
+
+
+def collect_series(pipeline: Pipeline, run_dir: Path, names: tuple[str, ...]) -> list[Series]:
+    """Per stage, the curves of the first of `names` it logged (with its `/` breakdowns)."""
     series = []
     for sid in pipeline.stages:
-        by_name: dict[str, tuple[list[int], list[float]]] = defaultdict(lambda: ([], []))
+        by_base: dict[str, dict[str, tuple[list[int], list[float]]]] = defaultdict(
+            lambda: defaultdict(lambda: ([], []))
+        )
         for record in read_metrics(stage_dir(run_dir, sid) / METRICS_FILE):
             for name, value in record.items():
-                if (
-                    name not in ("step", "time")
-                    and isinstance(value, int | float)
-                    and base in name.split("/")
-                ):
-                    by_name[name][0].append(record["step"])
-                    by_name[name][1].append(float(value))
-        series += [(sid, name, steps, values) for name, (steps, values) in sorted(by_name.items())]
+                if name in ("step", "time") or not isinstance(value, int | float):
+                    continue
+                for base in names:
+                    if base in name.split("/"):
+                        by_base[base][name][0].append(record["step"])
+                        by_base[base][name][1].append(float(value))
+                        break
+        base = next((b for b in names if b in by_base), None)
+        if base is not None:
+            series += [(sid, name, steps, values) for name, (steps, values) in sorted(by_base[base].items())]
     return series
 
 
@@ -55,30 +98,53 @@ def _effort(pipeline: Pipeline, series: Series) -> str:
     return str(pipeline.stages[sid].matrix.get("effort", "all"))
 
 
-def plot(pipeline: Pipeline, run_dir: Path, stem: str) -> Path | None:
-    """Write DIR/plots/<stem>.png; None when no stage logged that metric."""
-    title, base = PLOTS[stem]
-    series = collect_series(pipeline, run_dir, base)
-    if not series:
-        return None
+def plot_groups(pipeline: Pipeline, run_dir: Path, stem: str) -> dict[str, list[Series]]:
+    """axis title -> the curves drawn on it, in display order; empty when nothing was logged."""
+    groups: dict[str, list[Series]] = defaultdict(list)
+    for item in collect_series(pipeline, run_dir, PLOTS[stem][1]):
+        if SPLIT[stem] == "effort":
+            key = _effort(pipeline, item)
+        elif SPLIT[stem] == "kind":
+            key = pipeline.stages[item[0]].kind
+        else:
+            key = ""
+        groups[key].append(item)
+    known = ["sft", "rl", "mopd", "low", "high", "max", "all", ""]
+    order = sorted(groups, key=lambda g: (known.index(g) if g in known else len(known), g))
+    return {g: groups[g] for g in order}
+
+
+def draw(groups: dict[str, list[Series]], title: str) -> Any:
+    """One matplotlib figure, one axis per group; steps are integers and so are the ticks."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on training machines
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    groups: dict[str, list[Series]] = defaultdict(list)
-    for item in series:
-        groups[_effort(pipeline, item) if stem == "response_length" else ""].append(item)
-    order = sorted(groups, key=lambda g: (["low", "high", "max", "all", ""] + [g]).index(g))
-    fig, axes = plt.subplots(1, len(order), figsize=(5 * len(order), 3.6), squeeze=False)
-    for ax, group in zip(axes[0], order, strict=True):
-        for sid, name, steps, values in groups[group]:
-            ax.plot(steps, values, label=sid if name == base else f"{sid} {name}", linewidth=1.2)
+    fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 3.6), squeeze=False)
+    for ax, (group, series) in zip(axes[0], groups.items(), strict=True):
+        bases = {name.split("/")[0] for _, name, _, _ in series}
+        for sid, name, steps, values in series:
+            label = sid if name in bases and len(bases) == 1 else f"{sid} {name}"
+            ax.plot(steps, values, label=label, linewidth=1.2, marker="." if len(steps) < 20 else None)
         ax.set_title(f"{title}: {group}" if group else title)
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
+    return fig
+
+
+def plot(pipeline: Pipeline, run_dir: Path, stem: str) -> Path | None:
+    """Write DIR/plots/<stem>.png; None when no stage logged that metric."""
+    groups = plot_groups(pipeline, run_dir, stem)
+    if not groups:
+        return None
+    import matplotlib.pyplot as plt
+
+    fig = draw(groups, PLOTS[stem][0])
     path = run_dir / PLOTS_DIR / f"{stem}.png"
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
@@ -91,18 +157,19 @@ def write_report(pipeline: Pipeline, run_dir: Path) -> Path:
     lines = [
         f"# Run report: {run_dir.name}",
         "",
-        f"Pipeline `{pipeline.root.name}`, written {time.strftime('%Y-%m-%d %H:%M:%S')}.",
+        f"Pipeline `{pipeline.root.name}`, written {time.strftime('%Y-%m-%d %H:%M:%S')}. Final metrics "
+        "without timings or zero breakdowns; every value is in DIR/<stage>/manifest.json.",
         "",
         "| stage | kind | status | attempts | time (s) | final metrics |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for sid, stage in pipeline.stages.items():
         manifest = read_manifest(stage_dir(run_dir, sid)) or {}
-        metrics = ", ".join(f"{k}={v:.4g}" for k, v in sorted(manifest.get("metrics", {}).items()))
         seconds = manifest.get("run_seconds")
         lines.append(
             f"| {sid} | {stage.kind} | {manifest.get('status', 'pending')} | {manifest.get('attempts', 0)} "
-            f"| {f'{seconds:.1f}' if seconds is not None else ''} | {metrics} |"
+            f"| {f'{seconds:.1f}' if seconds is not None else ''} | "
+            f"{table_metrics(manifest.get('metrics', {}))} |"
         )
     for old in (run_dir / PLOTS_DIR).glob("*.png"):
         old.unlink()  # a curve no longer logged must not linger from an earlier run

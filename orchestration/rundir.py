@@ -41,7 +41,7 @@ def stage_dir(run_dir: Path, stage_id: str) -> Path:
 def read_json(path: Path) -> dict[str, Any] | None:
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (FileNotFoundError, ValueError):
+    except (OSError, ValueError):  # missing, or a path through a file (a bad --run-dir)
         return None
     return data if isinstance(data, dict) else None
 
@@ -169,7 +169,55 @@ def _done_or_stale(
         return StageState("stale", f"input {', '.join(changed)} changed")
     if not (stage_dir(run_dir, stage.id) / "model").is_dir():
         return StageState("stale", "model/ is missing")
+    damage = model_damage(stage_dir(run_dir, stage.id), manifest)
+    if damage:
+        return StageState("stale", f"{damage}; `run` trains it again (or pass --restart {stage.id})")
     return StageState("done", _finished_at(manifest))
+
+
+def model_stat(model: Path) -> dict[str, list[int]]:
+    """relative file -> [size, mtime_ns]: lets `plan` and `status` re-hash only files that changed."""
+    return {
+        str(p.relative_to(model)): [p.stat().st_size, p.stat().st_mtime_ns]
+        for p in sorted(model.rglob("*"))
+        if p.is_file()
+    }
+
+
+def model_damage(directory: Path, manifest: dict[str, Any], full: bool = False) -> str | None:
+    """How a done stage's model/ differs from the sha256 its manifest recorded, or None when intact.
+    Without `full`, a file whose size and mtime are as recorded is trusted without reading it."""
+    from posttrain.checkpoint import sha256_file
+
+    model = Path(directory) / "model"
+    stats = manifest.get("model_stat", {})
+    for name, digest in manifest.get("model_files", {}).items():
+        path = model / name
+        if not path.is_file():
+            return f"model/{name} is missing"
+        stat = path.stat()
+        if not full and stats.get(name) == [stat.st_size, stat.st_mtime_ns]:
+            continue
+        if sha256_file(path) != digest:
+            return f"model/{name} is damaged (its sha256 differs from the one in {MANIFEST})"
+    return None
+
+
+def verify_inputs(run_dir: Path, stage: Stage) -> None:
+    """Before a stage loads its needs' models: every file as its need's manifest recorded it, read
+    in full (a file changed in place with its mtime kept is caught here, not by `plan`)."""
+    for need in stage.needs:
+        directory = stage_dir(run_dir, need)
+        damage = model_damage(directory, read_manifest(directory) or {}, full=True)
+        if damage:
+            raise DamagedModelError(
+                f"stage {stage.id}: input {need}: {directory / 'model'}: {damage}; train it again with "
+                f"`posttrain run FILE --restart {need}` (then {stage.id} reruns on the new weights)"
+            )
+
+
+class DamagedModelError(RuntimeError):
+    """A need's published model no longer matches its manifest."""
 
 
 def _finished_at(manifest: dict[str, Any]) -> str:

@@ -27,14 +27,17 @@ from pathlib import Path
 from typing import Any
 
 from orchestration.pipeline import Pipeline, Stage
+from orchestration.publish_guard import check_publishable
 from orchestration.rundir import (
     LOCK,
     PROGRESS,
     StageLock,
     input_hashes,
+    model_stat,
     read_json,
     read_manifest,
     stage_dir,
+    verify_inputs,
     write_manifest,
 )
 from posttrain.files import fsync_dir, fsync_file, hash_tree, remove_tree
@@ -65,6 +68,7 @@ def write_request(pipeline: Pipeline, run_dir: Path, stage_id: str, restart: boo
         "restart": restart,
     }
     (directory / REQUEST).write_text(json.dumps(request, indent=1, sort_keys=True), encoding="utf-8")
+    (directory / PROGRESS).unlink(missing_ok=True)  # an earlier attempt's steps are not this one's
 
 
 def run_stage(run_dir: Path | str, stage_id: str, executor: str = "local") -> int:
@@ -133,6 +137,7 @@ def _run_locked(
     metrics = MetricsLogger(directory)
     try:
         log.info("stage %s (%s) starting, attempt %d", stage.id, stage.kind, manifest["attempts"])
+        verify_inputs(run_dir, stage)
         ctx = _context(run_dir, stage, output, metrics, log, manifest)
         result = STAGE_KINDS.get(stage.kind).run(ctx)
         metrics.close()
@@ -141,15 +146,20 @@ def _run_locked(
             raise RuntimeError(
                 f"stage kind {stage.kind!r} wrote nothing to ctx.output_dir; a stage saves its model there"
             )
+        for note in check_publishable(stage.id, ctx.config, output, ctx.inputs, ctx.model):
+            log.info("stage %s: %s", stage.id, note)
         model = _commit(output, directory / MODEL_DIR)
         files, digest = hash_tree(model)
-        manifest.update(status="done", metrics=final, model_hash=digest, model_files=files)
+        manifest.update(
+            status="done", metrics=final, model_hash=digest, model_files=files, model_stat=model_stat(model)
+        )
         log.info(
             "stage %s done: %s", stage.id, ", ".join(f"{k}={v:.4g}" for k, v in final.items()) or "no metrics"
         )
         return 0
     except BaseException as exc:  # KeyboardInterrupt too: the manifest must say the stage stopped
         metrics.close()
+        remove_tree(output)  # an unpublished model is never used; the next attempt starts it anew
         manifest.update(status="failed", error=f"{type(exc).__name__}: {exc}")
         log.exception("stage %s failed", stage.id)
         if not isinstance(exc, Exception):
@@ -225,15 +235,28 @@ def _clear(directory: Path) -> None:
 
 
 def _commit(output: Path, final: Path) -> Path:
-    """Make the finished model durable, then visible under its final name in one rename."""
+    """Make the finished model durable, then visible under its final name in one rename. Files
+    get the mode a plain write gives (some writers create 0600 temp files and rename them), so
+    whoever may read the run dir may read the model."""
+    mode = 0o666 & ~_umask()
     for path in output.rglob("*"):
         if path.is_file():
+            path.chmod(mode)
             fsync_file(path)
     for path in [output, *(p for p in output.rglob("*") if p.is_dir())]:
         fsync_dir(path)
     os.rename(output, final)
     fsync_dir(final.parent)
     return final
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (os.umask would, for a moment, under the
+    stage's other threads)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("Umask:"):
+            return int(line.split()[1], 8)
+    return 0o022
 
 
 class _ProgressFile:

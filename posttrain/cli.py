@@ -5,9 +5,12 @@
     posttrain plan FILE [--run-dir DIR] [KEY=VALUE ...]
     posttrain status DIR
     posttrain export RUN_DIR/STAGE --format bf16|mxfp4 --out DIR [--max-shard-size SIZE]
+    posttrain --version
 
-Exit codes: 0 success, 1 a stage failed, 2 a user error (stage files, overrides, flags), 130
-interrupted. User errors print file:line: key: problem (hint), never a traceback.
+Exit codes: 0 success, 1 a stage failed, 2 a user error (stage files, overrides, flags, run dir),
+130 interrupted (Ctrl-C), 143 terminated (SIGTERM); both stop the running stages first, and the
+same command resumes. User errors print file:line: key: problem (hint), never a traceback.
+Progress: bars on a terminal; a plain line per event when stdout is not one (CI, nohup, a pipe).
 """
 
 from __future__ import annotations
@@ -15,17 +18,22 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 from pathlib import Path
+from types import FrameType
 
 from rich.console import Console
+from rich.markup import escape
 
 import orchestration._quiet  # noqa: F401  (first: before anything imports transformers)
 from orchestration.console import (
+    LineDisplay,
     RichDisplay,
     plan_table,
     print_config_error,
     status_table,
+    summary_lines,
     summary_table,
 )
 from orchestration.executors import execute
@@ -33,6 +41,7 @@ from orchestration.pipeline import Pipeline, load_pipeline
 from orchestration.report import REPORT, write_report
 from orchestration.rundir import StageLock, StageState, plan_states, read_manifest
 from orchestration.runner import RUN_LOG
+from posttrain import __version__
 from posttrain.config.errors import ConfigError, Issue, did_you_mean
 
 OVERRIDES_HELP = (
@@ -89,8 +98,28 @@ def _parser(command: str) -> argparse.ArgumentParser:
     return parser
 
 
-def _run_dir(args: argparse.Namespace) -> Path:
-    return args.run_dir or Path("runs") / args.file.stem
+def _run_dir(args: argparse.Namespace, create: bool = False) -> Path:
+    """--run-dir (default runs/<stem of FILE>), checked: a file there, or a dir that cannot be
+    made, is a user error rather than a traceback."""
+    path = args.run_dir or Path("runs") / args.file.stem
+    if path.exists() and not path.is_dir():
+        raise ConfigError(
+            [Issue(str(path), "--run-dir is a file, not a directory", hint="pass a directory path")]
+        )
+    if create:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise ConfigError(
+                [
+                    Issue(
+                        str(path),
+                        f"cannot create the run dir ({error.strerror or error})",
+                        hint="pass a --run-dir you may write to",
+                    )
+                ]
+            ) from None
+    return path
 
 
 def _select(
@@ -155,7 +184,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     unregistered = [pipeline.unregistered[sid] for sid in to_run if sid in pipeline.unregistered]
     if unregistered:
         raise ConfigError(unregistered)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    _run_dir(args, create=True)
     lock = StageLock(run_dir)
     if not lock.acquire(wait_s=0):
         raise ConfigError(
@@ -185,9 +214,11 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
             console.print(
                 f"all {len(scope)} stages in scope are done (run dir {run_dir}); "
                 "use --restart STAGE or --from STAGE to run again",
+                markup=False,
                 highlight=False,
             )
-        with RichDisplay(console, len(scope)) as display:
+        live = RichDisplay if console.is_terminal else LineDisplay
+        with live(console, len(scope)) as display:
             outcome = execute(
                 pipeline,
                 run_dir,
@@ -199,16 +230,22 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
                 display=display,
                 log=log.info,
             )
-        console.print(summary_table(pipeline, run_dir, outcome))
+        if console.is_terminal:
+            console.print(summary_table(pipeline, run_dir, outcome))
+        else:
+            for line in summary_lines(run_dir, outcome):
+                console.print(line, markup=False, highlight=False, soft_wrap=True)
         report = run_dir / REPORT
         if to_run or not report.exists():  # matplotlib costs seconds; a no-op rerun skips it
             write_report(pipeline, run_dir)
-        console.print(f"report: {report}   log: {run_dir / RUN_LOG}", highlight=False)
+        console.print(
+            f"report: {report}   log: {run_dir / RUN_LOG}", markup=False, highlight=False, soft_wrap=True
+        )
         for sid, status in outcome.status.items():
             for warning in (
                 (read_manifest(run_dir / sid) or {}).get("warnings", []) if status != "skipped" else []
             ):
-                console.print(f"[yellow]warning[/] {sid}: {warning}", highlight=False)
+                console.print(f"[yellow]warning[/] {sid}: {escape(warning)}", highlight=False, soft_wrap=True)
         log.info("run finished: %s", ", ".join(f"{k}={v}" for k, v in outcome.status.items()))
         return 0 if outcome.ok else 1
     finally:
@@ -222,6 +259,26 @@ def cmd_status(args: argparse.Namespace, console: Console) -> int:
                 Issue(
                     str(args.run_dir),
                     "run dir does not exist",
+                    hint="pass the --run-dir of a run (default runs/<stem of the stage file>)",
+                )
+            ]
+        )
+    if (args.run_dir / "manifest.json").is_file() and not (args.run_dir / "pipeline.json").is_file():
+        raise ConfigError(
+            [
+                Issue(
+                    str(args.run_dir),
+                    f"is a stage dir of the run {args.run_dir.resolve().parent}",
+                    hint=f"pass the run dir: posttrain status {args.run_dir.resolve().parent}",
+                )
+            ]
+        )
+    if not (args.run_dir / "pipeline.json").is_file() and not list(args.run_dir.glob("*/manifest.json")):
+        raise ConfigError(
+            [
+                Issue(
+                    str(args.run_dir),
+                    "holds no run (no pipeline.json, no DIR/<stage>/manifest.json)",
                     hint="pass the --run-dir of a run (default runs/<stem of the stage file>)",
                 )
             ]
@@ -259,10 +316,21 @@ def cmd_export(args: argparse.Namespace, console: Console) -> int:
 COMMANDS = {"run": cmd_run, "plan": cmd_plan, "status": cmd_status, "export": cmd_export}
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the driver is so it stops its stages as it does for Ctrl-C."""
+
+
+def _terminate(signum: int, frame: FrameType | None) -> None:
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     console = Console()
     errors = Console(stderr=True)
+    if argv[:1] == ["--version"]:
+        print(f"posttrain {__version__}")
+        return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         stream = sys.stdout if not argv or argv[0] in ("-h", "--help") else sys.stderr
         if argv and argv[0] not in ("-h", "--help"):
@@ -274,14 +342,20 @@ def main(argv: list[str] | None = None) -> int:
         args = _parser(argv[0]).parse_intermixed_args(argv[1:])
     except SystemExit as exc:  # argparse already printed the usage error
         return int(exc.code or 0)
+    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         return COMMANDS[argv[0]](args, console)
     except ConfigError as exc:
         print_config_error(errors, exc)
         return 2
+    except Terminated:
+        errors.print("terminated; rerun the same command to resume", highlight=False)
+        return 143
     except KeyboardInterrupt:
-        errors.print("interrupted; rerun the same command to resume")
+        errors.print("interrupted; rerun the same command to resume", highlight=False)
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -2,9 +2,9 @@
 
 Rules (docs/orchestration.md repeats them for users):
 - `STAGE.path=value` sets `path` in the stages whose id matches STAGE (an id or a glob such as
-  `rl-*`): `sft.steps=3`, `rl-coding-*.seed=7`.
+  `rl-*`): `sft.train.steps=3`, `rl-coding-*.seed=7`.
 - `path=value` without a stage prefix sets `path` in every stage of the DAG that has it (written
-  in its file or accepted by its schema): `steps=3` shortens every stage with a `steps` key.
+  in its file or accepted by its schema): `train.steps=3` shortens every stage with a `train.steps` key.
 - The value is parsed as YAML: `3` is an int, `true` a bool, `[a, b]` a list, `x` a string.
 - Keys that shape the DAG (stage, kind, needs, plugins, matrix) cannot be overridden.
 Overridden values are validated like file values; errors name the override.
@@ -39,7 +39,9 @@ def parse_overrides(texts: Iterable[str]) -> tuple[list[Override], list[Issue]]:
         parts = tuple(key.strip().split("."))
         if not sep or not all(parts):
             issues.append(
-                Issue(SOURCE, f"cannot read override {text!r}", hint="write KEY=VALUE, e.g. sft.steps=3")
+                Issue(
+                    SOURCE, f"cannot read override {text!r}", hint="write KEY=VALUE, e.g. sft.train.steps=3"
+                )
             )
             continue
         try:
@@ -82,12 +84,9 @@ def apply_overrides(
             )
             continue
         if not targets:
-            candidates = {".".join(p) for sid in stages for p in known.get(sid, set()) | _paths(stages[sid])}
-            hint = did_you_mean(".".join(override.key), candidates) or (
-                "prefix a stage id to target one stage, e.g. "
-                + f"{next(iter(stages), 'sft')}.{'.'.join(path)}=..."
+            issues.append(
+                Issue(SOURCE, "no stage has this key", key=override.text, hint=_hint(override, stages, known))
             )
-            issues.append(Issue(SOURCE, "no stage has this key", key=override.text, hint=hint))
             continue
         for sid in targets:
             problem = _set(stages[sid], path, override.value)
@@ -96,6 +95,27 @@ def apply_overrides(
             else:
                 applied[sid][path] = override.text
     return applied, issues
+
+
+def _hint(
+    override: Override, stages: dict[str, dict[str, Any]], known: dict[str, set[tuple[str, ...]]]
+) -> str:
+    """A new entry inside a mapping the stages have (`environments.math.max_turns` when no stage
+    has `environments.math` yet) can only be set per stage: say so with a stage prefix. Anything
+    else is most likely a typo: the nearest key."""
+    path = override.key
+    for depth in range(len(path) - 2, 0, -1):
+        owners = [sid for sid in stages if _has(stages[sid], path[:depth])]
+        if owners:
+            example = f"{owners[0]}.{override.text}"
+            glob = (
+                f" (a glob such as '{owners[0].split('-')[0]}-*' targets several)" if len(owners) > 1 else ""
+            )
+            return f"no stage has {'.'.join(path[: depth + 1])} yet; add it per stage: {example}{glob}"
+    candidates = {".".join(p) for sid in stages for p in known.get(sid, set()) | _paths(stages[sid])}
+    return did_you_mean(".".join(path), candidates) or (
+        f"prefix a stage id to target one stage, e.g. {next(iter(stages), 'sft')}.{override.text}"
+    )
 
 
 def _has(data: Any, path: tuple[str, ...]) -> bool:

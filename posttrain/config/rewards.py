@@ -92,8 +92,9 @@ class BudgetRewardConfig(BaseModel):
     def usage_kind(self, domain: str) -> UsageKind:
         if domain not in self.usage:
             raise ValueError(
-                f"domain {domain!r} has no budget usage counting; add `usage: {{{domain}: thinking}}` "
-                f"or `output` to the budget config (known: {sorted(self.usage)})"
+                f"domain {domain!r} has no budget usage counting; add `budget: {{usage: {{{domain}: "
+                f"thinking}}}}` (or `output`) to the rl stage file: budget.usage.{domain} (known: "
+                f"{sorted(self.usage)})"
             )
         return self.usage[domain]
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 import re
+import types
 import typing
 from pathlib import Path
 from typing import Any
@@ -242,3 +244,51 @@ def relative_display(path: Path) -> str:
         return str(path.resolve().relative_to(Path.cwd().resolve()))
     except ValueError:
         return str(path)
+
+
+def number_issues(
+    data: Any,
+    model: type[BaseModel],
+    file: str,
+    lines: dict[KeyPath, int],
+    overridden: dict[tuple[str, ...], str],
+    prefix: tuple[str, ...] = (),
+) -> list[Issue]:
+    """Values YAML reads as numbers that pydantic's number fields would accept but are not sane:
+    `true`/`false` for an int or float (pydantic takes them as 1 and 0: `steps=true` ran one
+    step) and a non-finite float (`lr=.inf`). Walks nested models and mappings of models."""
+    issues: list[Issue] = []
+    if not isinstance(data, dict):
+        return issues
+    for name, info in model.model_fields.items():
+        if name not in data:
+            continue
+        value, path = data[name], (*prefix, name)
+        types = _plain_types(info.annotation)
+        problem = ""
+        if isinstance(value, bool) and types & {int, float} and bool not in types:
+            problem = f"expects a number, got {str(value).lower()}"
+        elif isinstance(value, float) and float in types and not math.isfinite(value):
+            problem = f"must be a finite number, got {value}"
+        if problem:
+            source = next((t for p, t in overridden.items() if path[: len(p)] == p), None)
+            where = file if source is None else f"command line override {source!r}"
+            line = None if source is not None else line_of(lines, path)
+            issues.append(Issue(where, problem, key=key_path(path), line=line))
+        for nested in models_in(info.annotation):
+            if isinstance(value, dict) and set(value) & set(nested.model_fields):
+                issues += number_issues(value, nested, file, lines, overridden, path)
+            elif isinstance(value, dict):
+                for key, item in value.items():
+                    issues += number_issues(item, nested, file, lines, overridden, (*path, str(key)))
+    return issues
+
+
+def _plain_types(annotation: Any) -> set[type]:
+    """The plain types an annotation admits: int | None -> {int, NoneType}."""
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return set().union(*(_plain_types(a) for a in args))
+    if typing.get_origin(annotation) is typing.Annotated:
+        return _plain_types(args[0])
+    return {annotation} if isinstance(annotation, type) else set()

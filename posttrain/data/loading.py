@@ -1,24 +1,35 @@
-"""Load trajectory files (local JSONL/JSON/parquet or a hub dataset) into validated records.
+"""Load trajectory files (local JSONL/JSON/parquet or a `datasets` dataset) into validated records.
 
-Reading goes through the `datasets` library so hub ids, parquet shards and local JSONL behave alike.
-What comes out is a `datasets.Dataset` whose `record` column holds each cleaned trajectory as a JSON
-string, next to `uid`/`domain`/`effort` columns for filtering: a JSON string survives Arrow exactly
-(key order, no null padding), so what the renderer sees is what the file said.
+JSONL files are read line by line here, so a broken line is one bad row (skipped and counted as
+`broken_line`, or fatal under strict loading) named by its 1-based line number, as an editor shows
+it; `datasets` would fail the whole file on it. JSON arrays, parquet shards, directories and
+`datasets` ids (a hub id, or a local dataset folder) go through `datasets.load_dataset`; their rows
+are named `row N`, 1-based. What comes out is a `datasets.Dataset` whose `record` column holds each
+cleaned trajectory as a JSON string, next to `uid`/`domain`/`effort` columns for filtering: a JSON
+string survives Arrow exactly (key order, no null padding), so what the renderer sees is what the
+file said.
 
 Bad rows are skipped and counted per reason by default; ``strict=True`` raises with the file, the
-row index and the reason; a source where nothing survives is always an error.
+line or row and the reason; a source where nothing survives is always an error.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import datasets
 
 from posttrain.data.sample import Sample
-from posttrain.data.trajectory import BadTrajectoryError, ValidationReport, clean_record, validate_trajectory
+from posttrain.data.trajectory import (
+    BadTrajectoryError,
+    ValidationReport,
+    Verdict,
+    clean_record,
+    validate_trajectory,
+)
 
 if TYPE_CHECKING:
     from posttrain.data.chat import ChatRenderer
@@ -29,6 +40,8 @@ _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 def read_rows(source: str | Path, split: str = "train") -> datasets.Dataset:
     """Raw rows of a local file, a directory of files, or a hub dataset id (needs a network)."""
     path = Path(source)
+    if path.is_dir() and split != "train":  # a dataset folder whose files name their splits
+        return datasets.load_dataset(str(path), split=split)
     if path.is_dir():
         files = sorted(p for p in path.iterdir() if p.suffix in _BUILDERS)
         if not files:
@@ -66,15 +79,18 @@ def load_trajectories(
     `decode_record` turns it back into a dict), and the per-reason report. Rows over `max_length`
     rendered tokens count as ``too_long`` (needs `renderer`).
     """
-    rows = read_rows(source, split)
     report = ValidationReport()
     kept: list[dict[str, Any]] = []
-    for index, row in enumerate(rows):
-        record = clean_record(row)
-        verdict = validate_trajectory(record, renderer, max_length)
+    for index, (where, row) in enumerate(_placed_rows(source, split)):
+        record = clean_record(row) if isinstance(row, dict) else {}
+        verdict = (
+            validate_trajectory(record, renderer, max_length)
+            if isinstance(row, dict)
+            else Verdict(False, "broken_line", f"not one JSON object ({row})")
+        )
         if not verdict.ok and strict:
-            raise BadTrajectoryError(f"{source} row {index}: {verdict.reason}: {verdict.detail}")
-        report.add(verdict, f"{source} row {index}")
+            raise BadTrajectoryError(f"{where}: {verdict.reason}: {verdict.detail}")
+        report.add(verdict, where)
         if verdict.ok:
             uid = str(record.get("uid", f"{Path(str(source)).stem}-{index}"))
             kept.append(
@@ -91,6 +107,40 @@ def load_trajectories(
             f"{source}: no trajectory survived validation ({report.summary()}): {examples}"
         )
     return datasets.Dataset.from_list(kept), report
+
+
+def _jsonl_files(source: str | Path) -> list[Path]:
+    path = Path(source)
+    if path.suffix == ".jsonl" and path.is_file():
+        return [path]
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.suffix in _BUILDERS)
+        if files and all(p.suffix == ".jsonl" for p in files):
+            return files
+    return []
+
+
+def _placed_rows(source: str | Path, split: str) -> Iterator[tuple[str, dict[str, Any] | str]]:
+    """(where, row) for every row: `FILE line N` and the parsed object (or, for a line that is
+    not one JSON object, the parse error as a string) for JSONL; `SOURCE row N` otherwise."""
+    files = _jsonl_files(source)
+    if not files:
+        for index, row in enumerate(read_rows(source, split)):
+            yield f"{source} row {index + 1}", row
+        return
+    for path in files:
+        with open(path, encoding="utf-8") as handle:
+            for number, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as error:
+                    row = str(error)
+                yield (
+                    f"{path if len(files) > 1 else source} line {number}",
+                    (row if isinstance(row, dict | str) else f"a JSON {type(row).__name__}, not an object"),
+                )
 
 
 def decode_record(row: dict[str, Any]) -> dict[str, Any]:

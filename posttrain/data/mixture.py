@@ -19,13 +19,14 @@ import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import datasets
 
 from posttrain.data.loading import load_trajectories
 from posttrain.data.trajectory import ValidationReport
-from posttrain.registry import Registry
+from posttrain.registry import Registry, RegistryError
 
 if TYPE_CHECKING:
     from posttrain.data.chat import ChatRenderer
@@ -62,6 +63,37 @@ class Recipe:
 
 
 DATA_RECIPES: Registry[Callable[[], Recipe]] = Registry("data recipe")
+# Held-out share of a file or `datasets` source named directly in a stage file's `data.recipes`.
+DIRECT_EVAL_FRACTION = 0.05
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+def recipe_for(name: str) -> Recipe:
+    """What a key of a stage file's `data.recipes` names: a registered recipe; a .jsonl / .json /
+    .parquet file or a directory of them (relative paths from the directory `posttrain run` was
+    started in); or a `datasets` dataset, `ID[:SPLIT]` (a hub id or a local dataset folder, split
+    `train` unless given). A file or dataset is one source with DIRECT_EVAL_FRACTION held out."""
+    if name in DATA_RECIPES:
+        return DATA_RECIPES.get(name)()
+    path = Path(name).expanduser()
+    if path.exists():
+        return Recipe(sources=(MixtureSource(str(path.resolve())),), eval_fraction=DIRECT_EVAL_FRACTION)
+    if path.suffix in DATA_SUFFIXES:
+        raise FileNotFoundError(f"data.recipes: {name}: no such file (relative to {Path.cwd()})")
+    spec, split = name, "train"
+    if ":" in name and "/" not in name.rpartition(":")[2]:
+        spec, _, split = name.rpartition(":")
+    if "/" in spec or Path(spec).exists():
+        local = Path(spec).expanduser()
+        source = MixtureSource(str(local.resolve()) if local.exists() else spec, split=split)
+        return Recipe(sources=(source,), eval_fraction=DIRECT_EVAL_FRACTION)
+    try:
+        return DATA_RECIPES.get(name)()
+    except RegistryError as error:
+        raise RegistryError(
+            f"data.recipes: {error}; a key may also be a .jsonl/.json/.parquet file or a directory "
+            "of them, or a datasets id like owner/name[:split]"
+        ) from None
 
 
 @dataclass
@@ -96,7 +128,7 @@ def build_mixture(
 ) -> Mixture:
     """Load every source (validated, bad rows counted per reason), split, weight and shuffle."""
     if isinstance(recipe, str):
-        recipe = DATA_RECIPES.get(recipe)()
+        recipe = recipe_for(recipe)
     report = ValidationReport()
     train_parts: list[datasets.Dataset] = []
     eval_parts: list[datasets.Dataset] = []

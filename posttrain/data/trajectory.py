@@ -11,7 +11,8 @@ A record is an OpenAI-style conversation plus what K3 conditions on:
      "tools": [JSON schemas], "task": {...hidden verification data, never rendered...}}
 
 Bad rows are data, not bugs: `validate_trajectory` names a reason from `REASONS` so a loader can
-skip and count them, or fail with the file, the row and the reason.
+skip and count them, or fail with the file, the line (row) and the reason. A tool call must name a
+tool the record declares in `tools`: the model is trained to call only what it was offered.
 """
 
 from __future__ import annotations
@@ -31,10 +32,12 @@ REASONS: tuple[str, ...] = (
     "malformed_record",  # wrong types or missing keys (messages not a list, content not a string, ...)
     "unknown_role",
     "malformed_tool_call_json",  # arguments that do not parse to a JSON object
+    "undeclared_tool",  # a tool call naming a tool the record's `tools` does not declare
     "unmatched_tool_result",  # a tool message answering no call of the assistant turn before it
     "empty_assistant_turn",  # no thinking, content or tool call: only an end-of-turn token to train
     "no_assistant_turn",  # nothing at all to train
     "too_long",  # more rendered tokens than max_length
+    "broken_line",  # a line of a .jsonl file that is not one JSON object
 )
 
 
@@ -156,10 +159,11 @@ def validate_trajectory(
     effort = record.get("effort")
     if effort is not None and effort not in EFFORTS:
         return Verdict(False, "malformed_record", f"effort {effort!r} is not one of {', '.join(EFFORTS)}")
+    declared = {_tool_name(tool) for tool in tools} - {None}
     pending: set[str] = set()
     trained = False
     for index, message in enumerate(messages):
-        verdict = _check_message(message, index, pending)
+        verdict = _check_message(message, index, pending, declared)
         if not verdict.ok:
             return verdict
         trained = trained or message["role"] == "assistant"
@@ -172,8 +176,17 @@ def validate_trajectory(
     return Verdict(True)
 
 
-def _check_message(message: Any, index: int, pending: set[str]) -> Verdict:
-    """Validate message `index`; `pending` holds the ids of calls not yet answered (mutated)."""
+def _tool_name(tool: dict[str, Any]) -> str | None:
+    """The name a tool schema declares: OpenAI's {"type": "function", "function": {"name"}} or a
+    bare {"name"}."""
+    function = tool.get("function", tool)
+    name = function.get("name") if isinstance(function, dict) else None
+    return name if isinstance(name, str) else None
+
+
+def _check_message(message: Any, index: int, pending: set[str], declared: set[str]) -> Verdict:
+    """Validate message `index`; `pending` holds the ids of calls not yet answered (mutated);
+    `declared` the tool names the record's `tools` declares."""
     where = f"message {index}"
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         return Verdict(False, "malformed_record", f"{where} is not an object with a string 'role'")
@@ -204,6 +217,14 @@ def _check_message(message: Any, index: int, pending: set[str]) -> Verdict:
         verdict = _check_call(call, f"{where} tool call {number}")
         if not verdict.ok:
             return verdict
+        name = call["function"]["name"]
+        if name not in declared:
+            return Verdict(
+                False,
+                "undeclared_tool",
+                f"{where} tool call {number} calls {name!r}, which the record's 'tools' does not declare "
+                f"(declared: {', '.join(sorted(declared)) or 'none'})",
+            )
         pending.add(call["id"])
     if (
         not calls

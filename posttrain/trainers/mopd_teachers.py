@@ -157,15 +157,27 @@ class TeacherRoutingConfig(BaseModel):
                 f"{key}: not a trained pair; keys are '<domain>-<effort>' with domain in {domains} and "
                 f"effort in {efforts}"
             )
+        missing = [
+            key
+            for key, (domain, effort) in pairs.items()
+            if (key not in teachers or teachers[key].model is None)
+            and effort not in TEACHER_DOMAINS.get(domain).teachers
+        ]
+        if missing:  # every missing pair at once: a new domain usually lacks several
+            named = ", ".join(f"(domain {pairs[k][0]!r}, effort {pairs[k][1]!r})" for k in missing)
+            registered = {pairs[k][0]: sorted(TEACHER_DOMAINS.get(pairs[k][0]).teachers) for k in missing}
+            example = ", ".join(f"{k}: {{model: <need stage id or model dir>}}" for k in missing)
+            efforts_named = ", ".join(repr(pairs[k][1]) for k in missing)
+            raise ValueError(
+                f"no teacher for {named}: "
+                + "; ".join(f"the domain registers teachers for {v}" for v in registered.values())
+                + f"; add `teachers: {{{example}}}` (a top-level key of the mopd stage file, beside "
+                "`domains:`), register the teachers in the domain's @teacher_domain(teachers=...), "
+                f"or remove {efforts_named} from `efforts`"
+            )
         for key, (domain, effort) in pairs.items():
             registered = TEACHER_DOMAINS.get(domain).teachers
             declared = teachers[key].model if key in teachers else None
-            if declared is None and effort not in registered:
-                raise ValueError(
-                    f"no teacher for (domain {domain!r}, effort {effort!r}): the domain registers teachers "
-                    f"for {sorted(registered)}; add `teachers: {{{key}: {{model: <need stage id or model "
-                    f"dir>}}}}` or remove {effort!r} from `efforts`"
-                )
             check_model_reference(
                 declared or registered[effort], info, f"teacher of (domain {domain!r}, effort {effort!r})"
             )

@@ -149,6 +149,13 @@ class RLConfig(BaseModel):
     checkpoint_every: int = Field(1, gt=0, description="iterations between checkpoints")
 
     @model_validator(mode="after")
+    def _domain_counts_usage(self) -> RLConfig:
+        # A custom domain needs budget.usage.<domain>: checked when the stage file is read.
+        if self.domain is not None:
+            self.budget.usage_kind(self.domain)
+        return self
+
+    @model_validator(mode="after")
     def _one_logprob_kind_per_vllm_engine(self) -> RLConfig:
         # vLLM records one kind of log-prob per engine: processed ones, for the rollouts. The cold
         # start and evaluation request raw ones, the same numbers only when sampling is plain.

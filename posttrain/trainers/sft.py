@@ -181,7 +181,8 @@ def run_sft(ctx: StageContext) -> dict[str, float]:
         ctx.metrics.log(0, before)
         ctx.log.info("before training: %s", _shown(before))
 
-    last: dict[str, float] = {}
+    # The last step's metrics ride in the checkpoint: a resume from the final one runs no step.
+    last: dict[str, float] = dict(checkpoint.extra.get("last", {})) if checkpoint is not None else {}
     while step < train.steps:
         last = _train_step(state, stream, train, step + 1)
         step += 1
@@ -189,7 +190,7 @@ def run_sft(ctx: StageContext) -> dict[str, float]:
             last["eval_loss"] = eval_loss(model, evaluate.rows)
         ctx.metrics.log(step, last)
         if step % cfg.checkpoint_every == 0 or step == train.steps:
-            state.save_checkpoint(step, extra={"data": stream.cursor(), "before": before})
+            state.save_checkpoint(step, extra={"data": stream.cursor(), "before": before, "last": last})
         ctx.progress(step, train.steps, loss=last["loss"], lr=last["lr"])
 
     after = evaluate(model, "after")

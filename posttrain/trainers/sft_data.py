@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from posttrain.data.chat import ChatRenderer
 from posttrain.data.loading import decode_record
-from posttrain.data.mixture import DATA_RECIPES, build_mixture, weighted_indices
+from posttrain.data.mixture import build_mixture, recipe_for, weighted_indices
 from posttrain.data.packing import PackedRow, pack_documents
 from posttrain.data.trajectory import ValidationReport
 
@@ -28,7 +28,8 @@ class DataConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     recipes: dict[str, float] = Field(
         default_factory=lambda: {"agent_sft": 1.0},
-        description="registered data recipe -> weight (0.5: a seeded half of its train rows, 2: twice)",
+        description="registered data recipe, .jsonl/.json/.parquet file or dir, or datasets id[:split] "
+        "-> weight (0.5: a seeded half of its train rows, 2: twice)",
     )
     eval_fraction: float | None = Field(
         None, ge=0, lt=1, description="held-out share of every recipe; null: each recipe's own"
@@ -74,7 +75,7 @@ def load_sft_data(
     for name, weight in cfg.recipes.items():
         if not weight > 0:
             raise ValueError(f"data.recipes.{name}: weight must be > 0, got {weight}")
-        recipe = DATA_RECIPES.get(name)()
+        recipe = recipe_for(name)
         if cfg.eval_fraction is not None:
             recipe = replace(recipe, eval_fraction=cfg.eval_fraction)
         mixture = build_mixture(

@@ -23,8 +23,11 @@ def _calling(*calls: dict[str, Any]) -> dict[str, Any]:
     return {"role": "assistant", "content": "", "tool_calls": list(calls)}
 
 
+CALCULATOR = {"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}
+
+
 def _row(uid: str, messages: list[dict[str, Any]], effort: str | None = "high") -> dict[str, Any]:
-    return {"uid": uid, "domain": "general", "effort": effort, "messages": messages, "tools": []}
+    return {"uid": uid, "domain": "general", "effort": effort, "messages": messages, "tools": [CALCULATOR]}
 
 
 USER = {"role": "user", "content": "What is 2+3?"}
@@ -50,6 +53,15 @@ BAD_ROWS = {
         "empty", [USER, {"role": "assistant", "reasoning_content": " ", "content": ""}]
     ),
     "no_assistant_turn": _row("none", [USER]),
+    "undeclared_tool": _row(
+        "undeclared",
+        [
+            USER,
+            _calling(_call("c1", "web_search", '{"query": "2+3"}')),
+            {"role": "tool", "tool_call_id": "c1", "content": "5"},
+            {"role": "assistant", "content": "5"},
+        ],
+    ),
 }
 
 
@@ -69,7 +81,9 @@ def test_malformed_records_are_their_own_reason():
     not_a_list = {"uid": "x", "messages": "hello"}
     content_not_text = _row("x", [USER, {"role": "assistant", "content": 5}])
     bad_effort = {**GOOD, "effort": "medium"}
-    arguments_not_object = _row("x", [USER, {"role": "assistant", "tool_calls": [_call("c", "f", "[1, 2]")]}])
+    arguments_not_object = _row(
+        "x", [USER, {"role": "assistant", "tool_calls": [_call("c", "calculator", "[1, 2]")]}]
+    )
     for row, reason in (
         (not_a_list, "malformed_record"),
         (content_not_text, "malformed_record"),
@@ -91,13 +105,13 @@ def test_bad_rows_are_skipped_and_counted(tmp_path):
         f"data/skipped/{r}" for r in REASONS
     }
     assert metrics["data/skipped/unknown_role"] == 1.0 and metrics["data/skipped/too_long"] == 0.0
-    assert "mixed.jsonl row 2" in report.first_example["unknown_role"]
+    assert "mixed.jsonl line 3" in report.first_example["unknown_role"]  # 1-based, as an editor shows it
 
 
 def test_strict_loading_names_file_row_and_reason(tmp_path):
     path = _write_jsonl(tmp_path / "strict.jsonl", [GOOD, GOOD, BAD_ROWS["unmatched_tool_result"]])
     with pytest.raises(
-        BadTrajectoryError, match=r"strict\.jsonl row 2: unmatched_tool_result: message 2 answers 'c9'"
+        BadTrajectoryError, match=r"strict\.jsonl line 3: unmatched_tool_result: message 2 answers 'c9'"
     ):
         load_trajectories(path, strict=True)
 
@@ -111,7 +125,7 @@ def test_nothing_surviving_is_an_error(tmp_path):
 def test_too_long_counts_rendered_tokens(tmp_path, renderer):
     long_answer = _row("long", [USER, {"role": "assistant", "content": "five " * 200}])
     path = _write_jsonl(tmp_path / "lengths.jsonl", [GOOD, long_answer])
-    limit = len(renderer.render(GOOD["messages"], [], "high")[0])
+    limit = len(renderer.render(GOOD["messages"], GOOD["tools"], "high")[0])
     dataset, report = load_trajectories(path, renderer=renderer, max_length=limit)
     assert dataset["uid"] == ["good"] and report.skipped["too_long"] == 1
     assert f"> max_length {limit}" in report.first_example["too_long"]
@@ -128,6 +142,7 @@ def test_tool_call_ids_become_k3_ids_and_results_follow():
             _calling(_call("call_c", "search", '{"query": "y"}')),
         ],
     )
+    row["tools"].append({"name": "search", "parameters": {"type": "object"}})  # a bare schema counts too
     messages = clean_record(row)["messages"]
     assert [c["id"] for c in messages[1]["tool_calls"]] == ["functions.search:0", "functions.calculator:1"]
     assert [m["tool_call_id"] for m in messages[2:4]] == ["functions.calculator:1", "functions.search:0"]
@@ -163,11 +178,24 @@ def test_parquet_and_arrow_null_padding(tmp_path, renderer):
     assert [m["role"] for m in prompt.messages] == ["user"] and prompt.tokens == []
 
 
-def test_rows_of_other_types_are_counted_and_broken_lines_name_the_file(tmp_path):
+def test_rows_of_other_types_are_counted_and_broken_lines_are_skipped(tmp_path):
     mixed = _write_jsonl(tmp_path / "types.jsonl", [GOOD, {**GOOD, "uid": "odd", "messages": 7}])
     dataset, report = load_trajectories(mixed)
     assert dataset["uid"] == ["good"] and report.skipped["malformed_record"] == 1
     broken = tmp_path / "broken.jsonl"
-    broken.write_text(json.dumps(GOOD) + "\n{not json\n")
-    with pytest.raises(ValueError, match="broken.jsonl: the file is not readable as rows .*JSON parse error"):
-        load_trajectories(broken)
+    broken.write_text(json.dumps(GOOD) + "\n\n{not json\n" + json.dumps({**GOOD, "uid": "after"}) + "\n")
+    dataset, report = load_trajectories(broken)  # strict: false skips and counts it
+    assert dataset["uid"] == ["good", "after"] and report.skipped["broken_line"] == 1
+    assert "broken.jsonl line 3: not one JSON object" in report.first_example["broken_line"]
+    with pytest.raises(BadTrajectoryError, match=r"broken\.jsonl line 3: broken_line: not one JSON object"):
+        load_trajectories(broken, strict=True)
+
+
+def test_tool_calls_must_name_a_declared_tool(tmp_path):
+    verdict = validate_trajectory(clean_record(BAD_ROWS["undeclared_tool"]))
+    assert "calls 'web_search', which the record's 'tools' does not declare (declared: calculator)" in (
+        verdict.detail
+    )
+    path = _write_jsonl(tmp_path / "tools.jsonl", [GOOD, BAD_ROWS["undeclared_tool"]])
+    with pytest.raises(BadTrajectoryError, match=r"tools\.jsonl line 2: undeclared_tool"):
+        load_trajectories(path, strict=True)

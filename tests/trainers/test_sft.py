@@ -139,7 +139,7 @@ def test_strict_data_fails_naming_file_row_and_reason(tmp_path, small_recipe, st
     cfg["data"]["strict"] = True
     with pytest.raises(BadTrajectoryError) as error:
         stage_runner.run(stage_runner.context("sft", tmp_path, cfg))
-    assert f"{path} row {BAD_ROW_INDEX}: malformed_tool_call_json" in str(error.value)
+    assert f"{path} line {BAD_ROW_INDEX + 1}: malformed_tool_call_json" in str(error.value)
 
 
 def test_lora_trains_only_the_adapters(tmp_path, small_recipe, tiny_model_dir, stage_runner):

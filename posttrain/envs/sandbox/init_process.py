@@ -132,8 +132,8 @@ def build_root(config: dict[str, Any]) -> None:
     """Mount the sandbox's view under config["root"] and pivot into it.
 
     /usr (and the /bin, /lib symlinks or directories), a few /etc entries and config["mounts"] are
-    read-only binds of host paths; /workspace is the sandbox's writable host directory; /tmp and
-    /dev/shm are private tmpfs; /proc belongs to the new pid namespace; everything else of the
+    read-only binds of host paths; /workspace (config["workspace_mb"]), /tmp and /dev/shm are
+    private size-capped tmpfs; /proc belongs to the new pid namespace; everything else of the
     host is absent. The root itself ends read-only.
     """
     root = config["root"]
@@ -167,7 +167,15 @@ def build_root(config: dict[str, Any]) -> None:
         _mountpoint(root + target, host)
         _bind(host, root + target, read_only=True)
     os.mkdir(f"{root}/workspace")
-    _bind(config["workspace"], f"{root}/workspace", read_only=False)
+    # A size-capped tmpfs: the limit holds for all files together (RLIMIT_FSIZE bounds only one),
+    # and nothing lands on the host's disk.
+    _mount(
+        "tmpfs",
+        f"{root}/workspace",
+        "tmpfs",
+        MS_NOSUID | MS_NODEV,
+        f"mode=0755,uid={uid},gid={uid},size={config['workspace_mb']}m",
+    )
     os.mkdir(f"{root}/tmp")
     _mount("tmpfs", f"{root}/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={config['tmp_mb']}m")
     os.mkdir(f"{root}/dev")
@@ -556,10 +564,27 @@ def _which(name: str, path: str) -> str | None:
     return None
 
 
+def hide_command_line() -> None:
+    """Overwrite this process's argv in place: /proc/1/cmdline is readable by every sandboxed
+    process, and the argv holds the host's interpreter and file paths, the uid, the rlimits and
+    the cgroup path. The kernel reads cmdline from the [arg_start, arg_end) range of the process's
+    memory, which /proc/self/stat names (fields 48 and 49)."""
+    fields = open("/proc/self/stat").read().rsplit(")", 1)[1].split()
+    start, end = int(fields[45]), int(fields[46])  # fields 48, 49 counted from 1 with pid, comm
+    title = b"sandbox-init"
+    with open("/proc/self/mem", "r+b", buffering=0) as memory:
+        memory.seek(start)
+        memory.write(title.ljust(end - start, b"\0")[: end - start])
+
+
 def main() -> None:
     control = socket.socket(fileno=int(sys.argv[1]))
     os.set_inheritable(control.fileno(), False)
     config = json.loads(sys.argv[2])
+    hide_command_line()
+    # The host's /proc is still mounted here: its `self` names this process by its host pid,
+    # which the host needs to reach /workspace through /proc/<pid>/root.
+    host_pid = int(os.readlink("/proc/self"))
     try:
         cgroup_fd = None
         if config["cgroup_procs"]:
@@ -571,7 +596,7 @@ def main() -> None:
     except Exception as exc:  # noqa: BLE001 - reported to the host, which raises it
         send_message(control, {"error": f"sandbox setup failed: {exc!r}"})
         sys.exit(1)
-    send_message(control, {"ok": True})
+    send_message(control, {"ok": True, "pid": host_pid})
     Init(control, config, cgroup_fd).serve()
 
 

@@ -114,6 +114,10 @@ class Sandbox:
     max_file_mb: the largest file a process may write (RLIMIT_FSIZE; SIGXFSZ past it). It also
       bounds what one file costs a snapshot: a sparse file is copied dense.
     tmp_mb: size of the private /tmp (memory-backed, not part of snapshots).
+    workspace_mb: size of /workspace, all files together (a size-capped tmpfs in the sandbox's
+      mount namespace, so nothing an agent writes lands on the host's disk; memory-backed: with a
+      memory cgroup the pages the agent writes count toward memory_mb too). Writes past it fail
+      with ENOSPC. Host code reaches it at `workspace` (/proc/<init pid>/root/workspace).
     base_dir: where the sandbox's host directory is made (default: the system temp dir).
     snapshot_root: where `snapshot()` writes (default: <temp dir>/posttrain-sandbox-snapshots).
     """
@@ -131,6 +135,7 @@ class Sandbox:
         max_output_bytes: int = 1 << 20,
         max_file_mb: int = 1024,
         tmp_mb: int = 64,
+        workspace_mb: int = 1024,
         base_dir: str | os.PathLike[str] | None = None,
         snapshot_root: str | os.PathLike[str] | None = None,
     ) -> None:
@@ -141,6 +146,7 @@ class Sandbox:
             max_output_bytes=max_output_bytes,
             max_file_mb=max_file_mb,
             tmp_mb=tmp_mb,
+            workspace_mb=workspace_mb,
         )
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
@@ -155,6 +161,7 @@ class Sandbox:
             "max_output_bytes": max_output_bytes,
             "max_file_mb": max_file_mb,
             "tmp_mb": tmp_mb,
+            "workspace_mb": workspace_mb,
         }
         _check_host()
         self.name = f"sb-{secrets.token_hex(6)}"
@@ -172,9 +179,6 @@ class Sandbox:
         self._settle_ns = 0
 
         self._dir = Path(tempfile.mkdtemp(prefix=f"posttrain-{self.name}-", dir=base_dir))
-        self.workspace = self._dir / "workspace"
-        self.workspace.mkdir(mode=0o755)
-        os.chown(self.workspace, self.uid, self.uid)
         (self._dir / "root").mkdir()
         self._cgroup = MemoryCgroup.create(self.name, memory_mb << 20)
         try:
@@ -189,8 +193,12 @@ class Sandbox:
         )
         reply = self._receive(STARTUP_TIMEOUT_S, "start")
         if "error" in reply:
+            self.workspace = self._dir / "workspace"  # never made: close() has nothing to read
             self.close()
             raise SandboxError(f"sandbox {self.name}: {reply['error']}")
+        # The workspace tmpfs exists only in the sandbox's mount namespace; root on the host sees
+        # it through the init process's root.
+        self.workspace = Path(f"/proc/{reply['pid']}/root{WORKSPACE}")
 
     @property
     def memory_enforcement(self) -> str:
@@ -402,7 +410,7 @@ class Sandbox:
             rlimits["RLIMIT_AS"] = [self.config["memory_mb"] << 20] * 2
         init_config = {
             "root": str(self._dir / "root"),
-            "workspace": str(self.workspace),
+            "workspace_mb": self.config["workspace_mb"],
             "uid": self.uid,
             "network": self.config["network"],
             # Sorted by sandbox path so a mount nested in another is made after it.

@@ -27,6 +27,7 @@ class ToySum(BaseModel):
     model_config = ConfigDict(extra="forbid")
     value: int = 1
     fail: bool = False
+    fail_message: str = "toy stage asked to fail"
     train: Train = Train()
     rendezvous: str | None = None
     parties: int = 2
@@ -45,7 +46,7 @@ def run_toy_sum(ctx: StageContext) -> dict[str, float]:
         )
         ctx.progress(step, ctx.config.train.steps, loss=1.0 / step)
     if ctx.config.fail:
-        raise RuntimeError("toy stage asked to fail")
+        raise RuntimeError(ctx.config.fail_message)
     (ctx.output_dir / "value.txt").write_text(str(total))
     return {"total": float(total), "loss": 1.0 / ctx.config.train.steps}
 

@@ -1,0 +1,117 @@
+"""What a user sees from `posttrain` run as its own process with stdout piped (CI, nohup, `| tee`):
+a line per event while the run goes, no stale progress of an earlier attempt, error text printed
+as written, full log paths; and clear errors for a bad --run-dir, `status` on a stage dir, values
+that YAML reads as numbers but are not sane ones, SIGTERM, and --version."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from orchestration_support import REPO, cli_env, start_cli
+
+TOY = 'kind: toy-sum\nplugins: ["{toy}"]\n'
+
+
+def wait_for_line(process: subprocess.Popen[str], text: str, timeout: float = 120) -> list[str]:
+    """Lines read from the live process until one contains `text` (the process still running)."""
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        if text in line:
+            return seen
+    raise AssertionError(f"{text!r} not printed; got {''.join(seen)!r}")
+
+
+def test_piped_output_shows_progress_as_the_run_goes(write, tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    stage = write("a.yaml", TOY, f"value: 2\nrendezvous: {gate}\nparties: 2\n")
+    run = tmp_path / "run"
+    (run / "a").mkdir(parents=True)
+    # progress of an earlier attempt: must not be shown for this one
+    (run / "a" / "progress.json").write_text(json.dumps({"step": 99, "total": 100, "shown": {}, "time": 1.0}))
+    process = start_cli("run", stage, "--run-dir", run, cwd=tmp_path)
+    try:
+        seen = wait_for_line(process, "a started")
+        assert process.poll() is None  # printed while the stage waits at the gate
+        (gate / "release").parent.mkdir(exist_ok=True)
+        (gate / "release").touch()
+        rest = process.stdout.read()
+        assert process.wait(timeout=120) == 0
+    finally:
+        process.kill()
+    out = "".join(seen) + rest
+    assert "a step 3/3" in out and "99/100" not in out
+    assert "a done" in out and str(run / "report.md") in out
+    assert "\x1b[" not in out and "━" not in out  # plain lines, no terminal control codes
+
+
+def test_error_text_is_printed_as_written_with_the_full_log_path(write, tmp_path: Path) -> None:
+    deep = tmp_path / ("x" * 60) / ("y" * 60)
+    stage = write("a.yaml", TOY, "fail: true\nfail_message: 'bad [row, position] in [bold]data[/bold]'\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "posttrain.cli", "run", str(stage), "--run-dir", str(deep)],
+        capture_output=True,
+        text=True,
+        env={**cli_env(), "COLUMNS": "80"},
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert result.returncode == 1
+    assert "bad [row, position] in [bold]data[/bold]" in result.stdout
+    assert str(deep / "a" / "stage.log") in result.stdout
+
+
+def test_bad_run_dirs_are_user_errors(write, posttrain, tmp_path: Path) -> None:
+    stage = write("a.yaml", TOY, "value: 2\n")
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    for command in ("run", "plan"):
+        code, out, err = posttrain(command, stage, "--run-dir", a_file)
+        assert code == 2 and f"{a_file}: --run-dir is a file, not a directory" in err, err
+    code, out, err = posttrain("run", stage, "--run-dir", a_file / "sub")
+    assert code == 2 and "cannot create the run dir" in err and "Traceback" not in err
+    assert posttrain("run", stage, "--run-dir", tmp_path / "run")[0] == 0
+    code, out, err = posttrain("status", tmp_path / "run" / "a")
+    assert code == 2 and "is a stage dir of the run" in err and str(tmp_path / "run") in err
+
+
+def test_numbers_that_are_not_sane_are_refused(write, posttrain, tmp_path: Path) -> None:
+    stage = write("a.yaml", TOY, "value: 2\n")
+    code, out, err = posttrain("plan", stage, "train.lr=.inf", "train.steps=true")
+    assert code == 2
+    assert "train.lr" in err and "finite" in err
+    assert "train.steps" in err and "true" in err
+    code, out, err = posttrain("plan", stage, "garbage")
+    assert code == 2 and "e.g. sft.train.steps=3" in err
+
+
+def test_a_new_key_inside_a_mapping_gets_a_stage_prefixed_hint(write, posttrain, tmp_path: Path) -> None:
+    rl = REPO / "stages" / "rl.yaml"
+    code, out, err = posttrain("plan", rl, "environments.math.max_turns=3")
+    assert code == 2
+    assert "rl-general-low.environments.math.max_turns=3" in err or "rl-*.environments.math" in err, err
+
+
+def test_sigterm_stops_the_run_cleanly(write, tmp_path: Path) -> None:
+    stage = write("a.yaml", TOY, f"value: 2\nrendezvous: {tmp_path / 'gate'}\nparties: 2\n")
+    process = start_cli("run", stage, "--run-dir", tmp_path / "run", cwd=tmp_path)
+    wait_for_line(process, "a started")
+    process.send_signal(signal.SIGTERM)
+    rest = process.stdout.read()
+    assert process.wait(timeout=60) == 143
+    assert "terminated; rerun the same command to resume" in rest
+    assert "leaked semaphore" not in rest and "Traceback" not in rest
+
+
+def test_version(posttrain) -> None:
+    code, out, err = posttrain("--version")
+    assert code == 0 and out.startswith("posttrain ")

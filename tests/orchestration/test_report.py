@@ -1,0 +1,84 @@
+"""report.md and its plots over metrics the real stage kinds logged: recorded_run/ holds the
+metrics.jsonl and final metrics of a real sft, two rl and a mopd stage (a shrunk default DAG and
+the RL resume test, 2026-12-01), laid out as the shipped pipeline's run dir."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from orchestration.console import _metrics_text
+from orchestration.pipeline import load_pipeline
+from orchestration.report import PLOTS, draw, plot_groups, write_report
+
+REPO = Path(__file__).resolve().parents[2]
+RECORDED = Path(__file__).resolve().parent / "recorded_run"
+TRAINERS = REPO / "posttrain" / "trainers"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[object, Path]:
+    run_dir = tmp_path_factory.mktemp("report") / "run"
+    shutil.copytree(RECORDED, run_dir)
+    return load_pipeline(REPO / "stages" / "mopd.yaml"), run_dir
+
+
+def row(report: str, stage: str) -> str:
+    return next(line for line in report.splitlines() if line.startswith(f"| {stage} |"))
+
+
+def test_the_rl_specialists_are_in_every_curve(run) -> None:
+    pipeline, run_dir = run
+    rl = {"rl-general-low", "rl-agent-high"}
+    reward = {sid for series in plot_groups(pipeline, run_dir, "reward").values() for sid, *_ in series}
+    assert rl | {"mopd"} <= reward
+    lengths = plot_groups(pipeline, run_dir, "response_length")
+    assert {s[0] for s in lengths["low"]} >= {"rl-general-low", "mopd"}
+    assert {s[0] for s in lengths["high"]} >= {"rl-agent-high", "mopd"}
+    loss = plot_groups(pipeline, run_dir, "loss")
+    # one axis per kind: MOPD's loss (about 0 with its baseline) is not drawn on SFT's scale
+    assert {g: {s[0] for s in series} for g, series in loss.items()} == {
+        "sft": {"sft"},
+        "rl": {"rl-agent-high"},
+        "mopd": {"mopd"},
+    }
+
+
+def test_plotted_names_are_the_ones_the_trainers_log() -> None:
+    """The names the report looks for are literals in the trainers, so a rename there fails here."""
+    source = (
+        "".join(p.read_text() for p in TRAINERS.glob("*.py"))
+        + (REPO / "posttrain" / "algos" / "policy_loss.py").read_text()
+    )
+    for stem, (_, names) in PLOTS.items():
+        for name in names:
+            assert f'"{name}' in source or f"{name}=" in source, (stem, name)
+
+
+def test_steps_get_integer_ticks(run) -> None:
+    pipeline, run_dir = run
+    figure = draw(plot_groups(pipeline, run_dir, "reward"), "Reward")
+    figure.canvas.draw()
+    for axis in figure.axes:
+        assert all(float(t).is_integer() for t in axis.get_xticks()), axis.get_xticks()
+
+
+def test_table_leads_with_what_tells_whether_the_recipe_worked(run) -> None:
+    pipeline, run_dir = run
+    report = write_report(pipeline, run_dir).read_text()
+    rl = row(report, "rl-general-low")
+    assert "reward_mean=" in rl and "accuracy_after=" in rl
+    assert "eval_s_" not in rl and "budget/cold_start_s" not in rl  # timings stay in the manifest
+    sft = row(report, "sft")
+    assert "eval_loss_after=" in sft and "data/skipped" not in sft  # zero breakdowns are left out
+    assert "data/kept=1800" in sft
+    assert row(report, "mopd").split("| ")[-1].startswith("kl_after=")
+    for stem in ("loss", "reward", "response_length", "mopd_kl"):
+        assert (run_dir / "plots" / f"{stem}.png").is_file()
+
+
+def test_summary_shows_headline_metrics_first() -> None:
+    metrics = {"eval_s_after": 1.3, "eval_s_before": 2.2, "accuracy_after": 0.5, "reward_mean": 0.25}
+    assert _metrics_text(metrics, limit=2).startswith("reward_mean=0.25, accuracy_after=0.5")
