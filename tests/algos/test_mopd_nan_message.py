@@ -17,10 +17,12 @@ def test_nan_student_logprobs_say_the_student_diverged() -> None:
     student[1, 2] = math.nan
     mask = torch.ones(2, 3)
     with pytest.raises(
-        ValueError, match=r"student log-probs are NaN at \[row, position\] \[\[1, 2\]\]"
+        ValueError, match=r"NaN student log-prob on sampled tokens at \[row, position\] \[\[1, 2\]\]"
     ) as caught:
         mopd_token_rewards(teacher, student, mask, r_max=5.0)
     assert "the student diverged" in str(caught.value) and "train.lr" in str(caught.value)
     teacher[0, 1], student[1, 2] = math.nan, 0.0
-    with pytest.raises(ValueError, match=r"teacher log-probs are NaN at \[row, position\] \[\[0, 1\]\]"):
+    with pytest.raises(
+        ValueError, match=r"NaN teacher log-prob on sampled tokens at \[row, position\] \[\[0, 1\]\]"
+    ):
         mopd_token_rewards(teacher, student, mask, r_max=5.0)
