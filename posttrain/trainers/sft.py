@@ -94,10 +94,12 @@ def eval_loss(model: nn.Module, rows: list[PackedRow]) -> float:
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
+    device = next(model.parameters()).device  # rows are packed on the CPU; the model may be on a GPU
     try:
         for row in rows:
-            logits = model(input_ids=row.input_ids, cu_seqlens=row.cu_seqlens, use_cache=False).logits
-            out = sft_loss(logits, row.input_ids, row.loss_mask, reduction="sum", cu_seqlens=row.cu_seqlens)
+            ids, mask, cu = (t.to(device) for t in (row.input_ids, row.loss_mask, row.cu_seqlens))
+            logits = model(input_ids=ids, cu_seqlens=cu, use_cache=False).logits
+            out = sft_loss(logits, ids, mask, reduction="sum", cu_seqlens=cu)
             total += float(out.loss)
             count += int(out.num_tokens)
     finally:
