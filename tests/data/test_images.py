@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -143,21 +146,45 @@ def test_references_load_and_bad_ones_are_named(tmp_path):
         processor([[]])
 
 
-@pytest.mark.vllm
-def test_pixel_values_equal_vllms_kimi_processor():
-    from vllm.transformers_utils.processors.kimi_k25_vision_fused import KimiK25FusedVisionProcessor
+# vLLM's processor imports numba; loaded into the test process it breaks every later in-process
+# vLLM engine (vLLM's Triton dispatcher trips over llvmlite objects in sys.modules), so it runs in
+# a process of its own and hands back its tensors.
+THEIRS = """
+import json, sys
+import numpy as np, torch
+from PIL import Image
+from vllm.transformers_utils.processors.kimi_k25_vision_fused import KimiK25FusedVisionProcessor
 
+def image(width, height, seed=0):
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+theirs = KimiK25FusedVisionProcessor(media_proc_cfg=json.loads(sys.argv[1]))
+frames = [image(40, 30, seed=i) for i in range(4)]
+images = [image(90, 50), image(700, 300, seed=1), image(14, 14, seed=2)]
+items = [*({"type": "image", "image": im} for im in images), {"type": "video_chunk", "video_chunk": frames}]
+out = theirs.preprocess(items, return_tensors="pt")
+counts = [theirs.media_tokens_calculator(item) for item in items]
+saved = {"grid_thws": out["grid_thws"], "pixel_values": out["pixel_values"], "counts": counts}
+torch.save(saved, sys.argv[2])
+"""
+
+
+@pytest.mark.vllm
+def test_pixel_values_equal_vllms_kimi_processor(tmp_path):
     processor = MoonViTImageProcessor(in_patch_limit=512)
-    theirs = KimiK25FusedVisionProcessor(media_proc_cfg=processor.media_proc_cfg())
+    result = tmp_path / "theirs.pt"
+    done = subprocess.run(
+        [sys.executable, "-c", THEIRS, json.dumps(processor.media_proc_cfg()), str(result)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    theirs = torch.load(result)
     frames = [_image(40, 30, seed=i) for i in range(4)]
     images = [_image(90, 50), _image(700, 300, seed=1), _image(14, 14, seed=2)]
     ours = processor([*images, frames])
-    out = theirs.preprocess(
-        [*({"type": "image", "image": im} for im in images), {"type": "video_chunk", "video_chunk": frames}],
-        return_tensors="pt",
-    )
-    assert torch.equal(out["grid_thws"], ours.grid_thws)
-    torch.testing.assert_close(out["pixel_values"], ours.pixel_values, rtol=0, atol=1e-6)
-    counts = [theirs.media_tokens_calculator({"type": "image", "image": im}) for im in images]
-    counts.append(theirs.media_tokens_calculator({"type": "video_chunk", "video_chunk": frames}))
-    assert counts == [b.num_tokens for entry in ours.blocks for b in entry]
+    assert torch.equal(theirs["grid_thws"], ours.grid_thws)
+    torch.testing.assert_close(theirs["pixel_values"], ours.pixel_values, rtol=0, atol=1e-6)
+    assert theirs["counts"] == [b.num_tokens for entry in ours.blocks for b in entry]
