@@ -5,30 +5,16 @@ same way and needs two copies, so the bound is one the measurement can tell apar
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from script_result import script_result
 
 CHECK = Path(__file__).with_name("load_memory_check.py")
-REPO = Path(__file__).resolve().parents[2]
 
 
 def measure(model_dir: Path, how: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, str(CHECK), str(model_dir), how],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, done.stderr[-3000:]
-    return json.loads(lines[-1].removeprefix("RESULT "))
+    return script_result(CHECK, str(model_dir), how)
 
 
 @pytest.fixture(scope="module")

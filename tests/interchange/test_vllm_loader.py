@@ -10,32 +10,20 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from interchange_stages import sft_body
+from script_result import script_result
 
 pytestmark = pytest.mark.vllm
 
 CHECK = Path(__file__).with_name("vllm_loader_check.py")
-REPO = Path(__file__).resolve().parents[2]
 
 
 def vllm_loader_check(model_dir: Path, dtype: str, *extra: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, str(CHECK), str(model_dir), dtype, *extra],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, done.stderr[-4000:]
-    return json.loads(lines[-1].removeprefix("RESULT "))
+    return script_result(CHECK, str(model_dir), dtype, *extra)
 
 
 @pytest.fixture(scope="module")
