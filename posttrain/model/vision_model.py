@@ -24,10 +24,10 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from posttrain.model.configuration_kimi_k3 import KimiK3Config
 from posttrain.model.modeling_kimi_k3 import KimiK3ForCausalLM
+from posttrain.model.released import RELEASED_MEDIA_PLACEHOLDER_TOKEN_ID, TEXT_MODEL_TYPE
 from posttrain.model.vision import KimiK3MultiModalProjector, MoonViTPosEmb, MoonViTV2
 from posttrain.model.vision_config import KimiK3VisionConfig
 
-VLLM_TEXT_MODEL_TYPE = "kimi_linear"  # what vLLM's KimiK3Config parses text_config as
 IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"
 
 
@@ -42,7 +42,7 @@ class KimiK3VLConfig(PretrainedConfig):
         self,
         text_config: dict[str, Any] | KimiK3Config | None = None,
         vision_config: dict[str, Any] | KimiK3VisionConfig | None = None,
-        media_placeholder_token_id: int = 163605,
+        media_placeholder_token_id: int = RELEASED_MEDIA_PLACEHOLDER_TOKEN_ID,
         ignore_index: int = -100,
         image_placeholder: str = IMAGE_PLACEHOLDER,
         pad_token_id: int | None = 0,
@@ -69,7 +69,7 @@ class KimiK3VLConfig(PretrainedConfig):
 
     def to_dict(self) -> dict[str, Any]:
         data = super().to_dict()
-        data["text_config"]["model_type"] = VLLM_TEXT_MODEL_TYPE
+        data["text_config"]["model_type"] = TEXT_MODEL_TYPE  # what vLLM parses text_config as
         return data
 
 

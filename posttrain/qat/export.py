@@ -19,7 +19,7 @@ Both record the QAT config under `posttrain_qat` in config.json; `load_exported`
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -27,6 +27,9 @@ from torch import nn
 from posttrain.qat.apply import QAT_CONFIG_KEY, qat_config_of, restore_qat, routed_expert_modules
 from posttrain.qat.config import QATConfig
 from posttrain.qat.mx import pack_mxfp4, quantize_dequantize
+
+if TYPE_CHECKING:  # posttrain.model imports posttrain.qat: the writer itself is imported lazily
+    from posttrain.model.released import ExpertWriter
 
 MXFP4_FORMAT = "mxfp4-pack-quantized"
 EXPERT_WEIGHTS = ("w1", "w2", "w3")  # gate, down, up: the released per-expert names
@@ -115,19 +118,43 @@ def export_mxfp4(
     fake-quantised forward used. dtype: the other tensors' dtype (default: the model's; the release
     uses bf16). tokenizer: saved alongside. Returns out_dir.
     """
+    _expert_weight_names(model)  # a model without routed experts is refused before anything else
+    qat = _qat_of(model, qat)
+    return _save_experts_as(
+        model,
+        out_dir,
+        qat,
+        lambda w: dict(
+            zip(("weight_packed", "weight_scale"), pack_mxfp4(w, qat.weight_scale_rule), strict=True)
+        ),
+        quantization_config=mxfp4_quantization_config(),
+        dtype=dtype,
+        tokenizer=tokenizer,
+        max_shard_size=max_shard_size,
+    )
+
+
+def _save_experts_as(
+    model: nn.Module,
+    out_dir: str | Path,
+    qat: QATConfig,
+    expert_writer: ExpertWriter,
+    *,
+    quantization_config: dict[str, Any] | None = None,
+    dtype: torch.dtype | None,
+    tokenizer: Any,
+    max_shard_size: str | int,
+) -> Path:
+    """save_released with the routed experts written by expert_writer and the QAT config recorded."""
     from posttrain.model.released import save_released
 
-    _expert_weight_names(model)
-    qat = _qat_of(model, qat)
     return save_released(
         model,
         out_dir,
         tokenizer=tokenizer,
         dtype=dtype,
-        expert_writer=lambda w: dict(
-            zip(("weight_packed", "weight_scale"), pack_mxfp4(w, qat.weight_scale_rule), strict=True)
-        ),
-        quantization_config=mxfp4_quantization_config(),
+        expert_writer=expert_writer,
+        quantization_config=quantization_config,
         extra_config={QAT_CONFIG_KEY: qat.model_dump()},
         max_shard_size=max_shard_size,
     )
@@ -167,19 +194,17 @@ def export_dequantized(
     No quantization_config: vLLM and `from_pretrained` read it as an ordinary model; `restore_qat`
     then re-applies the recorded QAT. qat defaults as in export_mxfp4. Returns out_dir.
     """
-    from posttrain.model.released import save_released
-
-    _expert_weight_names(model)
+    _expert_weight_names(model)  # a model without routed experts is refused before anything else
     qat = _qat_of(model, qat)
-    return save_released(
+    return _save_experts_as(
         model,
         out_dir,
-        tokenizer=tokenizer,
-        dtype=dtype,
-        expert_writer=lambda w: {
+        qat,
+        lambda w: {
             "weight": quantize_dequantize(w, qat.weight_format, qat.block_size, qat.weight_scale_rule)
         },
-        extra_config={QAT_CONFIG_KEY: qat.model_dump()},
+        dtype=dtype,
+        tokenizer=tokenizer,
         max_shard_size=max_shard_size,
     )
 

@@ -89,13 +89,20 @@ def test_sample_rewards_cover_only_student_tokens():
         token_rewards([s], r_max=1.0)
 
 
-def test_a_nan_student_log_prob_says_the_student_diverged():
+def test_a_nan_log_prob_says_whether_the_student_diverged_or_the_teacher_failed():
     teacher, student = torch.tensor([[-1.0, -2.0]]), torch.tensor([[0.0, float("nan")]])
     with pytest.raises(
         NonFiniteLogprobError, match=r"NaN student log-prob .*\[\[0, 1\]\]: the student diverged"
     ) as error:
         mopd_token_rewards(teacher, student, torch.ones(1, 2), r_max=1.0)
-    assert error.value.rows == [0]
+    assert error.value.rows == [0] and "train.lr" in str(error.value)
+    # the teacher's NaN names the teacher (its engine), not the student's learning rate
+    teacher, student = torch.tensor([[-1.0, float("nan")]]), torch.tensor([[0.0, -1.0]])
+    with pytest.raises(
+        NonFiniteLogprobError,
+        match=r"NaN teacher log-prob on sampled tokens at \[row, position\] \[\[0, 1\]\]",
+    ):
+        mopd_token_rewards(teacher, student, torch.ones(1, 2), r_max=1.0)
 
 
 def test_reverse_kl_is_the_mean_student_minus_teacher_on_student_tokens():

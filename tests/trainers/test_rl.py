@@ -222,18 +222,6 @@ def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(tmp_path, sft_dir, 
     assert any(r["rollout/resumed"] > 0 for r in records)  # the queue crossed the crash
 
 
-def test_a_stage_resumed_from_its_final_checkpoint_reports_its_last_iteration(
-    tmp_path, make_ctx, stage_runner
-):
-    straight = stage_runner.run(make_ctx(tmp_path / "straight", TINY_BODY, "agent", "low"))
-    crashed = make_ctx(tmp_path / "resumed", TINY_BODY, "agent", "low", crash_at=2)
-    with pytest.raises(stage_runner.FakeCrash):  # killed after the final checkpoint, before the end
-        stage_runner.run(crashed)
-    resumed = stage_runner.run(make_ctx(tmp_path / "resumed", TINY_BODY, "agent", "low"))
-    for key in ("reward_mean", "task_reward_mean", "over_budget_fraction"):
-        assert resumed[key] == straight[key], key
-
-
 def test_stage_errors_name_the_fix(tmp_path, make_ctx, stage_runner):
     ctx = make_ctx(tmp_path, {**TINY_BODY, "init": "sftt"}, "general", "low")
     with pytest.raises(ValueError, match="init 'sftt' is not a need of this stage"):
