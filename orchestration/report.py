@@ -1,5 +1,6 @@
-"""DIR/report.md: every stage's final metrics in one table, and PNG plots of the curves that tell
-whether the recipe worked (loss, reward, response length by effort, MOPD KL).
+"""DIR/report.md: every stage's final metrics in one table, the RL and MOPD evaluations with their
+standard errors, the default recipe's claims (orchestration.outcomes), and PNG plots of the curves
+that tell whether the recipe worked (loss, reward, response length by effort, MOPD KL).
 
 Each plot lists the metric names the stage kinds log, in order of preference; a stage contributes
 the first one it logged, alone or as a path part (`loss`, `sft/loss`, `kl/agent-high`). Curves
@@ -10,11 +11,13 @@ RL's policy loss, MOPD's near-zero loss with its baseline), response length per 
 
 from __future__ import annotations
 
+import json
 import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from orchestration.outcomes import claims_table, run_claims
 from orchestration.pipeline import Pipeline
 from orchestration.rundir import read_manifest, stage_dir
 from posttrain.metrics import METRICS_FILE, read_metrics
@@ -171,6 +174,7 @@ def write_report(pipeline: Pipeline, run_dir: Path) -> Path:
             f"| {f'{seconds:.1f}' if seconds is not None else ''} | "
             f"{table_metrics(manifest.get('metrics', {}))} |"
         )
+    lines += evaluation_sections(pipeline, run_dir)
     for old in (run_dir / PLOTS_DIR).glob("*.png"):
         old.unlink()  # a curve no longer logged must not linger from an earlier run
     figures = [(stem, path) for stem in PLOTS if (path := plot(pipeline, run_dir, stem)) is not None]
@@ -181,3 +185,74 @@ def write_report(pipeline: Pipeline, run_dir: Path) -> Path:
     report = run_dir / REPORT
     report.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return report
+
+
+def _pm(value: float, se: float, digits: int = 3) -> str:
+    return f"{value:.{digits}f} ± {se:.{digits}f}"
+
+
+def _change(change: float, se: float, digits: int = 3) -> str:
+    z = f", z {change / se:+.1f}" if se > 0 else ""
+    return f"{change:+.{digits}f} ± {se:.{digits}f}{z}"
+
+
+def evaluation_sections(pipeline: Pipeline, run_dir: Path) -> list[str]:
+    """Markdown for the RL stages' and MOPD stages' eval.json (estimates ± standard error, changes
+    ± paired standard error and their z) and the claims they support; empty when none exists."""
+    lines: list[str] = []
+    rl = [
+        (sid, stage_dir(run_dir, sid) / "eval.json") for sid, st in pipeline.stages.items() if st.kind == "rl"
+    ]
+    rl = [(sid, json.loads(path.read_text())) for sid, path in rl if path.is_file()]
+    if rl:
+        lines += [
+            "",
+            "## RL evaluations",
+            "",
+            "Held-out prompts, greedy; ± one standard error; changes paired (the same episodes "
+            "before and after).",
+            "",
+            "| stage | prompts | SFT accuracy | accuracy | change | SFT tokens | tokens | change |",
+            "| --- | ---: | --- | --- | --- | --- | --- | --- |",
+        ]
+        for sid, r in rl:
+            if "accuracy_change_se" not in r:
+                continue  # written by an older version, without errors
+            lines.append(
+                f"| {sid} | {r['prompts']} | {_pm(r['sft']['accuracy'], r['sft']['accuracy_se'])} "
+                f"| {_pm(r['accuracy'], r['accuracy_se'])} "
+                f"| {_change(r['accuracy_change'], r['accuracy_change_se'])} "
+                f"| {_pm(r['sft']['mean_response_tokens'], r['sft']['mean_response_tokens_se'], 1)} "
+                f"| {_pm(r['mean_response_tokens'], r['mean_response_tokens_se'], 1)} "
+                f"| {_change(r['mean_response_tokens_change'], r['mean_response_tokens_change_se'], 1)} |"
+            )
+    for sid, stage in pipeline.stages.items():
+        path = stage_dir(run_dir, sid) / "eval.json"
+        if stage.kind != "mopd" or not path.is_file():
+            continue
+        report = json.loads(path.read_text())
+        lines += [
+            "",
+            f"## MOPD evaluation: {sid}",
+            "",
+            "Per pair: reverse KL to its teacher (exact where measured, else sampled) and greedy accuracy, "
+            "before -> after; changes ± paired standard error.",
+            "",
+            "| pair | KL before | KL after | change | accuracy before | accuracy after | change |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for pair, r in report.items():
+            kl = "kl_exact" if "kl_exact_before" in r else "kl"
+            se_b, se_a = r.get(f"{kl}_se_before", 0.0), r.get(f"{kl}_se_after", 0.0)
+            change = r[f"{kl}_after"] - r[f"{kl}_before"]
+            lines.append(
+                f"| {pair} | {_pm(r[f'{kl}_before'], se_b, 4)} | {_pm(r[f'{kl}_after'], se_a, 4)} "
+                f"| {_change(change, r.get(f'{kl}_change_se', 0.0), 4)} "
+                f"| {_pm(r['accuracy_before'], r.get('accuracy_se_before', 0.0))} "
+                f"| {_pm(r['accuracy_after'], r.get('accuracy_se_after', 0.0))} "
+                f"| {_change(r.get('accuracy_change', 0.0), r.get('accuracy_change_se', 0.0))} |"
+            )
+    claims = run_claims(run_dir)
+    if claims:
+        lines += ["", "## Claims of the default recipe (this run)", "", *claims_table(claims)]
+    return lines

@@ -1,14 +1,18 @@
-"""Held-out evaluation of a policy on one domain: accuracy and response length.
+"""Held-out evaluation of a policy on one domain: accuracy and response length, with their errors.
 
 Every RL specialist (and the SFT model it starts from) is measured on the same held-out prompts of
 its domain, drawn with the eval seed and not the stage's, so the three efforts of a domain see the
 same prompts; episodes are played through the domain's environment exactly as in training (real
-tools, sandboxes, hidden verifiers).
+tools, sandboxes, hidden verifiers). Each estimate comes with its standard error over episodes, and a
+change between two evaluations of the same episodes (before and after training) with the paired
+one: the prompts' difficulty, shared by both, cancels from it.
 """
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Mapping, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -21,12 +25,64 @@ class EvalConfig(BaseModel):
     """Held-out prompts of the domain, the same for the three efforts (their own seed)."""
 
     model_config = ConfigDict(extra="forbid")
-    prompts: int = Field(16, gt=0, description="held-out prompts of the domain")
+    prompts: int = Field(96, gt=0, description="held-out prompts of the domain")
     samples_per_prompt: int = Field(1, gt=0, description="episodes per held-out prompt")
     temperature: float = Field(0.0, ge=0, description="0: greedy")
     seed: int = Field(
         0, description="draws the held-out prompts (not the stage seed: every effort sees the same)"
     )
+
+
+def mean_standard_error(values: Sequence[float]) -> float:
+    """Standard error of the mean of `values` (sample standard deviation / sqrt(n)); 0.0 below
+    two values, where none can be estimated."""
+    n = len(values)
+    if n < 2:
+        return 0.0
+    mean = sum(values) / n
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
+
+
+def paired_standard_error(before: Sequence[float], after: Sequence[float]) -> float:
+    """Standard error of mean(after) - mean(before) when both measure the same units (episode i of
+    each is the same prompt): the error of the mean of the differences."""
+    if len(before) != len(after):
+        raise ValueError(f"paired values need equal lengths, got {len(before)} and {len(after)}")
+    return mean_standard_error([a - b for b, a in zip(before, after, strict=True)])
+
+
+def episode_rows(samples: Sequence[Sample]) -> dict[str, list]:
+    """The evaluation's episodes in order: uid, reward (the verifier's; 0.0 when unscored, as in
+    the accuracy) and tokens (policy-generated, tool results excluded)."""
+    return {
+        "uid": [s.uid for s in samples],
+        "reward": [float(s.reward or 0.0) for s in samples],
+        "tokens": [float(s.num_generated) for s in samples],
+    }
+
+
+def summary(rows: Mapping[str, list], suffix: str) -> dict[str, float]:
+    """accuracy and mean_response_tokens of episode rows, each with its standard error."""
+    n = max(len(rows["uid"]), 1)
+    return {
+        f"accuracy_{suffix}": sum(rows["reward"]) / n,
+        f"accuracy_se_{suffix}": mean_standard_error(rows["reward"]),
+        f"mean_response_tokens_{suffix}": sum(rows["tokens"]) / n,
+        f"mean_response_tokens_se_{suffix}": mean_standard_error(rows["tokens"]),
+    }
+
+
+def paired_changes(before: Mapping[str, list], after: Mapping[str, list]) -> dict[str, float]:
+    """accuracy_change and mean_response_tokens_change (after - before) with their paired standard
+    errors; the two evaluations must hold the same episodes in the same order."""
+    if before["uid"] != after["uid"]:
+        raise ValueError("the two evaluations played different episodes; a paired change needs the same")
+    n = max(len(before["uid"]), 1)
+    out = {}
+    for key, name in (("reward", "accuracy"), ("tokens", "mean_response_tokens")):
+        out[f"{name}_change"] = (sum(after[key]) - sum(before[key])) / n
+        out[f"{name}_change_se"] = paired_standard_error(before[key], after[key])
+    return out
 
 
 def evaluate(
@@ -37,9 +93,10 @@ def evaluate(
     cfg: EvalConfig,
     seed: int,
     suffix: str,
-) -> dict[str, float]:
-    """accuracy (mean task reward: the share solved under 0/1 verifiers) and mean_response_tokens
-    (policy-generated tokens per trajectory, tool results excluded) on the held-out prompts."""
+) -> tuple[dict[str, float], dict[str, list]]:
+    """Play every held-out prompt `samples_per_prompt` times. Returns the metrics (`summary`, plus
+    the truncated share, unscored episodes and seconds taken) and the episode rows, which pair this
+    evaluation with another of the same prompts (`paired_changes`)."""
     samples = [
         env.start(p, uid=f"eval/{p.uid}/{k}", group=f"eval/{p.uid}", effort=effort)
         for p in prompts
@@ -47,12 +104,11 @@ def evaluate(
     ]
     started = time.perf_counter()
     env.play(engine, samples, env.turn_sampling(cfg.temperature, seed))
-    scored = [s for s in samples if s.reward is not None]
-    n = max(len(scored), 1)
-    return {
-        f"accuracy_{suffix}": sum(float(s.reward) for s in scored) / n,
-        f"mean_response_tokens_{suffix}": sum(s.num_generated for s in samples) / len(samples),
+    rows = episode_rows(samples)
+    metrics = {
+        **summary(rows, suffix),
         f"truncated_{suffix}": sum(s.metrics.get(TRUNCATED, 0.0) for s in samples) / len(samples),
-        f"eval_unscored_{suffix}": float(len(samples) - len(scored)),
+        f"eval_unscored_{suffix}": float(sum(s.reward is None for s in samples)),
         f"eval_s_{suffix}": time.perf_counter() - started,
     }
+    return metrics, rows

@@ -52,6 +52,7 @@ from posttrain.trainers.mopd_eval import (
     episode_table,
     exact_results,
     final_metrics,
+    greedy_rows,
     pair_results,
     write_eval,
 )
@@ -93,7 +94,13 @@ class EvalConfig(BaseModel):
     temperature 1 for the KL, greedy for accuracy and length)."""
 
     model_config = ConfigDict(extra="forbid")
-    prompts_per_domain: int = Field(4, gt=0, description="held-out prompts per domain")
+    prompts_per_domain: int = Field(4, gt=0, description="held-out prompts per domain for the KL")
+    accuracy_prompts_per_domain: int = Field(
+        96,
+        gt=0,
+        description="held-out prompts per domain played greedily at every effort for accuracy and "
+        "length (the first prompts_per_domain are the KL's; the RL stages' first held-out prompts)",
+    )
     samples_per_prompt: int = Field(
         4,
         gt=0,
@@ -267,13 +274,18 @@ class Distiller:
             d: TEACHER_DOMAINS.get(d).environment(renderer, cfg.environment_of(d), sandbox_dir=sandboxes)
             for d in cfg.domains
         }
-        self.eval_prompts = {
-            d: e.prompts("eval", cfg.eval.prompts_per_domain, cfg.eval.seed) for d, e in self.envs.items()
+        # One draw: prompts() is prefix-stable, so the KL's prompts are the first of the greedy ones.
+        held_out = {
+            d: e.prompts(
+                "eval", max(cfg.eval.prompts_per_domain, cfg.eval.accuracy_prompts_per_domain), cfg.eval.seed
+            )
+            for d, e in self.envs.items()
         }
+        self.eval_prompts = {d: p[: cfg.eval.prompts_per_domain] for d, p in held_out.items()}  # the KL's
+        self.accuracy_prompts = {d: p[: cfg.eval.accuracy_prompts_per_domain] for d, p in held_out.items()}
         count = cfg.train.steps * cfg.rollout.prompts_per_domain
         self.train_prompts = {
-            d: env.prompts("train", count, ctx.seed, exclude=self.eval_prompts[d])
-            for d, env in self.envs.items()
+            d: env.prompts("train", count, ctx.seed, exclude=held_out[d]) for d, env in self.envs.items()
         }
 
     def episodes(self, prompts: Mapping[str, list[Sample]], tag: str, copies: int = 1) -> list[Sample]:
@@ -323,11 +335,13 @@ class Distiller:
         (`episode_table`), which pairs the before and after evaluations episode by episode."""
         sampled = self.episodes(self.eval_prompts, "eval", copies=self.cfg.eval.samples_per_prompt)
         self.rollout(sampled, temperature=1.0)
-        greedy = self.episodes(self.eval_prompts, "eval-greedy")
+        greedy = self.episodes(self.accuracy_prompts, "eval-greedy")
         self.rollout(greedy, temperature=0.0, scored=False)
         kl, decoded = pair_results(sampled), pair_results(greedy, with_kl=False)
         exact_sums = self.exact_kl_sums(sampled)
         table = episode_table(sampled, exact_sums)
+        for pair, rows in greedy_rows(greedy).items():
+            table[pair]["greedy"] = rows
         exact = exact_results(table) if exact_sums is not None else {}
         results = {
             pair: {

@@ -3,9 +3,9 @@
 Before and after training the student plays the held-out prompts of every domain at every effort:
 sampled episodes (temperature 1, the student's own distribution) for the reverse KL to each pair's
 teacher, by the sampled estimate and, where the engines give full distributions, the exact one;
-greedy ones for accuracy and length. The two evaluations play the same episode uids, so the change
-of each estimate gets a paired standard error. Pure functions of scored Samples; the stage
-(posttrain.trainers.mopd) plays the episodes.
+greedy ones (on more prompts) for accuracy and length. The two evaluations play the same episode
+uids, so the change of each estimate gets a paired standard error. Pure functions of scored
+Samples; the stage (posttrain.trainers.mopd) plays the episodes.
 """
 
 from __future__ import annotations
@@ -18,16 +18,28 @@ import torch
 
 from posttrain.algos.mopd_reward import paired_change_standard_error, reverse_kl, token_mean_standard_error
 from posttrain.data.sample import Sample
+from posttrain.envs.env_eval import episode_rows, mean_standard_error, paired_changes
 from posttrain.files import atomic_write_text
 from posttrain.trainers.mopd_teachers import pair_name
 
 EVAL_FILE = "eval.json"
-RESULT_KEYS = ("kl", "kl_se", "kl_exact", "kl_exact_se", "kl_tokens", "accuracy", "tokens")
+RESULT_KEYS = (
+    "kl",
+    "kl_se",
+    "kl_exact",
+    "kl_exact_se",
+    "kl_tokens",
+    "accuracy",
+    "accuracy_se",
+    "tokens",
+    "tokens_se",
+)
 
 
 def pair_results(samples: list[Sample], with_kl: bool = True) -> dict[str, dict[str, float]]:
     """Per pair: accuracy, the mean verifier reward (0 when unscored); tokens, the mean
-    student-generated tokens per episode (tool results excluded); with_kl (teacher-scored samples):
+    student-generated tokens per episode (tool results excluded); each with its standard error
+    (accuracy_se, tokens_se) over episodes; with_kl (teacher-scored samples):
     kl, the reverse KL to its teacher (token mean over the student's tokens of
     log p_student - log p_teacher), kl_tokens, how many tokens that mean is over, and (from two
     episodes a pair) kl_se, its standard error with the episodes as units."""
@@ -36,9 +48,12 @@ def pair_results(samples: list[Sample], with_kl: bool = True) -> dict[str, dict[
         by_pair.setdefault(pair_name((sample.domain, sample.effort)), []).append(sample)
     results = {}
     for name, group in by_pair.items():
+        rows = episode_rows(group)
         results[name] = {
-            "accuracy": sum(s.reward or 0.0 for s in group) / len(group),
-            "tokens": sum(s.num_generated for s in group) / len(group),
+            "accuracy": sum(rows["reward"]) / len(group),
+            "accuracy_se": mean_standard_error(rows["reward"]),
+            "tokens": sum(rows["tokens"]) / len(group),
+            "tokens_se": mean_standard_error(rows["tokens"]),
         }
         if with_kl:
             results[name]["kl"] = reverse_kl(
@@ -105,6 +120,14 @@ def episode_table(
     return table
 
 
+def greedy_rows(samples: list[Sample]) -> dict[str, dict[str, list]]:
+    """Per pair, its greedy episodes' rows (posttrain.envs.env_eval.episode_rows), in order."""
+    by_pair: dict[str, list[Sample]] = {}
+    for sample in samples:
+        by_pair.setdefault(pair_name((sample.domain, sample.effort)), []).append(sample)
+    return {name: episode_rows(group) for name, group in by_pair.items()}
+
+
 def write_eval(
     path: Path,
     before: Mapping[str, Mapping[str, float]],
@@ -114,10 +137,12 @@ def write_eval(
 ) -> dict:
     """DIR/mopd/eval.json: {"<domain>-<effort>": {kl_before, kl_after, kl_tokens_before,
     kl_tokens_after, accuracy_before, accuracy_after, tokens_before, tokens_after}}, plus
-    kl_exact_before / kl_exact_after where the engines gave full distributions, and, where a pair
-    has two or more sampled episodes, the standard errors kl_se_* / kl_exact_se_* of each estimate
-    and kl_change_se / kl_exact_change_se of its change (the same episodes before and after,
-    `paired_change_standard_error`)."""
+    kl_exact_before / kl_exact_after where the engines gave full distributions, the standard
+    errors accuracy_se_* / tokens_se_* and, where a pair has two or more sampled episodes,
+    kl_se_* / kl_exact_se_* of each estimate; kl_change_se / kl_exact_change_se of the KL's change
+    (the same episodes before and after, `paired_change_standard_error`), accuracy_change(_se) and
+    tokens_change(_se) from the greedy episodes (`greedy` rows of the episode tables, paired), and
+    accuracy_episodes, how many greedy episodes (one per held-out prompt, in the RL stages' order)."""
     report = {
         name: {
             f"{key}_{when}": float(values[name][key])
@@ -129,6 +154,10 @@ def write_eval(
     }
     for name, values in report.items():
         rows = before_episodes[name], after_episodes[name]
+        if all("greedy" in r for r in rows):
+            changes = paired_changes(rows[0]["greedy"], rows[1]["greedy"])
+            values.update({k.replace("mean_response_tokens", "tokens"): v for k, v in changes.items()})
+            values["accuracy_episodes"] = float(len(rows[1]["greedy"]["uid"]))
         if (
             rows[0]["uid"] != rows[1]["uid"]
             or len(rows[0]["uid"]) < 2

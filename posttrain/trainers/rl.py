@@ -18,7 +18,8 @@ section 2.2):
 4. The policy sampled is the policy trained (`rollout.engine`): the embedded engine shares the
    trained module, QAT hooks included; a vLLM engine (in-process or a server) is sent the weights
    after every iteration's update. Either way the policy version advances with each update.
-5. Held-out accuracy and response length before (the SFT model) and after, in eval.json.
+5. Held-out accuracy and response length before (the SFT model) and after, in eval.json, each with
+   its standard error and the change with its paired one (posttrain.envs.env_eval).
 
 Checkpoints hold weights, optimizer, schedule, RNGs, the policy version, the pre-training eval and
 the rollout queue with its sandbox snapshots, so a killed stage resumes bit for bit (checked with
@@ -42,7 +43,7 @@ from posttrain.data.chat import ChatRenderer, load_tokenizer
 from posttrain.data.sample import DOMAINS, EFFORTS, Sample
 from posttrain.engines import EmbeddedEngine, Engine, SamplingConfig
 from posttrain.envs.env_budget import BudgetConfig, base_budgets, model_digest, trajectory_rewards
-from posttrain.envs.env_eval import EvalConfig, evaluate
+from posttrain.envs.env_eval import EvalConfig, evaluate, paired_changes
 from posttrain.envs.environments import Environment, EnvironmentConfig, Judge, make_environment
 from posttrain.files import atomic_write_text, remove_tree
 from posttrain.rewards_registry import generative_reward_model
@@ -293,11 +294,15 @@ def run_rl(ctx: StageContext) -> dict[str, float]:
         last: dict[str, float] = {}
         if checkpoint is not None:
             step, before = checkpoint.step, dict(checkpoint.extra["before"])
+            before_rows = dict(checkpoint.extra["before_episodes"])
             last = dict(checkpoint.extra["last"])
             serve_policy(engine, model, version=int(checkpoint.extra["policy_version"]))
             queue.restore(checkpoint)
         else:
-            step, before = 0, evaluate(env, engine, held_out, effort, cfg.eval, ctx.seed, "before")
+            step, (before, before_rows) = (
+                0,
+                evaluate(env, engine, held_out, effort, cfg.eval, ctx.seed, "before"),
+            )
             ctx.metrics.log(0, {**before, **budget_metrics})
             ctx.log.info("before training (the %s model): %s", cfg.init, _shown(before))
         while step < cfg.train.steps:
@@ -317,7 +322,12 @@ def run_rl(ctx: StageContext) -> dict[str, float]:
                     model=state.unwrapped,
                     optimizer=state.optimizer,
                     scheduler=state.scheduler,
-                    extra={"before": before, "policy_version": engine.policy_version, "last": last},
+                    extra={
+                        "before": before,
+                        "before_episodes": before_rows,
+                        "policy_version": engine.policy_version,
+                        "last": last,
+                    },
                     samples=queue.samples(),
                     write_files=queue.write_files,
                 )
@@ -328,8 +338,9 @@ def run_rl(ctx: StageContext) -> dict[str, float]:
                 acc=last.get("task_reward_mean", 0.0),
             )
         last["rollout/discarded"] = float(queue.clear())
-        after = evaluate(env, engine, held_out, effort, cfg.eval, ctx.seed, "after")
-    ctx.metrics.log(step, after)
+        after, after_rows = evaluate(env, engine, held_out, effort, cfg.eval, ctx.seed, "after")
+    changes = paired_changes(before_rows, after_rows)
+    ctx.metrics.log(step, {**after, **changes})
     ctx.log.info("after training: %s", _shown(after))
     report = {
         "stage": ctx.stage_id,
@@ -337,19 +348,26 @@ def run_rl(ctx: StageContext) -> dict[str, float]:
         "effort": effort,
         "prompts": len(held_out),
         "accuracy": after["accuracy_after"],
+        "accuracy_se": after["accuracy_se_after"],
         "mean_response_tokens": after["mean_response_tokens_after"],
+        "mean_response_tokens_se": after["mean_response_tokens_se_after"],
         "sft": {
             "accuracy": before["accuracy_before"],
+            "accuracy_se": before["accuracy_se_before"],
             "mean_response_tokens": before["mean_response_tokens_before"],
+            "mean_response_tokens_se": before["mean_response_tokens_se_before"],
         },
+        **changes,  # after - before on the same episodes, with paired standard errors
         "before": before,
         "after": after,
+        "episodes": {"before": before_rows, "after": after_rows},
     }
     atomic_write_text(ctx.stage_dir / EVAL_FILE, json.dumps(report, indent=1, sort_keys=True))
     save_final_model(state.unwrapped, tokenizer, ctx.output_dir, renderer.stop_token_ids)
     return {
         **before,
         **after,
+        **changes,
         **budget_metrics,
         "steps": float(step),
         **{k: v for k, v in last.items() if k in ("reward_mean", "task_reward_mean", "over_budget_fraction")},

@@ -321,7 +321,8 @@ def test_kind_config_must_forbid_unknown_keys() -> None:
 
 def test_shipped_pipeline_is_the_eleven_stage_dag() -> None:
     pipeline = load_pipeline(REPO / "stages" / "mopd.yaml")
-    rl = [f"rl-{d}-{e}" for d in ("general", "agent", "coding") for e in ("low", "high", "max")]
+    # effort-major, so the stages running side by side are of different domains
+    rl = [f"rl-{d}-{e}" for e in ("low", "high", "max") for d in ("general", "agent", "coding")]
     assert list(pipeline.stages) == ["sft", *rl, "mopd"]
     # MOPD's student is the SFT model and its teachers the nine specialists: all of them are needs.
     assert pipeline.stages["mopd"].needs == ["sft", *rl]
@@ -342,7 +343,7 @@ def test_shipped_pipeline_is_the_eleven_stage_dag() -> None:
         (
             "[rl.yaml]",
             "student",
-            "student 'sft' is neither one of this stage's needs (rl-general-low, rl-general-high",
+            "student 'sft' is neither one of this stage's needs (rl-general-low, rl-agent-low",
         ),
         (
             "[sft.yaml]",
@@ -380,3 +381,13 @@ def test_a_model_directory_is_hashed_by_its_content(write, tmp_path: Path) -> No
     assert first.model == str(base.resolve()) and not first.model_is_input
     (base / "model.safetensors").write_bytes(b"weights-2")
     assert load_pipeline(stage).stages["sft"].config_hash != first.config_hash
+
+
+def test_mopd_plays_the_specialists_harness_so_their_accuracies_compare() -> None:
+    """orchestration.outcomes reads how much of each specialist's accuracy the student keeps from
+    the two stages' greedy evaluations: that needs the same environments and held-out prompts."""
+    pipeline = load_pipeline(REPO / "stages" / "mopd.yaml")
+    mopd, rl = pipeline.stages["mopd"].body, pipeline.stages["rl-general-low"].body
+    assert mopd["environments"] == rl["environments"]
+    assert mopd["eval"].get("seed", 0) == rl["eval"].get("seed", 0)  # both schemas default to 0
+    assert mopd["eval"]["accuracy_prompts_per_domain"] <= rl["eval"]["prompts"]

@@ -24,6 +24,7 @@ from posttrain.data.chat import ChatRenderer
 from posttrain.data.sample import DOMAINS, EFFORTS, Sample
 from posttrain.engines import EmbeddedEngine, SamplingConfig
 from posttrain.engines.testing import ScriptedTurns
+from posttrain.envs.env_eval import mean_standard_error
 from posttrain.envs.environments import EnvironmentConfig, make_environment, play_episodes
 from posttrain.envs.tasks import TASK_FAMILIES, Episode
 from posttrain.metrics import read_metrics
@@ -43,6 +44,8 @@ EVAL_KEYS = {
     "kl_before", "kl_after", "kl_tokens_before", "kl_tokens_after",
     "accuracy_before", "accuracy_after", "tokens_before", "tokens_after",
     "kl_exact_before", "kl_exact_after",
+    "accuracy_se_before", "accuracy_se_after", "tokens_se_before", "tokens_se_after",
+    "accuracy_change", "accuracy_change_se", "tokens_change", "tokens_change_se", "accuracy_episodes",
 }  # fmt: skip
 TIMINGS = {"time", "rollout_s", "teacher_score_s"}
 
@@ -173,7 +176,7 @@ def stage_body() -> dict:
     return {
         "train": {"steps": 2, "lr": 1e-4},
         "rollout": {"prompts_per_domain": 1},
-        "eval": {"prompts_per_domain": 1, "samples_per_prompt": 1},
+        "eval": {"prompts_per_domain": 1, "accuracy_prompts_per_domain": 2, "samples_per_prompt": 1},
         "environments": {d: {"max_tokens_per_turn": 8, "max_turns": 2} for d in DOMAINS},
         "checkpoint_every": 1,
     }
@@ -398,7 +401,9 @@ def test_eval_json_carries_the_paired_error_of_each_change(tmp_path):
 
 
 def test_two_evaluations_of_one_student_pair_episode_by_episode(dirs, renderer, stage_runner, tmp_path):
-    body = stage_body() | {"eval": {"prompts_per_domain": 1, "samples_per_prompt": 2}}
+    body = stage_body() | {
+        "eval": {"prompts_per_domain": 1, "accuracy_prompts_per_domain": 3, "samples_per_prompt": 2}
+    }
     ctx = stage_runner.context("mopd", tmp_path, body, inputs=stage_inputs(dirs))
     pool = TeacherPool(route_teachers(ctx.config, ctx.inputs), tmp_path, 0, logging.getLogger("test-mopd"))
     distiller = Distiller(ctx, ctx.config, load(dirs["sft"]), renderer, pool)
@@ -410,6 +415,8 @@ def test_two_evaluations_of_one_student_pair_episode_by_episode(dirs, renderer, 
         pool.close()
     # the same uids, hence the same sampling noise: the same episodes, row by row
     assert before_rows == after_rows and sorted(before_rows) == sorted(before)
+    # greedy episodes on more prompts than the KL's, also paired
+    assert all(len(rows["greedy"]["uid"]) == 3 for rows in before_rows.values())
     report = write_eval(tmp_path / "eval.json", before, after, before_rows, after_rows)
     for name, rows in before_rows.items():
         assert len(rows["uid"]) == 2 and rows["kl"] != [0.0, 0.0]
@@ -419,6 +426,8 @@ def test_two_evaluations_of_one_student_pair_episode_by_episode(dirs, renderer, 
         # each estimate has its own error, but an unchanged student's change has none
         assert values["kl_se_before"] > 0 and values["kl_change_se"] == 0.0
         assert values["kl_exact_change_se"] == 0.0
+        assert values["accuracy_change"] == values["accuracy_change_se"] == values["tokens_change_se"] == 0.0
+        assert values["tokens_se_before"] == pytest.approx(mean_standard_error(rows["greedy"]["tokens"]))
 
 
 def test_pair_balance_gives_every_domain_effort_pair_the_same_share_of_the_loss():

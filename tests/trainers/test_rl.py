@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from posttrain.data.sample import Sample
 from posttrain.engines.testing import tiny_k3
 from posttrain.envs.env_budget import trajectory_rewards
+from posttrain.envs.env_eval import paired_standard_error
 from posttrain.metrics import read_metrics
 from posttrain.stages import StageContext
 from posttrain.trainers.rl import RLConfig
@@ -131,8 +132,17 @@ def test_rl_stage_end_to_end_and_b0_is_estimated_once_for_all_efforts(tmp_path, 
     assert 0.0 <= report["accuracy"] <= 1.0 and 0 < report["mean_response_tokens"] <= 12
     assert report["sft"] == {
         "accuracy": final["accuracy_before"],
+        "accuracy_se": final["accuracy_se_before"],
         "mean_response_tokens": final["mean_response_tokens_before"],
+        "mean_response_tokens_se": final["mean_response_tokens_se_before"],
     }
+    # the change is paired: the same held-out episodes before and after
+    rows = report["episodes"]
+    assert rows["before"]["uid"] == rows["after"]["uid"] and len(rows["before"]["uid"]) == 2
+    assert report["accuracy_change"] == pytest.approx(report["accuracy"] - report["sft"]["accuracy"])
+    assert report["accuracy_change_se"] == pytest.approx(
+        paired_standard_error(rows["before"]["reward"], rows["after"]["reward"])
+    )
     records = {r["step"]: r for r in read_metrics(low.stage_dir / "metrics.jsonl") if "reward_mean" in r}
     assert sorted(records) == [1, 2]
     assert records[1]["tau"] == 1.0 and records[2]["tau"] == 0.9  # low: tau_start, then tau_end

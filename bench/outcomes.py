@@ -1,0 +1,99 @@
+"""The default recipe over several seeds: does each claim hold in the seed mean, and in how many seeds?
+
+Runs `posttrain run stages/mopd.yaml seed=S` (SFT, the nine RL specialists, MOPD: every stage's
+seed is S, so each seed has its own SFT model) into OUT/seed-S for each seed, as separate
+processes (`--parallel` at once, each given `--cpus` threads and stages), then reads every run's
+eval.json files (orchestration.outcomes) and prints, per claim: the seed mean, its standard error
+(the larger of the seeds' spread and their pooled evaluation errors), how many seeds hold and
+whether the mean holds. The held-out prompts are the eval seed's, the same in every run, so the
+spread measures what training's seed changes. A seed already finished is read, not rerun
+(posttrain's resume: a killed benchmark continues where it stopped).
+
+    python bench/outcomes.py --seeds 0 1 2 --out runs/outcomes             # one at a time
+    python bench/outcomes.py --seeds 0 1 2 --parallel 3 --cpus 5 --out DIR  # a 16-core machine
+
+Writes OUT/outcomes.json ({"runs": {seed: claims}, "summary": per claim}) and OUT/outcomes.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from orchestration.outcomes import run_claims, seed_summary  # noqa: E402
+
+
+def run_seed(seed: int, out: Path, cpus: int, stage_file: Path, extra: list[str]) -> tuple[int, float, int]:
+    """One seed of the default run, logged to OUT/seed-S.log; returns (seed, seconds, exit code)."""
+    run_dir = out / f"seed-{seed}"
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    command = [sys.executable, "-m", "posttrain.cli", "run", str(stage_file), f"seed={seed}", *extra]
+    command += ["--run-dir", str(run_dir), "--max-parallel", str(cpus)]
+    started = time.perf_counter()
+    with open(out / f"seed-{seed}.log", "a") as log:
+        code = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    return seed, time.perf_counter() - started, code
+
+
+def markdown(summary: dict, runs: dict[int, dict]) -> list[str]:
+    seeds = sorted(runs)
+    head = (
+        "| claim | rule | "
+        + " | ".join(f"seed {s}" for s in seeds)
+        + " | mean ± se | seeds holding | mean holds |"
+    )
+    lines = [head, "| --- | --- |" + " ---: |" * len(seeds) + " --- | ---: | --- |"]
+    for name, row in summary.items():
+        values = [f"{runs[s][name]['value']:.4g}" if name in runs[s] else "" for s in seeds]
+        lines.append(
+            f"| {name} | {row['rule']} | " + " | ".join(values) + f" | {row['mean']:.4g} ± {row['se']:.2g} "
+            f"| {row['seeds_holding']}/{row['seeds']} | {'yes' if row['holds_mean'] else 'no'} |"
+        )
+    held = sum(r["holds_mean"] for r in summary.values())
+    return [*lines, "", f"{held} of {len(summary)} claims hold in the seed mean."]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--out", type=Path, default=REPO / "runs" / "outcomes")
+    parser.add_argument("--parallel", type=int, default=1, help="seeds running at once")
+    parser.add_argument("--cpus", type=int, default=2, help="stages at once (one thread each) per seed")
+    parser.add_argument("--stage-file", type=Path, default=REPO / "stages" / "mopd.yaml")
+    parser.add_argument("--report-only", action="store_true", help="read the runs in OUT, run nothing")
+    parser.add_argument("overrides", nargs="*", help="KEY=VALUE overrides passed to every run")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    print(f"machine: {platform.node()} {os.cpu_count()} cores, python {platform.python_version()}")
+    if not args.report_only:
+        with ThreadPoolExecutor(args.parallel) as pool:
+            jobs = [
+                pool.submit(run_seed, s, args.out, args.cpus, args.stage_file, args.overrides)
+                for s in args.seeds
+            ]
+            for job in jobs:
+                seed, seconds, code = job.result()
+                print(
+                    f"seed {seed}: exit {code} after {seconds / 60:.1f} min (log {args.out}/seed-{seed}.log)"
+                )
+    runs = {s: run_claims(args.out / f"seed-{s}") for s in args.seeds}
+    summary = seed_summary([c for c in runs.values() if c])
+    lines = markdown(summary, runs)
+    print("\n".join(lines))
+    (args.out / "outcomes.json").write_text(json.dumps({"runs": runs, "summary": summary}, indent=1))
+    (args.out / "outcomes.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""The default recipe's claims, read from a finished run's eval.json files, with their errors.
+
+One run (one seed) gives, per claim, the estimate and its standard error from the evaluation's
+episodes; several runs of the recipe with different seeds (bench/outcomes.py) give the seed mean,
+the standard error of that mean and how many seeds hold. The claims (issue #21's recipe bar):
+
+- max_beats_sft/<domain>: the max specialist's held-out accuracy minus the SFT model's at max
+  effort, by at least 2 standard errors;
+- low_within_5/<domain>: the low specialist loses at most 5 points of accuracy against the SFT
+  model at low effort;
+- length_order/<domain>: the specialists' mean response tokens low < high < max;
+- mopd_kl_down/<domain>-<effort>: MOPD lowers the exact reverse KL (the sampled one where no exact
+  one was measured) to that pair's teacher by at least 1 paired standard error;
+- mopd_keeps_90/<domain>-<effort>: the student keeps at least 90% of its teacher's accuracy.
+
+Each claim is a row {value, se, threshold, holds}; `value` and `se` are what is compared
+(`holds` for one run; bench/outcomes.py re-decides on seed means).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from posttrain.envs.env_eval import mean_standard_error
+
+EFFORTS = ("low", "high", "max")
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def claim(value: float, se: float, rule: str) -> dict[str, Any]:
+    """A claim row. rule: "z>=2" (value >= 2 se, value > 0), "z<=-1" (value <= -se, value < 0),
+    ">=-0.05" / ">=0.9" (a plain bound on value), "order" (value 1.0 when it holds)."""
+    if rule == "z>=2":
+        holds = value > 0 and value >= 2 * se
+    elif rule == "z<=-1":
+        holds = value < 0 and value <= -se
+    elif rule.startswith(">="):
+        holds = value >= float(rule[2:])
+    elif rule == "order":
+        holds = value == 1.0
+    else:
+        raise ValueError(f"unknown claim rule {rule!r}")
+    return {"value": value, "se": se, "rule": rule, "holds": bool(holds)}
+
+
+def rl_claims(run_dir: Path, domains: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """max_beats_sft, low_within_5 and length_order per domain from DIR/rl-<domain>-<effort>/eval.json;
+    a domain whose three evaluations are not all there is left out."""
+    claims: dict[str, dict[str, Any]] = {}
+    for domain in domains:
+        evals = {e: _read(run_dir / f"rl-{domain}-{e}" / "eval.json") for e in EFFORTS}
+        if any(v is None for v in evals.values()):
+            continue
+        top, low = evals["max"], evals["low"]
+        claims[f"max_beats_sft/{domain}"] = claim(top["accuracy_change"], top["accuracy_change_se"], "z>=2")
+        claims[f"low_within_5/{domain}"] = claim(low["accuracy_change"], low["accuracy_change_se"], ">=-0.05")
+        tokens = [evals[e]["mean_response_tokens"] for e in EFFORTS]
+        ordered = float(tokens[0] < tokens[1] < tokens[2])
+        claims[f"length_order/{domain}"] = {**claim(ordered, 0.0, "order"), "tokens": tokens}
+    return claims
+
+
+def mopd_claims(run_dir: Path, stage: str = "mopd") -> dict[str, dict[str, Any]]:
+    """mopd_kl_down and mopd_keeps_90 per pair from DIR/<stage>/eval.json (empty without it). The
+    teacher's accuracy is its RL stage's (DIR/rl-<pair>/eval.json) on the same first held-out
+    prompts: the MOPD and RL evaluations draw them with the same eval seed, in the same order, and
+    play them greedily under the same harness (stages/mopd.yaml's environments are stages/rl.yaml's)."""
+    report = _read(run_dir / stage / "eval.json")
+    claims: dict[str, dict[str, Any]] = {}
+    for pair, row in (report or {}).items():
+        kl = "kl_exact" if "kl_exact_before" in row else "kl"
+        if f"{kl}_change_se" in row:
+            change = row[f"{kl}_after"] - row[f"{kl}_before"]
+            claims[f"mopd_kl_down/{pair}"] = {
+                **claim(change, row[f"{kl}_change_se"], "z<=-1"),
+                "estimate": kl,
+            }
+        teacher = _read(run_dir / f"rl-{pair}" / "eval.json")
+        if teacher is None or "accuracy_episodes" not in row:
+            continue
+        rewards = teacher["episodes"]["after"]["reward"][: int(row["accuracy_episodes"])]
+        reference = sum(rewards) / len(rewards)
+        if reference > 0:
+            # The ratio's error by the delta method, the two accuracies taken as independent.
+            ratio = row["accuracy_after"] / reference
+            se = ratio * math.hypot(
+                row["accuracy_se_after"] / max(row["accuracy_after"], 1e-9),
+                mean_standard_error(rewards) / reference,
+            )
+            claims[f"mopd_keeps_90/{pair}"] = {**claim(ratio, se, ">=0.9"), "teacher_accuracy": reference}
+    return claims
+
+
+def run_claims(run_dir: Path, domains: Sequence[str] = ("general", "agent", "coding")) -> dict[str, dict]:
+    """Every claim one finished (or partly finished) run of the default recipe supports."""
+    return {**rl_claims(run_dir, domains), **mopd_claims(run_dir)}
+
+
+def seed_summary(runs: Sequence[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Per claim over seeds: mean, se_seeds (the spread of the seeds' values / sqrt(n)), se_eval
+    (the seeds' own errors pooled: sqrt(sum se^2) / n), the standard error used, the larger of the
+    two, holds_mean (the claim's rule on mean and that error, length order: every seed) and
+    seeds_holding (how many seeds hold on their own)."""
+    summary: dict[str, dict[str, Any]] = {}
+    for name in sorted({n for run in runs for n in run}):
+        rows = [run[name] for run in runs if name in run]
+        values = [r["value"] for r in rows]
+        n = len(values)
+        mean = sum(values) / n
+        spread = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n) if n > 1 else 0.0
+        pooled = math.sqrt(sum(r["se"] ** 2 for r in rows)) / n
+        rule = rows[0]["rule"]
+        se = max(spread, pooled)
+        holds = all(r["holds"] for r in rows) if rule == "order" else claim(mean, se, rule)["holds"]
+        summary[name] = {
+            "mean": mean,
+            "se": se,
+            "se_seeds": spread,
+            "se_eval": pooled,
+            "rule": rule,
+            "seeds": n,
+            "seeds_holding": sum(r["holds"] for r in rows),
+            "holds_mean": holds,
+        }
+    return summary
+
+
+def claims_table(claims: dict[str, dict[str, Any]]) -> list[str]:
+    """Markdown rows of one run's claims: value, standard error, rule, holds."""
+    lines = ["| claim | value | se | rule | holds |", "| --- | ---: | ---: | --- | --- |"]
+    for name, row in claims.items():
+        holds = "yes" if row["holds"] else "no"
+        lines.append(f"| {name} | {row['value']:.4g} | {row['se']:.3g} | {row['rule']} | {holds} |")
+    return lines

@@ -1,0 +1,77 @@
+"""The recipe's claims read from a run dir's eval.json files, and their seed summary: each claim's
+rule on hand-made evaluations that hold and that fail, and the seed mean's error."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from orchestration.outcomes import claim, claims_table, run_claims, seed_summary
+from posttrain.envs.env_eval import mean_standard_error
+
+
+def _rl(run: Path, domain: str, effort: str, change: float, se: float, tokens: float) -> None:
+    stage = run / f"rl-{domain}-{effort}"
+    stage.mkdir(parents=True)
+    report = {"accuracy_change": change, "accuracy_change_se": se, "mean_response_tokens": tokens}
+    # the specialist's held-out episodes: on the first 4 prompts it solves 2 of 4
+    report["episodes"] = {"after": {"reward": [1.0, 0.0, 1.0, 0.0, 1.0, 1.0]}}
+    (stage / "eval.json").write_text(json.dumps(report))
+
+
+def _mopd(run: Path, rows: dict) -> None:
+    (run / "mopd").mkdir(parents=True)
+    (run / "mopd" / "eval.json").write_text(json.dumps(rows))
+
+
+def test_claims_of_one_run_hold_and_fail_by_their_rules(tmp_path):
+    _rl(tmp_path, "general", "low", -0.04, 0.03, 20.0)
+    _rl(tmp_path, "general", "high", 0.0, 0.03, 40.0)
+    _rl(tmp_path, "general", "max", 0.10, 0.04, 60.0)  # z 2.5
+    _rl(tmp_path, "agent", "low", -0.08, 0.03, 70.0)  # loses 8 points
+    _rl(tmp_path, "agent", "high", 0.0, 0.03, 60.0)  # shorter than low: order broken
+    _rl(tmp_path, "agent", "max", 0.05, 0.04, 90.0)  # z 1.25
+    _rl(tmp_path, "coding", "low", 0.0, 0.03, 20.0)  # high and max missing: no coding claims
+    row = {
+        "kl_before": 0.05, "kl_after": 0.04, "kl_change_se": 0.02,
+        "kl_exact_before": 0.05, "kl_exact_after": 0.03, "kl_exact_change_se": 0.005,
+        "accuracy_after": 0.45, "accuracy_se_after": 0.05, "accuracy_episodes": 4.0,
+    }  # fmt: skip
+    small = {**row, "kl_exact_after": 0.048, "accuracy_after": 0.40}
+    _mopd(tmp_path, {"general-low": row, "agent-high": small})
+    claims = run_claims(tmp_path)
+    assert claims["max_beats_sft/general"]["holds"] and not claims["max_beats_sft/agent"]["holds"]
+    assert claims["low_within_5/general"]["holds"] and not claims["low_within_5/agent"]["holds"]
+    assert claims["length_order/general"]["holds"] and not claims["length_order/agent"]["holds"]
+    assert claims["length_order/general"]["tokens"] == [20.0, 40.0, 60.0]
+    assert not any(name.endswith("/coding") for name in claims)
+    # the exact KL is the one judged: -0.02 over a paired error of 0.005; -0.002 is within it
+    assert claims["mopd_kl_down/general-low"]["value"] == pytest.approx(-0.02)
+    assert claims["mopd_kl_down/general-low"]["holds"] and not claims["mopd_kl_down/agent-high"]["holds"]
+    assert claims["mopd_kl_down/general-low"]["estimate"] == "kl_exact"
+    kept = claims["mopd_keeps_90/general-low"]
+    assert kept["teacher_accuracy"] == 0.5 and kept["value"] == pytest.approx(0.9) and kept["holds"]
+    assert kept["se"] == pytest.approx(0.9 * math.hypot(0.05 / 0.45, mean_standard_error([1, 0, 1, 0]) / 0.5))
+    assert not claims["mopd_keeps_90/agent-high"]["holds"]  # 0.8 of the teacher
+    table = claims_table(claims)
+    assert len(table) == 2 + len(claims) and "| max_beats_sft/agent | 0.05 | 0.04 | z>=2 | no |" in table
+
+
+def test_seed_summary_uses_the_larger_of_the_seed_spread_and_the_pooled_eval_error():
+    runs = [{"c": claim(v, 0.02, "z>=2")} for v in (0.10, 0.06, 0.14)]
+    row = seed_summary(runs)["c"]
+    assert row["mean"] == pytest.approx(0.10)
+    assert row["se_seeds"] == pytest.approx(0.04 / math.sqrt(3))  # sd 0.04 over 3 seeds
+    assert row["se_eval"] == pytest.approx(math.sqrt(3 * 0.02**2) / 3)
+    assert row["se"] == pytest.approx(row["se_seeds"]) and row["holds_mean"]  # 0.10 >= 2 x 0.023
+    assert row["seeds_holding"] == 3 and row["seeds"] == 3
+    noisy = seed_summary([{"c": claim(v, 0.02, "z>=2")} for v in (0.30, -0.10, 0.10)])["c"]
+    assert not noisy["holds_mean"] and noisy["seeds_holding"] == 2
+    # the length order must hold in every seed, not on average
+    order = [{"o": claim(1.0, 0.0, "order")}, {"o": claim(0.0, 0.0, "order")}]
+    assert not seed_summary(order)["o"]["holds_mean"]
+    with pytest.raises(ValueError, match="unknown claim rule"):
+        claim(1.0, 0.0, "z>=3")
