@@ -12,21 +12,29 @@ import torch.nn.functional as F
 from torch import nn
 
 from posttrain.model.configuration_kimi_k3 import KimiK3Config
+from posttrain.model.fusion import region
 from posttrain.ops.situ import situ_glu
 
 
-class RMSNorm(nn.Module):
-    """RMSNorm computed in float32, returned in the input dtype (weight initialised to 1)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * weight over the last dim, in float32, returned in x's dtype."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * weight.float()).to(x.dtype)
 
-    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32, returned in the input dtype (weight initialised to 1);
+    `compile_regions` is the config key of `posttrain.model.fusion`."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, compile_regions: bool | None = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.compile_regions = compile_regions
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * self.weight.float()).to(x.dtype)
+        return region(rms_norm, self.compile_regions, x)(x, self.weight, self.eps)
 
 
 def glu_activation(config: KimiK3Config, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

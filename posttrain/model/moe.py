@@ -188,8 +188,9 @@ class KimiK3SparseMoeBlock(nn.Module):
         self.use_latent = latent is not None
         if self.use_latent:
             self.routed_expert_down_proj = nn.Linear(D, latent, bias=False)
+            norm = config.latent_moe_use_norm
             self.routed_expert_norm = (
-                RMSNorm(latent, config.rms_norm_eps) if config.latent_moe_use_norm else None
+                RMSNorm(latent, config.rms_norm_eps, config.compile_regions) if norm else None
             )
             self.routed_expert_up_proj = nn.Linear(latent, D, bias=False)
         self.experts = KimiK3Experts(config, latent if self.use_latent else D)

@@ -1,0 +1,125 @@
+"""The compiled elementwise regions (`compile_regions`, posttrain/model/fusion.py) against their
+eager twins on the CPU (inductor compiles for the CPU too): forward values and gradients of each
+region on odd shapes, and a whole tiny K3's loss and gradients with padding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from posttrain.model import KimiK3Config, KimiK3ForCausalLM
+from posttrain.model.fusion import compiled, use_compiled
+from posttrain.model.kda import conv_qkv, gated_rms_norm
+from posttrain.model.mlp import rms_norm
+from posttrain.ops.attn_res import attn_res_mix, naive_attn_res
+from posttrain.ops.attn_res.fused import mix_by_sources
+from posttrain.ops.kda import kda_gate
+
+
+def _grads(fn, *inputs):
+    """fn's outputs and the gradients of a random projection of them w.r.t. the float inputs."""
+    leaves = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
+    outs = fn(*leaves)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    gen = torch.Generator().manual_seed(1)
+    loss = sum((o.float() * torch.randn(o.shape, generator=gen)).sum() for o in outs)
+    loss.backward()
+    return [o.detach() for o in outs], [x.grad for x in leaves if x.requires_grad]
+
+
+def _assert_twins(fn, inputs, atol=1e-5):
+    eager_out, eager_grads = _grads(fn, *inputs)
+    fused_out, fused_grads = _grads(compiled(fn), *inputs)
+    for a, b in zip(eager_out + eager_grads, fused_out + fused_grads, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        torch.testing.assert_close(b.float(), a.float(), atol=atol, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norms_match_eager(dtype) -> None:
+    torch.manual_seed(0)
+    x = (torch.randn(3, 5, 37) * 3).to(dtype)
+    w = torch.randn(37)
+    atol = 1e-5 if dtype == torch.float32 else 2e-2
+    _assert_twins(lambda x, w: rms_norm(x, w, 1e-5), (x, w), atol)
+    gate = torch.randn(3, 5, 37).to(dtype)
+    _assert_twins(lambda o, g, w: gated_rms_norm(o, g, w, 1e-5), (x, gate, w), atol)
+
+
+@pytest.mark.parametrize("with_state", [False, True])
+def test_conv_qkv_matches_eager(with_state) -> None:
+    torch.manual_seed(0)
+    B, T, H, K, W = 2, 7, 3, 5, 4
+    qkv = torch.randn(B, T, 3 * H * K)
+    weight = torch.randn(3 * H * K, W)
+    state = torch.randn(B, 3 * H * K, W - 1) if with_state else None
+    pos = None if with_state else torch.tensor([0, 1, 2, 0, 1, 0, 1])  # three packed documents
+    inputs = (qkv, weight) if state is None else (qkv, weight, state)
+
+    def fn(qkv, weight, state=None):
+        return conv_qkv(qkv, weight, state, pos, H)
+
+    _assert_twins(fn, inputs)
+
+
+def test_kda_gate_matches_eager() -> None:
+    torch.manual_seed(0)
+    f, A_log, dt_bias = torch.randn(2, 9, 3 * 6), torch.randn(3), torch.randn(3 * 6)
+    _assert_twins(lambda f, a, d: kda_gate(f, a, d, -5.0), (f, A_log, dt_bias))
+
+
+@pytest.mark.parametrize("num_sources", [2, 3, 5])
+def test_attn_res_mix_compiled_matches_naive(num_sources) -> None:
+    torch.manual_seed(num_sources)
+    sources = tuple(torch.randn(2, 7, 33) * (i + 1) for i in range(num_sources))
+    w, q = torch.randn(33), torch.randn(33)
+
+    def naive(w, q, *s):
+        return naive_attn_res(s, w, q, 1e-5)
+
+    def fused(w, q, *s):
+        return attn_res_mix(s, w, q, 1e-5, compile_regions=True)
+
+    naive_out, naive_grads = _grads(naive, w, q, *sources)
+    fused_out, fused_grads = _grads(fused, w, q, *sources)
+    for a, b in zip(naive_out + naive_grads, fused_out + fused_grads, strict=True):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
+    # the eager form of the compiled region is the same function
+    torch.testing.assert_close(mix_by_sources(sources, w, q, 1e-5), naive_out[0], atol=1e-5, rtol=1e-4)
+
+
+def test_default_compiles_on_cuda_only() -> None:
+    x = torch.zeros(1)
+    assert not use_compiled(None, x)
+    assert use_compiled(True, x) and not use_compiled(False, x)
+
+
+def test_bad_setting_is_a_clear_error(tiny_config: KimiK3Config) -> None:
+    with pytest.raises(ValueError, match="compile_regions='yes'"):
+        KimiK3Config(**{**tiny_config.to_dict(), "compile_regions": "yes"})
+
+
+def test_tiny_model_compiled_matches_eager(tiny_config: KimiK3Config) -> None:
+    """The whole model with every region compiled: same loss and gradients, left padding included."""
+    losses, grads = [], []
+    for setting in (False, True):
+        config = KimiK3Config(**{**tiny_config.to_dict(), "compile_regions": setting})
+        torch.manual_seed(0)
+        model = KimiK3ForCausalLM(config).train()
+        with torch.no_grad():  # non-zero queries: a uniform mix would hide schedule errors
+            for name, p in model.named_parameters():
+                if name.endswith("res_proj.weight"):
+                    p.normal_()
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(3, config.vocab_size, (2, 11), generator=gen)
+        mask = torch.ones_like(ids)
+        mask[1, :3] = 0
+        labels = ids.masked_fill(mask == 0, -100)
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    torch.testing.assert_close(losses[1], losses[0], atol=1e-5, rtol=1e-5)
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-5, rtol=1e-3, msg=name)
