@@ -65,8 +65,9 @@ class KimiK3DecoderLayer(nn.Module):
             self.block_sparse_moe = KimiK3SparseMoeBlock(config)
         else:
             self.mlp = KimiMLP(config, D, config.intermediate_size)
-        self.input_layernorm = RMSNorm(D, eps, config.compile_regions)
-        self.post_attention_layernorm = RMSNorm(D, eps, config.compile_regions)
+        # Both feed only the sublayer's projections (and the router's matmul).
+        self.input_layernorm = RMSNorm(D, eps, config.compile_regions, feeds_matmuls=True)
+        self.post_attention_layernorm = RMSNorm(D, eps, config.compile_regions, feeds_matmuls=True)
         self.block_size = config.attn_res_block_size
         self.compile_regions = config.compile_regions
         if self.block_size is not None:

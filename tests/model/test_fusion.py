@@ -123,3 +123,34 @@ def test_tiny_model_compiled_matches_eager(tiny_config: KimiK3Config) -> None:
     assert grads[0].keys() == grads[1].keys()
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-5, rtol=1e-3, msg=name)
+
+
+def test_norms_feeding_matmuls_give_autocast_dtype_and_same_loss(tiny_config: KimiK3Config) -> None:
+    """Under autocast the sublayer input norms return bf16: the same values every consumer's matmul
+    cast to, so the loss is unchanged; gradients differ only by the bf16 sum of the consumers'."""
+    torch.manual_seed(0)
+    model = KimiK3ForCausalLM(tiny_config).train()
+    ids = torch.randint(3, tiny_config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    norms = [
+        m for layer in model.model.layers for m in (layer.input_layernorm, layer.post_attention_layernorm)
+    ]
+    assert all(n.feeds_matmuls for n in norms) and not model.model.norm.feeds_matmuls
+    results = []
+    for feeds in (False, True):
+        for n in norms:
+            n.feeds_matmuls = feeds
+        model.zero_grad()
+        with torch.autocast("cpu", torch.bfloat16):
+            assert norms[0](torch.ones(2, tiny_config.hidden_size)).dtype == (
+                torch.bfloat16 if feeds else torch.float32
+            )
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        results.append(
+            (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        )
+    (loss_fp32, grads_fp32), (loss_bf16, grads_bf16) = results
+    assert torch.equal(loss_bf16, loss_fp32)
+    for name, grad in grads_fp32.items():
+        scale = grad.abs().max().clamp_min(1e-6)
+        assert (grads_bf16[name] - grad).abs().max() / scale < 0.05, name
