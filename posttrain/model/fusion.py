@@ -21,6 +21,9 @@ import torch
 F = TypeVar("F", bound=Callable)
 
 _compiled: dict[Callable, Callable] = {}
+# Graphs one region may keep: each RMSNorm width, source count of a mix, grad mode and dtype is
+# one (dynamo's default of 8 would send the rest back to eager, silently but for a warning).
+RECOMPILE_LIMIT = 64
 
 
 def compiled(fn: F) -> F:
@@ -28,6 +31,7 @@ def compiled(fn: F) -> F:
     dtype and device; shapes turn dynamic after a first recompile, so changing lengths do not pile
     up graphs)."""
     if fn not in _compiled:
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         _compiled[fn] = torch.compile(fn)
     return _compiled[fn]  # type: ignore[return-value]
 

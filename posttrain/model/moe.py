@@ -49,7 +49,8 @@ class KimiK3MoEGate(nn.Module):
         In training mode the balancing statistics of the real tokens (token_mask [N] bool) are
         recorded, except during an activation-checkpointing recompute (already counted once).
         """
-        logits = x.float() @ self.weight.float().t()
+        with torch.autocast(x.device.type, enabled=False):  # autocast would run it in bf16
+            logits = x.float() @ self.weight.float().t()
         scores = torch.sigmoid(logits) if self.activation == "sigmoid" else torch.softmax(logits, dim=-1)
         biased = scores.detach() + self.e_score_correction_bias
         if self.num_groups > 1:

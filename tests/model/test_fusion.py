@@ -154,3 +154,16 @@ def test_norms_feeding_matmuls_give_autocast_dtype_and_same_loss(tiny_config: Ki
     for name, grad in grads_fp32.items():
         scale = grad.abs().max().clamp_min(1e-6)
         assert (grads_bf16[name] - grad).abs().max() / scale < 0.05, name
+
+
+def test_router_logits_stay_float32_under_autocast(tiny_config: KimiK3Config) -> None:
+    """The MoE gate's matmul runs in float32 under autocast too (vLLM's GateLinear does)."""
+    torch.manual_seed(0)
+    model = KimiK3ForCausalLM(tiny_config).eval()
+    gate = model.model.layers[-1].block_sparse_moe.gate
+    x = torch.randn(13, tiny_config.hidden_size)
+    idx, weight = gate(x)
+    with torch.autocast("cpu", torch.bfloat16):
+        idx_ac, weight_ac = gate(x)
+    assert weight_ac.dtype == torch.float32
+    assert torch.equal(idx_ac, idx) and torch.equal(weight_ac, weight)
