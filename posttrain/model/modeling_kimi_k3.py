@@ -241,6 +241,10 @@ class KimiK3Model(KimiK3PreTrainedModel):
                 state = self._gradient_checkpointing_func(layer.__call__, ctx, *state)
             else:
                 state = layer(ctx, *state)
+        return BaseModelOutputWithPast(last_hidden_state=self.final_hidden(state), past_key_values=cache)
+
+    def final_hidden(self, state: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The last layer's residual state (partial, *blocks) -> final mix and norm [B, T, D]."""
         partial, *blocks = state
         if self.config.attn_res_block_size is not None:
             partial = attn_res_mix(
@@ -250,7 +254,7 @@ class KimiK3Model(KimiK3PreTrainedModel):
                 self.output_attn_res_norm.eps,
                 self.config.compile_regions,
             )
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(partial), past_key_values=cache)
+        return self.norm(partial)
 
     @staticmethod
     def _new_token_mask(
