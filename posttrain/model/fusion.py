@@ -6,9 +6,11 @@ gated output norm. Each is a small pure-tensor function; compiling it (inductor)
 into a few kernels for the forward and the backward, with the same arithmetic in float32.
 
 The regions are compiled one by one, not the whole model: fla's KDA kernels, the grouped expert
-GEMMs and the QAT hooks stay eager in between. `compile_regions`: None (the default) compiles on
-CUDA tensors only, True everywhere (inductor runs on the CPU too: the tests compare the compiled
-regions with eager there), False never.
+GEMMs and the QAT hooks stay eager in between. `compile_regions`: None (the default) compiles
+training forwards on CUDA (CUDA tensors with grad enabled: inference, where every new prompt
+shape would stall on a compile, stays eager; `engines/cuda_graph_decode.py` removes its launch
+cost instead), True everywhere (inductor runs on the CPU too: the tests compare the compiled regions
+with eager there), False never.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def use_compiled(setting: bool | None, x: torch.Tensor) -> bool:
     """Whether a region fed `x` runs compiled under the config's `compile_regions` setting."""
     if torch.compiler.is_compiling():
         return False  # already inside a compiled graph (a caller compiled the model): trace eagerly
-    return x.is_cuda if setting is None else setting
+    return x.is_cuda and torch.is_grad_enabled() if setting is None else setting
 
 
 def region(fn: F, setting: bool | None, x: torch.Tensor) -> F:

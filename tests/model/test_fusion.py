@@ -88,9 +88,13 @@ def test_attn_res_mix_compiled_matches_naive(num_sources) -> None:
     torch.testing.assert_close(mix_by_sources(sources, w, q, 1e-5), naive_out[0], atol=1e-5, rtol=1e-4)
 
 
-def test_default_compiles_on_cuda_only() -> None:
+def test_default_compiles_cuda_training_only() -> None:
     x = torch.zeros(1)
     assert not use_compiled(None, x)
+    if torch.cuda.is_available():
+        assert use_compiled(None, x.cuda())
+        with torch.no_grad():
+            assert not use_compiled(None, x.cuda())
     assert use_compiled(True, x) and not use_compiled(False, x)
 
 
