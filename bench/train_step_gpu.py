@@ -8,9 +8,11 @@ Both: fp32 master weights, bf16 autocast, batch x seq tokens, loss + backward + 
 also updates its router bias, as the trainers do. Prints each median step time, tokens/s and MFU
 (6 x active parameters x tokens/s over the H200's 989 TFLOP/s dense bf16 datasheet peak;
 embeddings are lookups and not counted), kernel launches in one step, and the ratios.
-Asserts nothing.
+K3 runs with its elementwise regions compiled (`compile_regions`, the CUDA default) and, with
+`--eager-too`, also eager, QAT none only. Asserts nothing.
 
 Usage: python bench/train_step_gpu.py [--batch 8] [--seq 2048] [--steps 8] [--warmup 3] [--profile 0]
+       [--eager-too]
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ PEAK_FLOPS = 989e12  # H200 SXM dense bf16, datasheet
 VOCAB = 16384
 
 
-def k3_config() -> KimiK3Config:
+def k3_config(compile_regions: bool | None = None) -> KimiK3Config:
     base = load_model_config(REPO / "stages" / "models" / "tiny.yaml").to_dict()
     for key in ("model_type", "transformers_version", "architectures"):
         base.pop(key, None)
@@ -53,6 +55,7 @@ def k3_config() -> KimiK3Config:
         routed_expert_hidden_size=1024,
         num_shared_experts=1,
         attn_res_block_size=4,
+        compile_regions=compile_regions,
     )
     base["linear_attn_config"] = dict(
         base["linear_attn_config"],
@@ -140,18 +143,29 @@ def report(name: str, seconds: list[float], tokens: int, active: int) -> float:
     return median
 
 
-def bench_k3(ids: torch.Tensor, warmup: int, steps: int, top: int) -> tuple[dict[str, list[float]], int, int]:
+def bench_k3(
+    ids: torch.Tensor,
+    warmup: int,
+    steps: int,
+    top: int,
+    compile_regions: bool | None,
+    schemes: tuple[str, ...],
+) -> tuple[dict[str, list[float]], int, int]:
     """Step times per QAT scheme (alternating, so drifts hit both alike), launches, active params."""
-    config = k3_config()
+    config = k3_config(compile_regions)
     counts = count_parameters(config)
     torch.manual_seed(0)
     model = KimiK3ForCausalLM(config).cuda().train()
     optimizer = adamw(model)
-    print(f"K3: {counts['total'] / 1e6:.1f}M parameters, {counts['active'] / 1e6:.1f}M active", flush=True)
+    print(
+        f"K3 (compile_regions={compile_regions}): {counts['total'] / 1e6:.1f}M parameters, "
+        f"{counts['active'] / 1e6:.1f}M active",
+        flush=True,
+    )
     qat = {"none": QATConfig(scheme="none"), "k3": QATConfig(scheme="k3")}
-    times: dict[str, list[float]] = {"none": [], "k3": []}
+    times: dict[str, list[float]] = {scheme: [] for scheme in schemes}
     for i in range(warmup + steps):
-        for scheme in ("none", "k3"):
+        for scheme in schemes:
             apply_qat(model, qat[scheme])
             seconds = timed(lambda: train_step(model, optimizer, ids))
             if i >= warmup:
@@ -184,22 +198,32 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="timed steps per variant")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first")
     parser.add_argument("--profile", type=int, default=0, help="print the K3 step's N costliest operators")
+    parser.add_argument("--eager-too", action="store_true", help="also time K3 with compile_regions=False")
     args = parser.parse_args()
     tokens = args.batch * args.seq
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, batch {args.batch} x {args.seq}")
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, VOCAB, (args.batch, args.seq), generator=gen).cuda()
-    times, k3_launches, k3_active = bench_k3(ids, args.warmup, args.steps, args.profile)
+    eager = None
+    if args.eager_too:
+        eager, eager_launches, _ = bench_k3(ids, args.warmup, args.steps, 0, False, ("none",))
+        torch.cuda.empty_cache()
+    times, k3_launches, k3_active = bench_k3(ids, args.warmup, args.steps, args.profile, None, ("none", "k3"))
     torch.cuda.empty_cache()
     llama_times, llama_launches, llama_active = bench_llama(ids, args.warmup, args.steps)
 
     print(f"median of {args.steps} steps after {args.warmup} warm-up:")
+    if eager is not None:
+        eager_median = report("K3 eager, qat none", eager["none"], tokens, k3_active)
+        print(f"  kernel launches per step, K3 eager: {eager_launches}")
     none = report("K3, qat none", times["none"], tokens, k3_active)
     with_qat = report("K3, qat k3", times["k3"], tokens, k3_active)
     base = report("Llama (baseline)", llama_times, tokens, llama_active)
     print(f"  kernel launches per step: K3 {k3_launches}, Llama {llama_launches}")
     print(f"  K3 / Llama tokens/s: {base / none:.3f}x (goal >= 0.8x)")
     print(f"  QAT k3 / none step time: {with_qat / none:.3f}x (goal <= 1.10x)")
+    if eager is not None:
+        print(f"  K3 eager / compiled regions step time: {eager_median / none:.3f}x")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ from transformers import PretrainedConfig
 from posttrain.model.released import flatten_released_config, is_released_config
 
 SUPPORTED_ACTIVATIONS = ("situ", "silu")
+# Keys a model file may set that are not released K3 keys (how this process runs the model).
+RUNTIME_KEYS = ("compile_regions",)
 
 # Layers 4, 8, ..., 92 and 93 are MLA (1-based); the rest are KDA: 69 KDA + 24 MLA.
 _K3_FULL_ATTN_LAYERS = [*range(4, 93, 4), 93]
@@ -138,6 +140,9 @@ class KimiK3Config(PretrainedConfig):
         self.topk_group = topk_group
         self.num_nextn_predict_layers = num_nextn_predict_layers
         self.attn_res_block_size = attn_res_block_size
+        # Not a released key (the signature holds exactly vLLM's): how this process runs the
+        # elementwise regions (posttrain/model/fusion.py); None compiles CUDA training forwards.
+        self.compile_regions = kwargs.pop("compile_regions", None)
         super().__init__(
             pad_token_id=pad_token_id,
             bos_token_id=bos_token_id,
@@ -181,6 +186,11 @@ class KimiK3Config(PretrainedConfig):
 
     def validate_k3(self) -> None:
         """Raise ValueError naming the offending key and the fix if no model can be built."""
+        if self.compile_regions not in (None, True, False):
+            raise ValueError(
+                f"compile_regions={self.compile_regions!r}: must be true, false or null (null: "
+                "compile the elementwise regions of CUDA training forwards; see posttrain/model/fusion.py)"
+            )
         L = self.num_hidden_layers
         if L < 1:
             raise ValueError(f"num_hidden_layers={L}: must be >= 1")
@@ -354,7 +364,7 @@ def load_model_config(path: str | Path) -> KimiK3Config:
 
 def _reject_unknown_keys(path: Path, data: dict[str, Any]) -> None:
     known = set(inspect.signature(KimiK3Config.__init__).parameters) - {"self", "kwargs"}
-    known |= set(PretrainedConfig().to_dict())
+    known |= set(PretrainedConfig().to_dict()) | set(RUNTIME_KEYS)
     for key in data:
         if key not in known:
             near = difflib.get_close_matches(key, sorted(known), n=1)

@@ -16,6 +16,7 @@ from torch import nn
 
 from posttrain.model.cache import KimiK3Cache
 from posttrain.model.configuration_kimi_k3 import KimiK3Config
+from posttrain.model.fusion import region
 from posttrain.ops.kda import chunk_kda, fused_recurrent_kda, kda_gate
 
 # fla's l2norm epsilon (vLLM's kernels normalise q/k with use_qk_l2norm_in_kernel=True).
@@ -68,6 +69,21 @@ def causal_short_conv(
     return y, full[:, T:].transpose(1, 2).contiguous()
 
 
+def conv_qkv(
+    qkv: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_state: torch.Tensor | None,
+    pos_in_doc: torch.Tensor | None,
+    num_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The short conv, SiLU and q/k l2norm of KDA's fused q|k|v projection [B, T, 3 H K]: one
+    elementwise region (`posttrain.model.fusion`). Returns (q, k, v [B, T, H, K], new conv_state)."""
+    B, T, C = qkv.shape
+    y, new_state = causal_short_conv(qkv, conv_weight, conv_state, pos_in_doc)
+    q, k, v = F.silu(y).view(B, T, 3, num_heads, C // (3 * num_heads)).unbind(2)
+    return l2norm(q), l2norm(k), v, new_state
+
+
 class ShortConvolution(nn.Module):
     """Depthwise causal conv taps, stored as nn.Conv1d's weight [C, 1, W] (the released
     `q_conv1d.weight` layout); applied by `causal_short_conv`, which also handles state and packing."""
@@ -106,7 +122,8 @@ class KimiK3DeltaAttention(nn.Module):
         else:
             self.g_a_proj = nn.Linear(D, K, bias=False)
             self.g_b_proj = nn.Linear(K, P, bias=False)
-        self.o_norm = _GatedRMSNorm(K)
+        self.compile_regions = config.compile_regions
+        self.o_norm = _GatedRMSNorm(K, compile_regions=config.compile_regions)
         self.o_proj = nn.Linear(P, D, bias=False)
 
     def _output_gate(self, x: torch.Tensor) -> torch.Tensor:
@@ -134,11 +151,12 @@ class KimiK3DeltaAttention(nn.Module):
         conv_weight = torch.cat([c.weight[:, 0] for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])
         pos_in_doc = None if cu_seqlens is None else document_positions(cu_seqlens, T)[1]
         conv_state = None if cache is None else cache.conv_states[self.layer_idx]
-        qkv, new_conv_state = causal_short_conv(qkv, conv_weight, conv_state, pos_in_doc)
-        q, k, v = F.silu(qkv).view(B, T, 3, H, K).unbind(2)
-        q, k = l2norm(q), l2norm(k)
+        q, k, v, new_conv_state = region(conv_qkv, self.compile_regions, qkv)(
+            qkv, conv_weight, conv_state, pos_in_doc, H
+        )
         beta = torch.sigmoid(self.b_proj(x).float())
-        g = kda_gate(self.f_b_proj(self.f_a_proj(x)), self.A_log, self.dt_bias, self.gate_lower_bound)
+        f = self.f_b_proj(self.f_a_proj(x))
+        g = region(kda_gate, self.compile_regions, f)(f, self.A_log, self.dt_bias, self.gate_lower_bound)
         if token_mask is not None:
             keep = token_mask.to(torch.float32)
             beta = beta * keep[..., None]
@@ -164,15 +182,21 @@ class KimiK3DeltaAttention(nn.Module):
         return self.o_proj(o.reshape(B, T, H * K))
 
 
+def gated_rms_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm(o) * weight * sigmoid(gate) in float32, returned in gate's dtype."""
+    h = o.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    return (h * torch.sigmoid(gate.float())).to(gate.dtype)
+
+
 class _GatedRMSNorm(nn.Module):
     """fla's FusedRMSNormGated with activation="sigmoid": RMSNorm(o) * weight * sigmoid(gate)."""
 
-    def __init__(self, dim: int, eps: float = O_NORM_EPS) -> None:
+    def __init__(self, dim: int, eps: float = O_NORM_EPS, compile_regions: bool | None = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.compile_regions = compile_regions
 
     def forward(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        h = o.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
-        return (h * torch.sigmoid(gate.float())).to(gate.dtype)
+        return region(gated_rms_norm, self.compile_regions, o)(o, gate, self.weight, self.eps)

@@ -37,12 +37,12 @@ class KimiK3MLAAttention(nn.Module):
         self.scaling = self.qk_head_dim**-0.5
         if self.q_lora_rank is not None:
             self.q_a_proj = nn.Linear(D, self.q_lora_rank, bias=False)
-            self.q_a_layernorm = RMSNorm(self.q_lora_rank, config.rms_norm_eps)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, config.rms_norm_eps, config.compile_regions)
             self.q_b_proj = nn.Linear(self.q_lora_rank, H * self.qk_head_dim, bias=False)
         else:
             self.q_proj = nn.Linear(D, H * self.qk_head_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(D, self.kv_lora_rank + self.qk_rope_head_dim, bias=False)
-        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, config.rms_norm_eps)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, config.rms_norm_eps, config.compile_regions)
         self.kv_b_proj = nn.Linear(
             self.kv_lora_rank, H * (self.qk_nope_head_dim + self.v_head_dim), bias=False
         )

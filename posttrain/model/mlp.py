@@ -12,21 +12,43 @@ import torch.nn.functional as F
 from torch import nn
 
 from posttrain.model.configuration_kimi_k3 import KimiK3Config
+from posttrain.model.fusion import region
 from posttrain.ops.situ import situ_glu
 
 
-class RMSNorm(nn.Module):
-    """RMSNorm computed in float32, returned in the input dtype (weight initialised to 1)."""
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * weight over the last dim, in float32, returned in out_dtype
+    (default x's dtype)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * weight.float()).to(out_dtype or x.dtype)
 
-    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32, returned in the input dtype (weight initialised to 1).
+
+    `compile_regions` is the config key of `posttrain.model.fusion`. `feeds_matmuls` marks a norm
+    whose output only enters matmuls: under autocast it is returned in the autocast dtype, the
+    values autocast would cast it to anyway, so the float32 output and the per-matmul casts of
+    it (six for a KDA layer's input) are never written.
+    """
+
+    def __init__(
+        self, dim: int, eps: float = 1e-5, compile_regions: bool | None = False, feeds_matmuls: bool = False
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.compile_regions = compile_regions
+        self.feeds_matmuls = feeds_matmuls
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * self.weight.float()).to(x.dtype)
+        out_dtype = None
+        if self.feeds_matmuls and torch.is_autocast_enabled(x.device.type):
+            out_dtype = torch.get_autocast_dtype(x.device.type)
+        return region(rms_norm, self.compile_regions, x)(x, self.weight, self.eps, out_dtype)
 
 
 def glu_activation(config: KimiK3Config, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -65,13 +65,15 @@ class KimiK3DecoderLayer(nn.Module):
             self.block_sparse_moe = KimiK3SparseMoeBlock(config)
         else:
             self.mlp = KimiMLP(config, D, config.intermediate_size)
-        self.input_layernorm = RMSNorm(D, eps)
-        self.post_attention_layernorm = RMSNorm(D, eps)
+        # Both feed only the sublayer's projections (and the router's matmul).
+        self.input_layernorm = RMSNorm(D, eps, config.compile_regions, feeds_matmuls=True)
+        self.post_attention_layernorm = RMSNorm(D, eps, config.compile_regions, feeds_matmuls=True)
         self.block_size = config.attn_res_block_size
+        self.compile_regions = config.compile_regions
         if self.block_size is not None:
-            self.self_attention_res_norm = RMSNorm(D, eps)
+            self.self_attention_res_norm = RMSNorm(D, eps, config.compile_regions)
             self.self_attention_res_proj = AttnResQuery(D)
-            self.mlp_res_norm = RMSNorm(D, eps)
+            self.mlp_res_norm = RMSNorm(D, eps, config.compile_regions)
             self.mlp_res_proj = AttnResQuery(D)
 
     def token_mixer(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -108,12 +110,14 @@ class KimiK3DecoderLayer(nn.Module):
             sources = blocks
         else:
             sources = (*blocks, partial)
+        cr = self.compile_regions
         mixed = attn_res_mix(
-            sources, self.self_attention_res_norm.weight, self.self_attention_res_proj.weight[0], eps
+            sources, self.self_attention_res_norm.weight, self.self_attention_res_proj.weight[0], eps, cr
         )
         out = self.token_mixer(mixed, ctx)
         partial = out if self.layer_idx % self.block_size == 0 else partial + out
-        mixed = attn_res_mix((*blocks, partial), self.mlp_res_norm.weight, self.mlp_res_proj.weight[0], eps)
+        mlp_sources = (*blocks, partial)
+        mixed = attn_res_mix(mlp_sources, self.mlp_res_norm.weight, self.mlp_res_proj.weight[0], eps, cr)
         return (partial + self.feed_forward(mixed, ctx), *blocks)
 
 
@@ -186,9 +190,9 @@ class KimiK3Model(KimiK3PreTrainedModel):
         D = config.hidden_size
         self.embed_tokens = nn.Embedding(config.vocab_size, D)
         self.layers = nn.ModuleList(KimiK3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(D, config.rms_norm_eps)
+        self.norm = RMSNorm(D, config.rms_norm_eps, config.compile_regions)
         if config.attn_res_block_size is not None:
-            self.output_attn_res_norm = RMSNorm(D, config.rms_norm_eps)
+            self.output_attn_res_norm = RMSNorm(D, config.rms_norm_eps, config.compile_regions)
             self.output_attn_res_proj = AttnResQuery(D)
         self.has_mla = not all(layer.is_kda for layer in self.layers)
         self.gradient_checkpointing = False
@@ -237,6 +241,10 @@ class KimiK3Model(KimiK3PreTrainedModel):
                 state = self._gradient_checkpointing_func(layer.__call__, ctx, *state)
             else:
                 state = layer(ctx, *state)
+        return BaseModelOutputWithPast(last_hidden_state=self.final_hidden(state), past_key_values=cache)
+
+    def final_hidden(self, state: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The last layer's residual state (partial, *blocks) -> final mix and norm [B, T, D]."""
         partial, *blocks = state
         if self.config.attn_res_block_size is not None:
             partial = attn_res_mix(
@@ -244,8 +252,9 @@ class KimiK3Model(KimiK3PreTrainedModel):
                 self.output_attn_res_norm.weight,
                 self.output_attn_res_proj.weight[0],
                 self.output_attn_res_norm.eps,
+                self.config.compile_regions,
             )
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(partial), past_key_values=cache)
+        return self.norm(partial)
 
     @staticmethod
     def _new_token_mask(

@@ -49,7 +49,8 @@ class KimiK3MoEGate(nn.Module):
         In training mode the balancing statistics of the real tokens (token_mask [N] bool) are
         recorded, except during an activation-checkpointing recompute (already counted once).
         """
-        logits = x.float() @ self.weight.float().t()
+        with torch.autocast(x.device.type, enabled=False):  # autocast would run it in bf16
+            logits = x.float() @ self.weight.float().t()
         scores = torch.sigmoid(logits) if self.activation == "sigmoid" else torch.softmax(logits, dim=-1)
         biased = scores.detach() + self.e_score_correction_bias
         if self.num_groups > 1:
@@ -188,8 +189,9 @@ class KimiK3SparseMoeBlock(nn.Module):
         self.use_latent = latent is not None
         if self.use_latent:
             self.routed_expert_down_proj = nn.Linear(D, latent, bias=False)
+            norm = config.latent_moe_use_norm
             self.routed_expert_norm = (
-                RMSNorm(latent, config.rms_norm_eps) if config.latent_moe_use_norm else None
+                RMSNorm(latent, config.rms_norm_eps, config.compile_regions) if norm else None
             )
             self.routed_expert_up_proj = nn.Linear(latent, D, bias=False)
         self.experts = KimiK3Experts(config, latent if self.use_latent else D)

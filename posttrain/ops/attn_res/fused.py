@@ -5,6 +5,8 @@ copy per sublayer for the backward pass: 2 L of them over the model, which undoe
 that blocking buys. Here the scores come from `(x . (w * q)) * rsqrt(mean(x^2) + eps)` (the RMSNorm is
 never materialised, as in vLLM's kernel), the mix is accumulated source by source, and backward keeps
 only the softmax weights and reciprocal RMS values ([S, ...] each) next to the sources it was given.
+With `compile_regions` on (`posttrain.model.fusion`), `mix_by_sources`, the same computation
+written for autograd, runs under torch.compile instead: inductor fuses it, forward and backward.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
+from posttrain.model.fusion import compiled, use_compiled
 from posttrain.ops.attn_res.naive import upcast
 
 
@@ -54,17 +57,35 @@ class _AttnResMix(torch.autograd.Function):
         return (grad_w, grad_q, None, *grads)
 
 
+def mix_by_sources(
+    sources: Sequence[torch.Tensor], norm_weight: torch.Tensor, query: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """The mix source by source, differentiated by autograd: the region torch.compile fuses. The
+    scores are elementwise products summed (a matmul would run in bf16 under autocast)."""
+    u = upcast(norm_weight) * upcast(query)
+    logits = torch.stack(
+        [(upcast(s) * u).sum(-1) * torch.rsqrt(upcast(s).pow(2).mean(-1) + eps) for s in sources]
+    )
+    weights = torch.softmax(logits, dim=0)
+    out = weights[0].unsqueeze(-1) * upcast(sources[0])
+    for i in range(1, len(sources)):
+        out = out + weights[i].unsqueeze(-1) * upcast(sources[i])
+    return out.to(sources[-1].dtype)
+
+
 def attn_res_mix(
     sources: Sequence[torch.Tensor],
     norm_weight: torch.Tensor,
     query: torch.Tensor,
     eps: float = 1e-5,
+    compile_regions: bool | None = False,
 ) -> torch.Tensor:
     """Block Attention Residual mix; same arguments, values and gradients as `naive_attn_res`.
 
     Args:
         sources: S tensors [..., D] (embedding, completed blocks, current running sum last).
         norm_weight: [D] RMSNorm weight; query: [D] scoring vector; eps: RMSNorm epsilon.
+        compile_regions: the config key of `posttrain.model.fusion` (compiled `mix_by_sources`).
 
     Returns:
         [..., D] in the dtype of the last source.
@@ -72,4 +93,6 @@ def attn_res_mix(
     if len(sources) == 1:
         # One source: the softmax weight is exactly 1 (vLLM short-circuits the same way).
         return sources[0]
+    if use_compiled(compile_regions, sources[0]):
+        return compiled(mix_by_sources)(tuple(sources), norm_weight, query, float(eps))
     return _AttnResMix.apply(norm_weight, query, float(eps), *sources)
