@@ -12,11 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from pydantic import ValidationError
 from safetensors.torch import load_file
 from sft_support import launch, register_recipe, run_stage, stage_context
 
 from posttrain.metrics import read_metrics
 from posttrain.model import KimiK3ForCausalLM
+from posttrain.parallel.train_state import check_parallel_config
+from posttrain.trainers.common import AccelerateConfig
+from posttrain.trainers.sft import SFTConfig
 
 SHIPPED = Path(__file__).resolve().parents[2] / "data_recipes" / "data" / "agent_sft.jsonl"
 STEPS = 4
@@ -107,3 +111,72 @@ def test_two_ranks_match_one_process_and_resume_bit_exact(tmp_path, recipe) -> N
     for file in files:
         a, b = load_file(out / file), load_file(resumed_out / file)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), file
+
+
+def test_bf16_activation_checkpointing_and_qat_under_fsdp2(tmp_path, recipe) -> None:
+    """2 ranks, 2 steps each: activation checkpointing changes nothing of the result (fp32 equal to
+    one process); bf16 compute and reduction (FSDP2's MixedPrecisionPolicy, experts cast to the
+    bf16 rows) within bf16 tolerance of the fp32 losses; QAT k3 on the sharded experts gives the
+    one-process QAT run's losses (the fake quantisation is applied to each rank's experts as to
+    the whole tensor)."""
+    name, data = recipe
+    steps = {"steps": 2}
+
+    def two_steps(grad_accum: int, **extra) -> dict:
+        cfg = body(name, grad_accum, **extra)
+        cfg["train"].update(steps)
+        return cfg
+
+    fp32 = stage_context(tmp_path / "fp32", two_steps(2, parallel={"expert_parallel": 1}))
+    run_stage(fp32)
+    qat = stage_context(tmp_path / "qat", two_steps(2, parallel={"expert_parallel": 1}), qat=True)
+    run_stage(qat)
+
+    ep = {"parallel": {"expert_parallel": 2}}
+    checkpointed = {"fsdp": {"activation_checkpointing": True}}
+    runs = [
+        {"run_dir": str(tmp_path / "ac"), "body": two_steps(1, **ep, accelerate=checkpointed)},
+        {
+            "run_dir": str(tmp_path / "bf16"),
+            "body": two_steps(
+                1,
+                parallel={"expert_parallel": 2, "reduce_dtype": "bfloat16"},
+                accelerate={"mixed_precision": "bf16", **checkpointed},
+            ),
+        },
+        {"run_dir": str(tmp_path / "qat2"), "body": two_steps(1, **ep, accelerate={"fsdp": {}}), "qat": True},
+    ]
+    launch({"recipe": name, "data": data, "runs": runs}, 2, tmp_path)
+
+    reference = losses(tmp_path / "fp32" / "sft")
+    assert losses(tmp_path / "ac" / "sft") == pytest.approx(reference, rel=1e-5)
+    bf16 = losses(tmp_path / "bf16" / "sft")
+    assert bf16 == pytest.approx(reference, rel=1e-2)
+    assert bf16 != pytest.approx(reference, rel=1e-5)  # it did compute in bf16
+    qat_losses = losses(tmp_path / "qat" / "sft")
+    assert losses(tmp_path / "qat2" / "sft") == pytest.approx(qat_losses, rel=1e-5)
+    assert qat_losses != pytest.approx(reference, rel=1e-5)  # the fake quantisation changed the loss
+    qat_out = tmp_path / "qat2" / "sft" / ".model-tmp"
+    assert json.loads((qat_out / "config.json").read_text())["posttrain_qat"]["scheme"] == "k3"
+    # MX fake quantisation is a step function: an fp32 rounding difference can flip one quantised
+    # activation, and Adam turns a near-zero gradient's change into a sizeable step of that element,
+    # so the weights agree to a small part of one update (lr 5e-3), not to fp32 rounding
+    expected, got = weights(qat.output_dir), weights(qat_out)
+    for key, value in expected.items():
+        torch.testing.assert_close(got[key], value, atol=5e-4, rtol=0, msg=key)
+
+
+def test_parallel_config_errors_name_the_key() -> None:
+    with pytest.raises(ValidationError, match="parallel: trains the full model; remove lora"):
+        SFTConfig.model_validate({"train": {"steps": 1}, "parallel": {}, "lora": {}})
+    with pytest.raises(ValidationError, match="parallel.expert_parallel"):
+        SFTConfig.model_validate({"train": {"steps": 1}, "parallel": {"expert_parallel": 0}})
+    cases = {
+        "remove accelerate.deepspeed_config": {"deepspeed_config": __file__},
+        "not fp16": {"mixed_precision": "fp16", "fsdp": {}},
+        "needs accelerate.fsdp": {"mixed_precision": "bf16"},
+        "cpu_offload false": {"fsdp": {"cpu_offload": True}},
+    }
+    for message, accelerate in cases.items():
+        with pytest.raises(ValueError, match=message):
+            check_parallel_config(AccelerateConfig.model_validate(accelerate), "stage sft")
