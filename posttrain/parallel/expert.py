@@ -169,7 +169,8 @@ def sync_gradients(model: nn.Module, mesh: DeviceMesh) -> None:
     world = dist.get_world_size()
     experts = set(expert_parameters(model))
     params = [p for p in model.parameters() if p.requires_grad]
-    has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
+    # on the parameters' device: NCCL reduces CUDA tensors only
+    has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=params[0].device)
     dist.all_reduce(has_grad, op=dist.ReduceOp.MAX)
     params = [p for p, used in zip(params, has_grad.tolist(), strict=True) if used]
     for p in params:

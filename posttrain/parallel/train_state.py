@@ -108,7 +108,8 @@ def global_grad_norm(model: nn.Module, mesh: DeviceMesh) -> torch.Tensor:
     replicated = sum(
         float(g.double().square().sum()) for p, g in grads if p not in experts and not isinstance(g, DTensor)
     )
-    sums = torch.tensor([sharded, local], dtype=torch.float64)
+    device = next(model.parameters()).device  # NCCL reduces CUDA tensors only
+    sums = torch.tensor([sharded, local], dtype=torch.float64, device=device)
     dist.all_reduce(sums[:1])
     dist.all_reduce(sums[1:], group=mesh[EXPERT_DIM].get_group())
     return torch.tensor(math.sqrt(float(sums.sum()) + replicated), dtype=torch.float32)
@@ -155,6 +156,8 @@ class ShardedTrainState(TrainState):
             if accelerate.mixed_precision != "no" or accelerate.fsdp is not None:
                 ctx.log.warning("parallel: one process: accelerate.fsdp and mixed precision not applied")
             return TrainState.create(ctx, model, optim, plain, total_steps, grad_accum)
+        # accelerate does not prepare (so does not move) this model
+        model.to(accelerator.device)
         mesh = expert_parallel_mesh(parallel.expert_parallel, accelerator.device.type)
         shard_experts(model, mesh[EXPERT_DIM].get_group())
         fsdp = accelerate.fsdp
