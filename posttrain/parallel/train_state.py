@@ -153,6 +153,13 @@ class ShardedTrainState(TrainState):
         accelerator = build_accelerator(plain, grad_accum, ctx.log)
         world = accelerator.num_processes
         if world == 1:
+            latest = ctx.checkpoints.latest_step()
+            if latest is not None and (ctx.checkpoints.directory / f"step-{latest}" / SHARDS).is_dir():
+                raise ValueError(
+                    f"stage {ctx.stage_id}: checkpoint step {latest} is sharded over several processes "
+                    "and this run has one; resume with the same number of processes and "
+                    "parallel.expert_parallel (or restart the stage)"
+                )
             if accelerate.mixed_precision != "no" or accelerate.fsdp is not None:
                 ctx.log.warning("parallel: one process: accelerate.fsdp and mixed precision not applied")
             return TrainState.create(ctx, model, optim, plain, total_steps, grad_accum)

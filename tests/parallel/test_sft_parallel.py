@@ -111,6 +111,9 @@ def test_two_ranks_match_one_process_and_resume_bit_exact(tmp_path, recipe) -> N
     for file in files:
         a, b = load_file(out / file), load_file(resumed_out / file)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), file
+    # one process cannot resume the 2-rank checkpoint, and says what to do
+    with pytest.raises(ValueError, match="resume with the same number of processes"):
+        run_stage(stage_context(resumed, sharded))
 
 
 def test_bf16_activation_checkpointing_and_qat_under_fsdp2(tmp_path, recipe) -> None:

@@ -46,16 +46,17 @@ def _local(state: dict) -> dict:
 
 def _worker(rank: int, world: int, workdir: str, ep: int, fsdp: bool) -> None:
     mesh = expert_parallel_mesh(ep)
+    steps = 2 if world == 2 else 1  # 4 processes share CI's 2 cores
     model, optimizer = _sharded(0, mesh, fsdp)
-    _steps(model, optimizer, mesh, rank, 2, fsdp)
+    _steps(model, optimizer, mesh, rank, steps, fsdp)
     save_sharded(Path(workdir) / "ckpt", model, optimizer, mesh)
-    _steps(model, optimizer, mesh, rank, 2, fsdp)
+    _steps(model, optimizer, mesh, rank, steps, fsdp)
     uninterrupted = {k: v.clone() for k, v in _local(model.state_dict()).items()}
 
     resumed, resumed_opt = _sharded(7, mesh, fsdp)  # other initial weights: the load must replace all
     assert not torch.equal(_local(resumed.state_dict())["lm_head.weight"], uninterrupted["lm_head.weight"])
     load_sharded(Path(workdir) / "ckpt", resumed, resumed_opt, mesh)
-    _steps(resumed, resumed_opt, mesh, rank, 2, fsdp)
+    _steps(resumed, resumed_opt, mesh, rank, steps, fsdp)
     for name, value in _local(resumed.state_dict()).items():
         assert torch.equal(value, uninterrupted[name]), name
 
