@@ -118,10 +118,10 @@ def test_two_ranks_match_one_process_and_resume_bit_exact(tmp_path, recipe) -> N
 
 def test_bf16_activation_checkpointing_and_qat_under_fsdp2(tmp_path, recipe) -> None:
     """2 ranks, 2 steps each: activation checkpointing changes nothing of the result (fp32 equal to
-    one process); bf16 compute and reduction (FSDP2's MixedPrecisionPolicy, experts cast to the
-    bf16 rows) within bf16 tolerance of the fp32 losses; QAT k3 on the sharded experts gives the
-    one-process QAT run's losses (the fake quantisation is applied to each rank's experts as to
-    the whole tensor)."""
+    one process), nor does all-reducing the dense gradients instead of FSDP2; bf16 compute and
+    reduction (FSDP2's MixedPrecisionPolicy, experts cast to the bf16 rows) within bf16 tolerance
+    of the fp32 losses; QAT k3 on the sharded experts gives the one-process QAT run's losses (the
+    fake quantisation is applied to each rank's experts as to the whole tensor)."""
     name, data = recipe
     steps = {"steps": 2}
 
@@ -148,11 +148,13 @@ def test_bf16_activation_checkpointing_and_qat_under_fsdp2(tmp_path, recipe) -> 
             ),
         },
         {"run_dir": str(tmp_path / "qat2"), "body": two_steps(1, **ep, accelerate={"fsdp": {}}), "qat": True},
+        {"run_dir": str(tmp_path / "allreduce"), "body": two_steps(1, **ep)},  # no fsdp: dense all-reduced
     ]
     launch({"recipe": name, "data": data, "runs": runs}, 2, tmp_path)
 
     reference = losses(tmp_path / "fp32" / "sft")
     assert losses(tmp_path / "ac" / "sft") == pytest.approx(reference, rel=1e-5)
+    assert losses(tmp_path / "allreduce" / "sft") == pytest.approx(reference, rel=1e-5)
     bf16 = losses(tmp_path / "bf16" / "sft")
     assert bf16 == pytest.approx(reference, rel=1e-2)
     assert bf16 != pytest.approx(reference, rel=1e-5)  # it did compute in bf16
