@@ -100,7 +100,10 @@ class ShardedKimiK3Experts(nn.Module):
         send, recv = send_counts.tolist(), recv_counts.tolist()
         local_expert = all_to_all_rows(sorted_expert % self.num_local_experts, recv, send, self.group)
         rows = AllToAll.apply(x[token], recv, send, self.group)
-        y = self._run_local_experts(rows, local_expert, wq(self.w1), wq(self.w3), wq(self.w2), aq)
+        # The master weights stay float32; under FSDP2's bf16 policy the rows arrive in bf16 and the
+        # (fake-quantised) weights are cast to them, as FSDP2 casts the parameters it manages.
+        w1, w3, w2 = (wq(w).to(rows.dtype) for w in (self.w1, self.w3, self.w2))
+        y = self._run_local_experts(rows, local_expert, w1, w3, w2, aq)
         back = AllToAll.apply(y, send, recv, self.group)
         back = back * topk_weight.flatten()[order][:, None].to(x.dtype)
         # One index_add over expert-sorted rows: each token sums its choices in expert order, as the
@@ -166,7 +169,8 @@ def sync_gradients(model: nn.Module, mesh: DeviceMesh) -> None:
     world = dist.get_world_size()
     experts = set(expert_parameters(model))
     params = [p for p in model.parameters() if p.requires_grad]
-    has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
+    # on the parameters' device: NCCL reduces CUDA tensors only
+    has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=params[0].device)
     dist.all_reduce(has_grad, op=dist.ReduceOp.MAX)
     params = [p for p, used in zip(params, has_grad.tolist(), strict=True) if used]
     for p in params:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -296,7 +297,10 @@ def build_accelerator(cfg: AccelerateConfig, grad_accum: int, log: logging.Logge
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
-    return Accelerator(**accelerator_plugins(cfg, grad_accum, log))
+    # Several processes without CUDA (`torchrun` on a CPU machine): accelerate's gloo path, which it
+    # only takes when asked for the CPU.
+    cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    return Accelerator(cpu=cpu, **accelerator_plugins(cfg, grad_accum, log))
 
 
 # The train state -------------------------------------------------------------------------------
@@ -399,6 +403,10 @@ class TrainState:
         return self.ctx.checkpoints.load(
             model=self.unwrapped, optimizer=self.optimizer, scheduler=self.scheduler
         )
+
+    def save_model(self, tokenizer: Any, output_dir: Path, stop_token_ids: list[int]) -> None:
+        """The stage's final model (LoRA merged) to output_dir: `save_final_model`."""
+        save_final_model(merged_model(self.unwrapped), tokenizer, output_dir, stop_token_ids)
 
 
 def base_without_peft(model: nn.Module) -> nn.Module:

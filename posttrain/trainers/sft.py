@@ -26,6 +26,7 @@ from torch import nn
 from posttrain.algos.sft import sft_loss
 from posttrain.data.chat import ChatRenderer, load_tokenizer
 from posttrain.data.packing import PackedRow
+from posttrain.parallel.config import ParallelConfig
 from posttrain.stages import StageContext, stage_kind
 from posttrain.trainers.common import (
     AccelerateConfig,
@@ -34,8 +35,6 @@ from posttrain.trainers.common import (
     TrainState,
     base_without_peft,
     load_policy,
-    merged_model,
-    save_final_model,
 )
 from posttrain.trainers.sft_data import DataConfig, PackedStream, load_sft_data, pack
 from posttrain.trainers.tool_eval import tool_task_prompts, tool_task_success
@@ -76,6 +75,9 @@ class SFTConfig(BaseModel):
         0, ge=0, description="optimizer steps between eval-loss measurements; 0: only at the ends"
     )
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    parallel: ParallelConfig | None = Field(
+        None, description="expert parallelism (FSDP2 over the rest with accelerate.fsdp) across processes"
+    )
 
     @model_validator(mode="after")
     def _fits_in_a_row(self) -> SFTConfig:
@@ -85,6 +87,8 @@ class SFTConfig(BaseModel):
                 f"({self.train.micro_batch_tokens}): a trajectory must fit in one packed row; lower "
                 "data.max_length or raise train.micro_batch_tokens"
             )
+        if self.parallel is not None and self.lora is not None:
+            raise ValueError("parallel: trains the full model; remove lora (adapters are not sharded)")
         return self
 
 
@@ -159,7 +163,19 @@ def run_sft(ctx: StageContext) -> dict[str, float]:
     policy = load_policy(
         ctx, len(tokenizer), lora=cfg.lora, gradient_checkpointing=train.gradient_checkpointing
     )
-    state = TrainState.create(ctx, policy.model, train, cfg.accelerate, train.steps, train.grad_accum)
+    if cfg.parallel is not None:
+        from posttrain.parallel.train_state import ShardedTrainState
+
+        state = ShardedTrainState.create(
+            ctx, policy.model, train, cfg.accelerate, cfg.parallel, train.steps, train.grad_accum
+        )
+        if state.accelerator.num_processes > 1 and cfg.eval.tool_prompts:
+            # generation runs the sharded forward a data-dependent number of times per rank
+            raise ValueError(
+                f"stage {ctx.stage_id}: eval.tool_prompts must be 0 with parallel: across processes"
+            )
+    else:
+        state = TrainState.create(ctx, policy.model, train, cfg.accelerate, train.steps, train.grad_accum)
     model = base_without_peft(state.unwrapped)
     stream = PackedStream(data.train, train.micro_batch_tokens, renderer.pad_id, seed)
     evaluate = Evaluator(
@@ -198,7 +214,7 @@ def run_sft(ctx: StageContext) -> dict[str, float]:
     after = evaluate(model, "after")
     ctx.metrics.log(step, after)
     ctx.log.info("after training: %s", _shown(after))
-    save_final_model(merged_model(state.unwrapped), tokenizer, ctx.output_dir, renderer.stop_token_ids)
+    state.save_model(tokenizer, ctx.output_dir, renderer.stop_token_ids)
     final = {**before, **after, **data.report.metrics(), "steps": float(step)}
     final.update({f"train_{k}": v for k, v in last.items() if k in ("loss", "tokens_per_s")})
     return final
@@ -240,8 +256,10 @@ def _train_step(state: TrainState, stream: PackedStream, train: TrainConfig, ste
                 metrics = state.optimizer_step(step)
     elapsed = time.perf_counter() - started
     real_tokens = sum(int(row.cu_seqlens[row.num_documents]) for row, _ in rows)
+    # the step's loss over every process's tokens (equal to one process's on the whole step)
+    loss_total = accelerator.reduce(loss_sum.to(accelerator.device), reduction="sum")
     return {
-        "loss": float(loss_sum) / max(int(trained), 1),
+        "loss": float(loss_total) / float(total),
         "tokens_per_s": real_tokens / elapsed,
         "trained_tokens": float(trained),
         "epoch": stream.epoch_fraction,
