@@ -1,9 +1,11 @@
-"""One decorator registry type, so plug-ins (teachers, rewards, data recipes, environments, stage
-kinds) reach the engine by name without the engine importing them.
+"""One decorator registry type, for what a stage file names and a user may add to: stage kinds,
+engines, environments, tools, task families, teacher domains and data recipes.
 
 Duplicate names are errors: two plug-ins silently shadowing each other is the bug a registry exists
-to prevent. Plug-in packages are found through the ``posttrain.plugins`` entry-point group and by
-importing the modules a stage file lists under ``plugins``.
+to prevent. This repository's own entries are registered by plain imports (the modules that define
+them, and `load_plugins`'s imports of the stage kinds and the shipped data); a third party's package
+registers through the ``posttrain.plugins`` entry-point group, and a user's module or file through
+a stage file's ``plugins`` list.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import importlib
 import importlib.util
 import pathlib
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from importlib.metadata import entry_points
 from typing import Generic, TypeVar
@@ -75,33 +78,48 @@ def _origin(obj: object) -> str:
 
 
 _loaded = False
+# Held while the plug-ins import: a second thread's lookup waits for them instead of finding the
+# registries half filled (re-entrant, for a plug-in that looks something up while it imports).
+_loading = threading.RLock()
 
 
 def load_plugins(extra_modules: tuple[str, ...] = ()) -> None:
-    """Import every plug-in module once: the ``posttrain.plugins`` entry points (this repository's
-    own packages, posttrain.trainers among them, are listed there by pyproject.toml, so the engine
-    never names them), then ``extra_modules`` (module names or ``path/to/file.py`` listed in a stage
-    file). Every registry lookup calls this first, so a stage process has its plug-ins before a
-    trainer looks one up."""
+    """Import every plug-in once: this repository's stage kinds (posttrain.trainers) and shipped
+    data (data_recipes: recipes, task families, the calculator tool), then the modules of other
+    distributions' ``posttrain.plugins`` entry points, then ``extra_modules`` (module names or
+    ``path/to/file.py`` listed in a stage file). Every registry lookup calls this first, so a stage
+    process has its plug-ins before a trainer looks one up."""
     global _loaded
-    if not _loaded:
-        modules = sorted({ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)})
-        if not modules:
-            raise RegistryError(
-                f"no {ENTRY_POINT_GROUP!r} entry points in {sys.executable}: posttrain is not installed "
-                "there; run `pip install -e .` in the repository so its stage kinds and plug-ins register"
-            )
-        # Set before importing: a plug-in that looks something up while it imports must not start
-        # a second round of imports.
-        _loaded = True
-        try:
-            for module in modules:
-                importlib.import_module(module)
-        except BaseException:
-            _loaded = False  # the next lookup raises the same import error, not "unknown name"
-            raise
+    with _loading:
+        if not _loaded:
+            # Set before importing: a plug-in that looks something up while it imports must not
+            # start a second round of imports.
+            _loaded = True
+            try:
+                # Imported here, not at the top: both import this module's registries.
+                import data_recipes  # noqa: F401
+                import posttrain.trainers  # noqa: F401
+
+                for module in third_party_plugins():
+                    importlib.import_module(module)
+            except BaseException:
+                _loaded = False  # the next lookup raises the same import error, not "unknown name"
+                raise
     for module in extra_modules:
         import_plugin(module)
+
+
+def third_party_plugins() -> list[str]:
+    """The modules named by other distributions' ``posttrain.plugins`` entry points. posttrain's
+    own are skipped: its packages are imported by name above, and an install made before they
+    stopped being entry points still lists them in its metadata."""
+    return sorted(
+        {
+            ep.value
+            for ep in entry_points(group=ENTRY_POINT_GROUP)
+            if ep.dist is None or ep.dist.name != "posttrain"
+        }
+    )
 
 
 def import_plugin(spec: str) -> None:

@@ -4,7 +4,9 @@ builds one, for tests of stage kinds: the engine's own and a plug-in author's al
 No run directory manifest, no subprocess, no executor: the kind's `run` gets a real StageContext
 (posttrain.stages.build_context, as the runner builds it: validated body, seeded RNGs, metrics,
 checkpoints, a temp output dir), so a test can stop it at a
-step as a kill would and run it again to check that it resumes.
+step as a kill would and run it again to check that it resumes. `mopd_context` and
+`run_mopd_stage` are the `mopd` kind's shorthand (with posttrain.engines.testing.save_tiny_k3's
+students and teachers).
 """
 
 from __future__ import annotations
@@ -86,3 +88,22 @@ class StageRunner:
             return dict(STAGE_KINDS.get(ctx.kind).run(ctx))
         finally:
             ctx.metrics.close()
+
+
+_RUNNER = StageRunner()
+
+
+def mopd_context(
+    stage_dir: Path, body: dict[str, Any], inputs: dict[str, Path], *, progress: ProgressHook | None = None
+) -> StageContext:
+    """What orchestration.runner builds for a `mopd` stage in `stage_dir` (its name is the stage
+    id): the validated body, RNGs seeded 0, metrics (no TensorBoard), checkpoints, a temp output
+    dir. `progress(step, total, shown)` receives every ctx.progress call."""
+    return _RUNNER.context(
+        "mopd", stage_dir.parent, body, stage_id=stage_dir.name, inputs=inputs, progress=progress
+    )
+
+
+def run_mopd_stage(ctx: StageContext) -> dict[str, float]:
+    """Run the registered `mopd` kind on `ctx` (closing its metrics writer either way)."""
+    return _RUNNER.run(ctx)

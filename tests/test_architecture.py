@@ -1,8 +1,9 @@
-"""The dependency direction of the repository (ARCHITECTURE.md): stages -> orchestration ->
-posttrain <- teachers, rewards, data_recipes. posttrain imports none of the plug-in packages (nor
-orchestration, but for its command-line front, which drives it), orchestration imports posttrain
-but no plug-in, plug-ins never import orchestration, and every plug-in package is reachable the one
-way the engine finds plug-ins: the `posttrain.plugins` entry points.
+"""The dependency direction of the repository (docs/architecture.md): stages -> orchestration ->
+posttrain, and data_recipes (the shipped data) -> posttrain. posttrain imports data_recipes in one
+place, the plain import of its built-ins in posttrain.registry.load_plugins, and orchestration
+only for its command-line front; orchestration reaches the shipped data through that loader;
+data_recipes never imports orchestration. The `posttrain.plugins` entry points are for third-party
+packages only: posttrain lists none of its own (tests/test_plugins.py runs a third party's).
 
 Imports are read from the source with `ast` (function-level imports and `importlib.import_module`
 / `__import__` calls with a literal name included), so a lazy import cannot slip past.
@@ -15,7 +16,7 @@ import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PLUGINS = ("teachers", "rewards", "data_recipes")
+PLUGINS = ("data_recipes",)
 
 
 def imported_modules(path: Path) -> list[tuple[int, str]]:
@@ -45,6 +46,8 @@ def _called_name(func: ast.expr) -> str:
 
 # `posttrain run` is the user's entry into orchestration: the CLI sits above it, whatever its folder.
 CLI = REPO / "posttrain" / "cli.py"
+# The one place posttrain imports its shipped data package.
+REGISTRY = REPO / "posttrain" / "registry.py"
 
 
 def imports_of(package: str, forbidden: tuple[str, ...], skip: tuple[Path, ...] = ()) -> list[str]:
@@ -72,11 +75,12 @@ def test_the_import_reader_sees_eager_lazy_and_importlib_imports(tmp_path):
     ]
     # and it finds the real edges of this repository, so an empty result below means something
     assert imports_of("orchestration", ("posttrain",))
-    assert imports_of("teachers", ("posttrain",))
+    assert imports_of("data_recipes", ("posttrain",))
 
 
-def test_posttrain_imports_no_plugin_package_and_not_orchestration():
-    assert imports_of("posttrain", PLUGINS) == []
+def test_posttrain_imports_the_shipped_data_only_in_its_plugin_loader_and_not_orchestration():
+    assert imports_of("posttrain", PLUGINS, skip=(REGISTRY,)) == []
+    assert [line.split(" imports ")[1] for line in imports_of("posttrain", PLUGINS)] == ["data_recipes"]
     assert imports_of("posttrain", ("orchestration",), skip=(CLI,)) == []
 
 
@@ -89,7 +93,6 @@ def test_plugins_never_import_orchestration():
         assert imports_of(package, ("orchestration",)) == [], package
 
 
-def test_every_plugin_package_is_an_entry_point_the_engine_loads():
+def test_posttrain_lists_none_of_its_own_packages_as_entry_points():
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
-    group = pyproject["project"]["entry-points"]["posttrain.plugins"]
-    assert sorted(group.values()) == sorted([*PLUGINS, "posttrain.trainers"])
+    assert "posttrain.plugins" not in pyproject["project"].get("entry-points", {})

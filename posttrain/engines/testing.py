@@ -6,6 +6,7 @@ head_dim 64, so the vLLM tests (engines here, the vLLM teacher in MOPD) use a ti
 model that shares the student's tokenizer. Its weights are drawn with a wide normal so next-token
 distributions are peaked: near-uniform logits would let a wrong log-prob alignment pass a parity
 test. Prompts are `Sample`s holding only prompt tokens, the state an engine starts from.
+`save_tiny_k3` writes tiny students and sharpened teachers for MOPD tests.
 """
 
 from __future__ import annotations
@@ -40,6 +41,26 @@ def tiny_k3(seed: int = 0, *, qat: QATConfig | None = None, init_scale: float = 
     if qat is not None:
         apply_qat(model, qat)
     return model
+
+
+def save_tiny_k3(
+    directory: str | Path, tokenizer: PreTrainedTokenizerBase, *, seed: int = 0, sharpen: float = 1.0
+) -> Path:
+    """A tiny K3 (QAT k3 recorded, as every stage trains it) with its LM head scaled by `sharpen`,
+    saved with `tokenizer` in HF format. Returns the directory.
+
+    A freshly initialised tiny K3 has near-uniform next-token distributions, so a student and a
+    teacher drawn alike would agree on everything and a distillation test could not fail; `sharpen`
+    keeps the student's preferences but makes the teacher far more peaked, a gap that on-policy
+    distillation closes in a few steps (the RL stages play that role in the real pipeline)."""
+    directory = Path(directory)
+    model = tiny_k3(seed)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(sharpen)
+    apply_qat(model, QATConfig(scheme="k3"))
+    model.save_pretrained(str(directory))
+    tokenizer.save_pretrained(str(directory))
+    return directory
 
 
 def prompt_sample(uid: str, tokens: Sequence[int]) -> Sample:

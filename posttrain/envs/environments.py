@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Protocol
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -45,6 +45,7 @@ from posttrain.envs.tasks import TASK_FAMILIES, Episode, TaskFamily
 from posttrain.envs.tools import TOOLS, Tool, make_tools
 from posttrain.files import remove_tree
 from posttrain.registry import Registry
+from posttrain.rewards.genrm import GenRM
 
 # Sample.metrics keys an environment maintains (JSON-safe floats, so they survive a checkpoint).
 TASK_REWARD = "task_reward"
@@ -58,15 +59,6 @@ SANDBOX_LIMITS: dict[str, Any] = {"memory_mb": 512, "cpu_seconds": 30, "max_proc
 SUBMISSION_FEEDBACK = (
     "The hidden tests failed. {left} submission{s} left: fix the code and reply with the complete function."
 )
-
-
-class Judge(Protocol):
-    """A generative reward model (rewards.genrm.GenRM): judgements whose `.reward` is a float, or
-    None when the judge's output did not parse; `counts` tallies judged / unparsable / over_cap."""
-
-    counts: Mapping[str, int]
-
-    def score_samples(self, samples: Sequence[Sample]) -> list[Any]: ...
 
 
 class HarnessConfig(BaseModel):
@@ -151,7 +143,7 @@ class Environment:
         config: EnvironmentConfig | None = None,
         *,
         sandbox_dir: Path | None = None,
-        judge: Judge | None = None,
+        judge: GenRM | None = None,
     ) -> None:
         self.renderer = renderer
         self.config = config or EnvironmentConfig()
@@ -502,7 +494,7 @@ def make_environment(
     config: EnvironmentConfig | None = None,
     *,
     sandbox_dir: Path | None = None,
-    judge: Judge | None = None,
+    judge: GenRM | None = None,
 ) -> Environment:
     """The registered environment of `domain`."""
     return ENVIRONMENTS.get(domain)(renderer, config, sandbox_dir=sandbox_dir, judge=judge)

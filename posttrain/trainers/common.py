@@ -77,7 +77,7 @@ class AccelerateConfig(BaseModel):
     deepspeed_config: str | None = Field(
         None, description="path of a DeepSpeed JSON config (ZeRO stage etc.)"
     )
-    fsdp: FSDPConfig | None = None
+    fsdp: FSDPConfig | None = Field(None, description="shard the model with FSDP (GPU runs); null: no FSDP")
 
     @model_validator(mode="after")
     def _one_sharding(self) -> AccelerateConfig:

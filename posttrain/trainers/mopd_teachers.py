@@ -2,10 +2,13 @@
 
 MOPD distils nine specialists, one per (domain, effort); this module turns the stage file's
 teacher keys into engines and keeps them serving:
-- teacher domains (`TEACHER_DOMAINS`, filled with `@teacher_domain` by plug-ins; the shipped
-  ones are registered in teachers/domains.py): a domain's environment (prompt recipe, tools,
-  verifier) and its teacher for each effort; a
-  teacher's engine is any `ENGINES` name, built by posttrain.engines.build.build_engine;
+- teacher domains (`TEACHER_DOMAINS`, filled with `@teacher_domain`): a domain's environment
+  (prompt recipe, tools, verifier) and its teacher for each effort. The shipped ones, general,
+  agent and coding, are registered below: each plays the RL stage's own environment (the student
+  is distilled on the prompt families, tools and verifiers its teachers were trained on) and is
+  taught at every effort by its RL specialist rl-<domain>-<effort>. A custom domain registers the
+  same way from a plug-in (examples/math_domain.py is a worked one). A teacher's engine is any
+  `ENGINES` name, built by posttrain.engines.build.build_engine;
 - `TeacherRoutingConfig`, the routing keys of a `mopd` stage file, checked strictly: a pair without
   a teacher is an error before anything runs, naming the pair and the fix;
 - `route_teachers`: (domain, effort) -> teacher model dir + backend, resolved against the needs;
@@ -27,7 +30,7 @@ from posttrain.config.stage_file import check_model_reference
 from posttrain.data.sample import EFFORTS, Sample
 from posttrain.engines import ENGINES, Engine
 from posttrain.engines.build import build_engine
-from posttrain.envs.environments import Environment
+from posttrain.envs.environments import AgentEnvironment, CodingEnvironment, Environment, GeneralEnvironment
 from posttrain.registry import Registry
 
 Pair = tuple[str, str]  # (domain, effort)
@@ -78,6 +81,10 @@ def teacher_domain(
         return environment
 
     return register
+
+
+for _environment in (GeneralEnvironment, AgentEnvironment, CodingEnvironment):
+    teacher_domain()(_environment)
 
 
 # Configuration ------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ section 2.2):
    a held-out set shared by the three efforts; the effort is a conditioning input (the renderer's
    effort marker in the system header), not a different model or prompt.
 2. Budget: the SFT policy samples every training prompt n times once; b0(x) is a quantile of the
-   successful samples' token usage, cached on disk for all nine runs (posttrain.envs.env_budget).
+   successful samples' token usage, cached on disk for all nine runs (posttrain.rewards.budget).
    A trajectory over tau(effort, step) * b0(x) tokens gets reward -1, tau annealed per effort.
 3. Each iteration: new prompt groups start beside the partial rollouts queued by the previous one
    (posttrain.trainers.rollout), episodes run against real tools and sandboxes, generation pauses
@@ -38,15 +38,14 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from posttrain.algos import group_advantages
 from posttrain.algos.policy_loss import PolicyLossConfig
-from posttrain.config.rewards import GenRMConfig
 from posttrain.data.chat import ChatRenderer, load_tokenizer
 from posttrain.data.sample import DOMAINS, EFFORTS, Sample
-from posttrain.engines import EmbeddedEngine, Engine, SamplingConfig
-from posttrain.envs.env_budget import BudgetConfig, base_budgets, model_digest, trajectory_rewards
+from posttrain.engines import Engine
 from posttrain.envs.env_eval import EvalConfig, evaluate, paired_changes
-from posttrain.envs.environments import Environment, EnvironmentConfig, Judge, make_environment
+from posttrain.envs.environments import Environment, EnvironmentConfig, make_environment
 from posttrain.files import atomic_write_text, remove_tree
-from posttrain.rewards_registry import generative_reward_model
+from posttrain.rewards.budget import BudgetConfig, base_budgets, model_digest, trajectory_rewards
+from posttrain.rewards.genrm import GenRM, GenRMConfig, stage_judge
 from posttrain.stages import StageContext, stage_kind
 from posttrain.trainers.common import (
     AccelerateConfig,
@@ -119,13 +118,6 @@ class AdvantageConfig(BaseModel):
     leave_one_out: bool = Field(False, description="RLOO: the baseline is the mean of the group's others")
 
 
-class JudgeConfig(GenRMConfig):
-    """posttrain.config.rewards.GenRMConfig plus the judge model: a need's stage id (e.g. sft) or a
-    model dir."""
-
-    judge: str = "sft"
-
-
 class RLConfig(BaseModel):
     """Keys of an `rl` stage file besides the generic ones (docs/rl.md)."""
 
@@ -144,7 +136,7 @@ class RLConfig(BaseModel):
     loss: PolicyLossConfig = Field(default_factory=PolicyLossConfig)
     advantages: AdvantageConfig = Field(default_factory=AdvantageConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
-    genrm: JudgeConfig | None = Field(None, description="the judge, for environments with reward: genrm")
+    genrm: GenRMConfig | None = Field(None, description="the judge, for environments with reward: genrm")
     accelerate: AccelerateConfig = Field(default_factory=AccelerateConfig)
     tokenizer: str | None = Field(None, description="tokenizer dir; null: the init model's")
     checkpoint_every: int = Field(1, gt=0, description="iterations between checkpoints")
@@ -202,33 +194,6 @@ def _init_dir(cfg: RLConfig, ctx: StageContext) -> Path:
     return ctx.inputs[cfg.init]
 
 
-def _judge(cfg: JudgeConfig, ctx: StageContext) -> Judge:
-    """The registered "genrm" judge over an embedded engine serving the judge model, greedy,
-    output capped."""
-    path = ctx.inputs.get(cfg.judge) or Path(cfg.judge)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"stage {ctx.stage_id}: genrm.judge {cfg.judge!r} is neither a need of this stage nor a model dir"
-        )
-    tokenizer = load_tokenizer(path if (path / "tokenizer_config.json").is_file() else None)
-    renderer = ChatRenderer(tokenizer)
-    engine = EmbeddedEngine.from_pretrained(path, pad_token_id=renderer.pad_id)
-    sampling = SamplingConfig(
-        max_tokens=cfg.max_judge_tokens,
-        temperature=0.0,
-        stop_token_ids=(renderer.end_of_turn_id,),
-        tool_call_token_ids=(renderer.tool_calls_end_id,),
-    )
-    return generative_reward_model(
-        engine,
-        tokenizer,
-        GenRMConfig(**cfg.model_dump(exclude={"judge"})),
-        render_prompt=renderer.render_prompt,
-        sampling=sampling,
-        decode_output=lambda ids: renderer.parse_assistant(ids)["content"],
-    )
-
-
 # The loop --------------------------------------------------------------------------------------
 
 
@@ -247,14 +212,14 @@ def run_rl(ctx: StageContext) -> dict[str, float]:
         ctx, policy.model, cfg.train, cfg.accelerate, cfg.train.steps * cfg.train.updates_per_iteration
     )
     model = base_without_peft(state.unwrapped)
-    judge: Judge | None = None
+    judge: GenRM | None = None
     env_cfg = cfg.environments.get(domain, EnvironmentConfig())
     if env_cfg.reward == "genrm":
         if cfg.genrm is None:
             raise ValueError(
                 f"stage {ctx.stage_id}: environments.{domain}.reward is genrm; add a `genrm:` block"
             )
-        judge = _judge(cfg.genrm, ctx)
+        judge = stage_judge(cfg.genrm, ctx)
     sandbox_dir = ctx.stage_dir / "sandboxes"
     remove_tree(sandbox_dir)
     with (

@@ -46,7 +46,9 @@ class TrainConfig(OptimConfig):
     steps: int = Field(gt=0, description="optimizer steps")
     micro_batch_tokens: int = Field(1024, gt=1, description="tokens per packed row (one row per micro-batch)")
     grad_accum: int = Field(1, gt=0, description="packed rows per optimizer step")
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = Field(
+        False, description="recompute each layer's activations in the backward (non-reentrant): less memory"
+    )
     seed: int | None = Field(None, description="data order seed; null: the stage's seed")
 
 
@@ -65,7 +67,11 @@ class SFTConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     data: DataConfig = Field(default_factory=DataConfig)
     train: TrainConfig
-    lora: LoRAConfig | None = None
+    lora: LoRAConfig | None = Field(
+        None,
+        description="train low-rank adapters (merged into the final model) instead of every weight; "
+        "the routed experts, not nn.Linear, stay frozen",
+    )
     accelerate: AccelerateConfig = Field(default_factory=AccelerateConfig)
     tokenizer: str | None = Field(
         None, description="tokenizer dir; null: the model dir's, else the shipped one"

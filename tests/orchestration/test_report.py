@@ -52,7 +52,7 @@ def test_plotted_names_are_the_ones_the_trainers_log() -> None:
     source = (
         "".join(p.read_text() for p in TRAINERS.glob("*.py"))
         + (REPO / "posttrain" / "algos" / "policy_loss.py").read_text()
-        + (REPO / "posttrain" / "envs" / "env_budget.py").read_text()
+        + (REPO / "posttrain" / "rewards" / "budget.py").read_text()
     )
     for stem, (_, names) in PLOTS.items():
         for name in names:

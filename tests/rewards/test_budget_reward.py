@@ -1,6 +1,6 @@
-"""Budget reward (rewards.budget): the -1 boundary, tau annealing, per-domain usage counting, and
+"""Budget reward (posttrain.rewards.budget): the -1 boundary, tau annealing, per-domain usage counting, and
 b0 from cold-start samples. The cache the `rl` stage keeps b0 in is tested in
-tests/envs/test_budget_cache.py."""
+tests/rewards/test_budget_cache.py."""
 
 import math
 
@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from posttrain.config.rewards import BudgetRewardConfig
 from posttrain.data.sample import Sample
-from posttrain.rewards_registry import BaseBudget
-from rewards.budget import (
+from posttrain.rewards.budget import (
+    BaseBudget,
+    BudgetConfig,
     anneal,
     base_budget,
     budget_reward,
@@ -62,7 +62,7 @@ def test_anneal_endpoints_and_shapes():
 
 @pytest.mark.parametrize("schedule", ["linear", "cosine"])
 def test_effort_order_holds_at_every_step(schedule):
-    cfg = BudgetRewardConfig(schedule=schedule)
+    cfg = BudgetConfig(schedule=schedule)
     for step in range(0, 41):
         low, high, top = (tau_at(cfg, e, step, 40) for e in ("low", "high", "max"))
         assert top > high > low
@@ -77,26 +77,26 @@ def test_config_rejects_a_wrong_effort_order_or_set():
         "max": {"tau_start": 2.0, "tau_end": 2.0},
     }
     with pytest.raises(ValidationError, match="tau_end must order max > high > low"):
-        BudgetRewardConfig(tau=bad)
+        BudgetConfig(tau=bad)
     with pytest.raises(ValidationError, match="exactly the efforts"):
-        BudgetRewardConfig(tau={"low": {"tau_start": 1.0, "tau_end": 1.0}})
+        BudgetConfig(tau={"low": {"tau_start": 1.0, "tau_end": 1.0}})
     with pytest.raises(ValidationError, match="extra"):
-        BudgetRewardConfig(taus={})
+        BudgetConfig(taus={})
     with pytest.raises(ValueError, match="unknown effort 'medium'"):
-        tau_at(BudgetRewardConfig(), "medium", 0, 10)
+        tau_at(BudgetConfig(), "medium", 0, 10)
 
 
 def test_a_domain_can_replace_the_tau_of_some_efforts():
-    cfg = BudgetRewardConfig(tau_by_domain={"agent": {"low": {"tau_start": 0.9, "tau_end": 0.7}}})
+    cfg = BudgetConfig(tau_by_domain={"agent": {"low": {"tau_start": 0.9, "tau_end": 0.7}}})
     agent = cfg.for_domain("agent")
     assert agent.tau["low"].tau_end == 0.7 and agent.tau["high"] == cfg.tau["high"]
     assert tau_at(agent, "low", 10, 10) == 0.7 and tau_at(cfg, "low", 10, 10) == cfg.tau["low"].tau_end
     assert cfg.for_domain("general") is cfg
     # the merged table must still order the efforts, and name only known ones
     with pytest.raises(ValidationError, match=r"tau_by_domain.agent \(over tau\): \*.tau_end must order"):
-        BudgetRewardConfig(tau_by_domain={"agent": {"low": {"tau_start": 0.9, "tau_end": 1.2}}})
+        BudgetConfig(tau_by_domain={"agent": {"low": {"tau_start": 0.9, "tau_end": 1.2}}})
     with pytest.raises(ValidationError, match="tau_by_domain.agent: unknown efforts"):
-        BudgetRewardConfig(tau_by_domain={"agent": {"medium": {"tau_start": 0.9, "tau_end": 0.7}}})
+        BudgetConfig(tau_by_domain={"agent": {"medium": {"tau_start": 0.9, "tau_end": 0.7}}})
 
 
 def test_usage_counts_per_domain():
@@ -111,7 +111,7 @@ def test_usage_counts_per_domain():
     interrupted.append([6, 7], generated=False)
     interrupted.append([8, END_THINK, 9], generated=True)
     assert usage_tokens(interrupted, "thinking", (THINK, END_THINK)) == 2
-    cfg = BudgetRewardConfig()
+    cfg = BudgetConfig()
     assert cfg.usage_kind("general") == "thinking"
     assert cfg.usage_kind("coding") == cfg.usage_kind("agent") == "output"
     with pytest.raises(ValueError, match="domain 'vision' has no budget usage counting"):
@@ -121,7 +121,7 @@ def test_usage_counts_per_domain():
 
 
 def test_sample_budget_reward_uses_domain_counting_and_annealed_tau():
-    cfg = BudgetRewardConfig()
+    cfg = BudgetConfig()
     general = agent_trajectory(domain="general", effort="low")  # T = 4 thinking tokens
     # low effort: tau 1.0 at step 0 -> limit 4.0 (within); tau 0.5 at the end -> limit 2.0 (over)
     assert sample_budget_reward(general, 0.8, 4.0, cfg, 0, 10, (THINK, END_THINK)) == (0.8, 4, 4.0, False)
@@ -139,12 +139,12 @@ def test_quantile_matches_numpy(q):
 
 def test_base_budget_from_successes_with_fallback_and_floor():
     usages = [10, 20, 30, 40, 100]
-    cfg = BudgetRewardConfig(quantile=0.9)
+    cfg = BudgetConfig(quantile=0.9)
     b = base_budget(usages, [True, True, False, True, False], cfg)
     assert b == BaseBudget(tokens=36.0, quantile=0.9, num_samples=5, num_successes=3, source="successes")
-    median = base_budget(usages, [False] * 5, BudgetRewardConfig())
+    median = base_budget(usages, [False] * 5, BudgetConfig())
     assert (median.tokens, median.source, median.num_successes) == (30.0, "all", 0)
-    floored = base_budget([0, 0], [True, True], BudgetRewardConfig(min_budget_tokens=8))
+    floored = base_budget([0, 0], [True, True], BudgetConfig(min_budget_tokens=8))
     assert floored.tokens == 8
     with pytest.raises(ValueError, match="2 usages but 1 success flags"):
         base_budget([1, 2], [True], cfg)
@@ -153,8 +153,8 @@ def test_base_budget_from_successes_with_fallback_and_floor():
 def test_estimate_base_budget_from_cold_start_samples():
     samples = [agent_trajectory(domain="general"), agent_trajectory(domain="general")]
     samples[1].append([THINK, 50, 51, END_THINK], generated=True)  # 6 thinking tokens
-    b = estimate_base_budget(samples, [True, True], BudgetRewardConfig(), (THINK, END_THINK))
+    b = estimate_base_budget(samples, [True, True], BudgetConfig(), (THINK, END_THINK))
     assert b.tokens == 5.0
     samples[1].group = "other"
     with pytest.raises(ValueError, match="must share a group"):
-        estimate_base_budget(samples, [True, True], BudgetRewardConfig(), (THINK, END_THINK))
+        estimate_base_budget(samples, [True, True], BudgetConfig(), (THINK, END_THINK))

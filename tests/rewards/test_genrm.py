@@ -12,9 +12,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from posttrain.config.rewards import GenRMConfig
 from posttrain.data.sample import Sample
-from rewards.genrm import GenRM, build_judge_messages, cap_candidate, parse_judge_score
+from posttrain.rewards.genrm import GenRM, GenRMConfig, build_judge_messages, cap_candidate, parse_judge_score
 
 CONCISE = "The answer is 42, because six times seven is 42."
 FILLER = " Furthermore, it is worth noting at considerable length that this matters a great deal."

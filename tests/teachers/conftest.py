@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from posttrain.data.sample import EFFORTS
-from teachers.testing import save_tiny_k3
+from posttrain.engines.testing import save_tiny_k3
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""The worked custom domain, teachers/examples/math.py, plugs into MOPD from its file alone: its
+"""The worked custom domain, examples/math_domain.py, plugs into MOPD from its file alone: its
 prompt recipe and verifier work, a stage file listing it under `plugins:` validates, and a mopd
 stage distils it (eval.json holds exactly its three pairs)."""
 
@@ -14,15 +14,15 @@ from posttrain.data.sample import EFFORTS
 from posttrain.envs.environments import EnvironmentConfig
 from posttrain.envs.tasks import TASK_FAMILIES, FinalState
 from posttrain.registry import import_plugin
+from posttrain.testing import mopd_context, run_mopd_stage
 from posttrain.trainers.mopd_teachers import TEACHER_DOMAINS
-from teachers.testing import mopd_context, run_mopd_stage
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "teachers" / "examples" / "math.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "math_domain.py"
 
 
 @pytest.fixture(scope="module", autouse=True)
 def math_plugin() -> None:
-    # By file path, as a stage file's `plugins:` entry loads it (posttrain_user_plugin_math).
+    # By file path, as a stage file's `plugins:` entry loads it (posttrain_user_plugin_math_domain).
     import_plugin(str(EXAMPLE))
 
 

@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from posttrain.envs.environments import Environment
 from posttrain.trainers.mopd import MOPDConfig
-from teachers import teacher_domain
+from posttrain.trainers.mopd_teachers import teacher_domain
 
 
 @teacher_domain("missing-two", teachers={"low": "rl-missing-two-low"})

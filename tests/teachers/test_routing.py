@@ -15,8 +15,7 @@ from posttrain.data.sample import EFFORTS, Sample
 from posttrain.engines.build import build_engine
 from posttrain.envs.environments import Environment
 from posttrain.trainers.mopd import MOPDConfig
-from posttrain.trainers.mopd_teachers import TeacherPool, TeacherRoutingError, route_teachers
-from teachers import teacher_domain
+from posttrain.trainers.mopd_teachers import TeacherPool, TeacherRoutingError, route_teachers, teacher_domain
 
 
 @teacher_domain(

@@ -23,7 +23,7 @@ from posttrain.data.batch import TokenBatch
 from posttrain.data.chat import ChatRenderer
 from posttrain.data.sample import DOMAINS, EFFORTS, Sample
 from posttrain.engines import EmbeddedEngine, SamplingConfig
-from posttrain.engines.testing import ScriptedTurns
+from posttrain.engines.testing import ScriptedTurns, save_tiny_k3
 from posttrain.envs.env_eval import mean_standard_error
 from posttrain.envs.environments import EnvironmentConfig, make_environment, play_episodes
 from posttrain.envs.tasks import TASK_FAMILIES, Episode
@@ -35,7 +35,6 @@ from posttrain.trainers.mopd import Distiller, MOPDConfig, token_rewards
 from posttrain.trainers.mopd_eval import episode_table, exact_results, pair_results, write_eval
 from posttrain.trainers.mopd_teachers import TeacherConfig, TeacherPool, route_teachers
 from posttrain.trainers.policy_step import micro_batch_loss
-from teachers.testing import save_tiny_k3
 
 R_MAX = 5.0
 # log-ratios on student tokens: the spec's two examples, two beyond the clip, one small

@@ -22,11 +22,11 @@ from posttrain.data.chat import ChatRenderer, load_tokenizer
 from posttrain.data.sample import DOMAINS, EFFORTS, Sample
 from posttrain.engines import ENGINES, Engine, SamplingConfig
 from posttrain.engines.build import build_engine
-from posttrain.engines.testing import build_tiny_llama
+from posttrain.engines.testing import build_tiny_llama, save_tiny_k3
 from posttrain.metrics import read_metrics
+from posttrain.testing import mopd_context, run_mopd_stage
 from posttrain.trainers.mopd import MOPDConfig
 from posttrain.trainers.mopd_teachers import TeacherPool, TeacherScoreError, route_teachers
-from teachers.testing import mopd_context, run_mopd_stage, save_tiny_k3
 
 
 @dataclass

@@ -14,9 +14,9 @@ from safetensors.torch import load_file
 
 from posttrain.data.sample import Sample
 from posttrain.engines.testing import tiny_k3
-from posttrain.envs.env_budget import trajectory_rewards
 from posttrain.envs.env_eval import paired_standard_error
 from posttrain.metrics import read_metrics
+from posttrain.rewards.budget import trajectory_rewards
 from posttrain.stages import StageContext
 from posttrain.trainers.rl import RLConfig
 

@@ -1,4 +1,4 @@
-"""The b0 cache the `rl` stage keeps for the budget reward (posttrain.envs.env_budget): entries
+"""The b0 cache the `rl` stage keeps for the budget reward (posttrain.rewards.budget): entries
 keyed by prompt content and cold-start config, shared by every run that opens the directory,
 concurrent writers losing nothing, and a damaged file named with its fix."""
 
@@ -7,8 +7,7 @@ import threading
 
 import pytest
 
-from posttrain.envs.env_budget import BudgetCache, prompt_hash
-from posttrain.rewards_registry import BaseBudget
+from posttrain.rewards.budget import BaseBudget, BudgetCache, prompt_hash
 
 
 def test_cache_round_trip_keys_and_sharing(tmp_path):
@@ -62,8 +61,8 @@ def test_two_stages_starting_together_estimate_b0_once(tmp_path, renderer):
     it and read its entries (each stage its own engine and environment, as in its own process)."""
     from posttrain.engines import EmbeddedEngine
     from posttrain.engines.testing import tiny_k3
-    from posttrain.envs.env_budget import BudgetConfig, base_budgets
     from posttrain.envs.environments import EnvironmentConfig, make_environment
+    from posttrain.rewards.budget import BudgetConfig, base_budgets
 
     cfg = BudgetConfig(cold_start={"samples": 2})
     config = EnvironmentConfig(max_turns=1, max_tokens_per_turn=6)

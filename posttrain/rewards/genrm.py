@@ -9,9 +9,8 @@ output is capped at `max_judge_tokens`. The score is read from one fixed format 
 last line, "Score: N/<score_max>"; a judgement without it is counted and returned as None, never
 silently scored 0.
 
-Registered as the "genrm" reward; the `rl` stage builds it through
-posttrain.rewards_registry.generative_reward_model from its `genrm:` block, whose schema is
-posttrain.config.rewards.GenRMConfig.
+The `rl` stage builds the judge from its `genrm:` block (`GenRMConfig`, this module) with
+`stage_judge`, and environments with `reward: genrm` call its `score_samples`.
 """
 
 from __future__ import annotations
@@ -19,11 +18,37 @@ from __future__ import annotations
 import re
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
-from posttrain.config.rewards import GenRMConfig
+from pydantic import BaseModel, ConfigDict, Field
+
+from posttrain.data.chat import ChatRenderer, load_tokenizer
 from posttrain.data.sample import Sample
-from posttrain.rewards_registry import REWARDS
+from posttrain.engines import EmbeddedEngine, SamplingConfig
+
+if TYPE_CHECKING:
+    from posttrain.stages import StageContext
+
+
+class GenRMConfig(BaseModel):
+    """The `genrm:` block of an `rl` stage file: the judge model and how it grades."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rubric: str = Field(min_length=1, description="what a good answer is, in the judge's words")
+    max_candidate_tokens: int = Field(
+        1024, gt=0, description="the candidate is cut to this many tokens before the judge sees it"
+    )
+    max_judge_tokens: int = Field(512, gt=0, description="cap on the judge's own output")
+    score_max: int = Field(10, gt=0, description='N in the judge\'s last line "Score: N/score_max"')
+    over_cap_penalty: float = Field(
+        1.0,
+        ge=0.0,
+        description="subtracted from the [0, 1] score of a candidate over max_candidate_tokens "
+        "(>= 1: any over-cap candidate scores <= 0)",
+    )
+    judge: str = Field("sft", description="the judge model: a need's stage id or a model dir")
 
 
 class TextTokenizer(Protocol):
@@ -101,7 +126,6 @@ def parse_judge_score(text: str, score_max: int) -> int | None:
     return score if score <= score_max else None
 
 
-@REWARDS.register("genrm")
 class GenRM:
     """Scores (question, candidate) pairs with a judge engine.
 
@@ -187,3 +211,30 @@ class GenRM:
             questions.append(str(users[0].get("content") or ""))
             candidates.append(str(answers[-1].get("content") or ""))
         return self.score(questions, candidates)
+
+
+def stage_judge(cfg: GenRMConfig, ctx: StageContext) -> GenRM:
+    """The judge of an `rl` stage: an embedded engine serving `cfg.judge` (a need of the stage or a
+    model dir), greedy, output capped at max_judge_tokens, reasoning dropped before parsing."""
+    path = ctx.inputs.get(cfg.judge) or Path(cfg.judge)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"stage {ctx.stage_id}: genrm.judge {cfg.judge!r} is neither a need of this stage nor a model dir"
+        )
+    tokenizer = load_tokenizer(path if (path / "tokenizer_config.json").is_file() else None)
+    renderer = ChatRenderer(tokenizer)
+    engine = EmbeddedEngine.from_pretrained(path, pad_token_id=renderer.pad_id)
+    sampling = SamplingConfig(
+        max_tokens=cfg.max_judge_tokens,
+        temperature=0.0,
+        stop_token_ids=(renderer.end_of_turn_id,),
+        tool_call_token_ids=(renderer.tool_calls_end_id,),
+    )
+    return GenRM(
+        engine,
+        tokenizer,
+        cfg,
+        render_prompt=renderer.render_prompt,
+        sampling=sampling,
+        decode_output=lambda ids: renderer.parse_assistant(ids)["content"],
+    )

@@ -10,7 +10,7 @@ Three registrations make a domain MOPD can distil:
 
 Use it from a mopd stage file:
 
-    plugins: [path/to/teachers/examples/math.py]      # or the module teachers.examples.math
+    plugins: [path/to/examples/math_domain.py]        # or a module of an installed package
     domains: [math]
     teachers: {math-low: {model: /ckpt/low}, math-high: {model: /ckpt/high}, math-max: {model: /ckpt/max}}
 """

@@ -1,1 +1,0 @@
-"""Worked examples of custom teacher domains (not registered unless listed under `plugins:`)."""

@@ -1,0 +1,92 @@
+"""The user plug-in path: a third party's package, installed with a `posttrain.plugins` entry
+point, registers a stage kind that a stage file names without any `plugins:` key, and `posttrain
+run` (its own process, stage processes forked from the preloaded server) runs it. Without the entry
+point the same file names an unknown kind: the entry point, not the import path, does the work.
+posttrain's own packages are plain imports (tests/test_architecture.py). And the registry's own
+contract: a taken name is an error naming both entries."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from posttrain.registry import Registry, RegistryError
+
+REPO = Path(__file__).resolve().parents[1]
+
+PLUGIN = '''
+from pydantic import BaseModel, ConfigDict
+
+from posttrain.stages import StageContext, stage_kind
+
+
+class Echo(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    value: int = 1
+
+
+@stage_kind("acme-echo", config=Echo)
+def run_echo(ctx: StageContext) -> dict[str, float]:
+    """Write `value` to the stage's output."""
+    (ctx.output_dir / "value.txt").write_text(str(ctx.config.value))
+    return {"value": float(ctx.config.value)}
+'''
+
+
+def install_acme(site: Path, entry_point: bool) -> None:
+    """The files `pip install acme-stages` would put in a site directory: the package and its
+    dist-info, with the entry point when `entry_point`."""
+    (site / "acme_stages").mkdir(parents=True)
+    (site / "acme_stages" / "__init__.py").write_text(PLUGIN)
+    info = site / "acme_stages-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: acme-stages\nVersion: 1.0\n")
+    if entry_point:
+        (info / "entry_points.txt").write_text("[posttrain.plugins]\nacme = acme_stages\n")
+
+
+def posttrain(site: Path, cwd: Path, *argv: object) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}{REPO}", OMP_NUM_THREADS="1", COLUMNS="250")
+    return subprocess.run(
+        [sys.executable, "-m", "posttrain.cli", *map(str, argv)],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_a_third_party_entry_point_registers_a_stage_kind_that_runs(tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    install_acme(site, entry_point=True)
+    stage = tmp_path / "a.yaml"
+    stage.write_text("kind: acme-echo\nvalue: 7\n")
+    done = posttrain(site, tmp_path, "run", stage, "--run-dir", tmp_path / "run")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (tmp_path / "run" / "a" / "model" / "value.txt").read_text() == "7"
+
+
+def test_without_the_entry_point_the_kind_is_unknown(tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    install_acme(site, entry_point=False)
+    stage = tmp_path / "a.yaml"
+    stage.write_text("kind: acme-echo\nvalue: 7\n")
+    planned = posttrain(site, tmp_path, "plan", stage)
+    assert "a.yaml:1: kind: kind 'acme-echo' is not registered" in planned.stdout, planned.stderr
+    done = posttrain(site, tmp_path, "run", stage, "--run-dir", tmp_path / "run")
+    assert done.returncode != 0 and not (tmp_path / "run" / "a" / "model").exists()
+
+
+def test_a_registry_rejects_a_second_entry_under_a_taken_name() -> None:
+    things: Registry[object] = Registry("thing")
+    first = things.register("a")(type("First", (), {}))
+    assert things.register("a")(first) is first  # the same object again is no conflict
+    with pytest.raises(RegistryError, match=r"thing 'a' is registered twice \(first by .*First, again by"):
+        things.register("a")(type("Second", (), {}))
+    with pytest.raises(RegistryError, match=r"unknown thing 'b' \(registered: a\)"):
+        things.get("b")
