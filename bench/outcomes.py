@@ -7,7 +7,8 @@ eval.json files (orchestration.outcomes) and prints, per claim: the seed mean, i
 (the larger of the seeds' spread and their pooled evaluation errors), how many seeds hold and
 whether the mean holds. The held-out prompts are the eval seed's, the same in every run, so the
 spread measures what training's seed changes. A seed already finished is read, not rerun
-(posttrain's resume: a killed benchmark continues where it stopped).
+(posttrain's resume: a killed benchmark continues where it stopped); `--only STAGE` runs just that
+stage of each seed, whose needs must be done there already.
 
     python bench/outcomes.py --seeds 0 1 2 --out runs/outcomes             # one at a time
     python bench/outcomes.py --seeds 0 1 2 --parallel 3 --cpus 5 --out DIR  # a 16-core machine
@@ -33,13 +34,15 @@ sys.path.insert(0, str(REPO))
 from orchestration.outcomes import run_claims, seed_summary  # noqa: E402
 
 
-def run_seed(seed: int, out: Path, cpus: int, stage_file: Path, extra: list[str]) -> tuple[int, float, int]:
+def run_seed(
+    seed: int, out: Path, cpus: int, stage_file: Path, extra: list[str], only: list[str]
+) -> tuple[int, float, int]:
     """One seed of the default run, logged to OUT/seed-S.log; returns (seed, seconds, exit code)."""
     run_dir = out / f"seed-{seed}"
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     command = [sys.executable, "-m", "posttrain.cli", "run", str(stage_file), f"seed={seed}", *extra]
-    command += ["--run-dir", str(run_dir), "--max-parallel", str(cpus)]
+    command += ["--run-dir", str(run_dir), "--max-parallel", str(cpus), *(f"--only={s}" for s in only)]
     started = time.perf_counter()
     with open(out / f"seed-{seed}.log", "a") as log:
         code = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
@@ -72,6 +75,13 @@ def main() -> None:
     parser.add_argument("--cpus", type=int, default=2, help="stages at once (one thread each) per seed")
     parser.add_argument("--stage-file", type=Path, default=REPO / "stages" / "mopd.yaml")
     parser.add_argument("--report-only", action="store_true", help="read the runs in OUT, run nothing")
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="STAGE",
+        help="run only this stage of each seed (repeatable)",
+    )
     parser.add_argument("overrides", nargs="*", help="KEY=VALUE overrides passed to every run")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -79,7 +89,7 @@ def main() -> None:
     if not args.report_only:
         with ThreadPoolExecutor(args.parallel) as pool:
             jobs = [
-                pool.submit(run_seed, s, args.out, args.cpus, args.stage_file, args.overrides)
+                pool.submit(run_seed, s, args.out, args.cpus, args.stage_file, args.overrides, args.only)
                 for s in args.seeds
             ]
             for job in jobs:
