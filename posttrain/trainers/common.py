@@ -206,6 +206,17 @@ def _with_vision(ctx: StageContext, model: nn.Module, vision: Path, media_pad_id
     return with_vision(model, config, media_pad_id)
 
 
+def renderer_for(tokenizer: Any, model: nn.Module) -> Any:
+    """The policy's ChatRenderer: with the image processor of its vision tower when it has one,
+    so prompts size their images as the tower cuts them."""
+    from posttrain.data.chat import ChatRenderer
+    from posttrain.model.vision_model import image_processor
+
+    if isinstance(getattr(model, "vision_tower", None), nn.Module):
+        return ChatRenderer(tokenizer, image_processor(model.config))
+    return ChatRenderer(tokenizer)
+
+
 def merged_model(model: nn.Module) -> nn.Module:
     """The plain transformers model to save: a peft model has its LoRA adapters merged in."""
     from peft import PeftModel

@@ -27,7 +27,7 @@ from posttrain.algos.sft import sft_loss
 from posttrain.data.chat import ChatRenderer, load_tokenizer
 from posttrain.data.images import MediaItem
 from posttrain.data.packing import PackedRow
-from posttrain.model.vision_model import image_processor, media_inputs
+from posttrain.model.vision_model import media_inputs
 from posttrain.stages import StageContext, stage_kind
 from posttrain.trainers.common import (
     AccelerateConfig,
@@ -37,6 +37,7 @@ from posttrain.trainers.common import (
     base_without_peft,
     load_policy,
     merged_model,
+    renderer_for,
     save_final_model,
 )
 from posttrain.trainers.sft_data import DataConfig, PackedStream, load_sft_data, pack, row_media
@@ -199,8 +200,7 @@ def run_sft(ctx: StageContext) -> dict[str, float]:
         vision=vision,
         media_pad_id=renderer.media_token_ids.get("media_pad"),
     )
-    if hasattr(policy.model, "vision_tower"):  # the renderer sizes images as this tower cuts them
-        renderer = ChatRenderer(tokenizer, image_processor(policy.model.config))
+    renderer = renderer_for(tokenizer, policy.model)
     data = load_sft_data(cfg.data, renderer, seed, cfg.data.max_length or train.micro_batch_tokens, ctx.log)
     state = TrainState.create(ctx, policy.model, train, cfg.accelerate, train.steps, train.grad_accum)
     model = base_without_peft(state.unwrapped)
