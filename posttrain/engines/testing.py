@@ -57,7 +57,7 @@ def tiny_vl_k3(
     `<|media_pad|>`. `qat`, when given, is applied last."""
     tokenizer = load_tokenizer(media=True)
     text = tiny_k3(seed, init_scale=init_scale)
-    text.resize_token_embeddings(len(tokenizer))
+    text.resize_token_embeddings(len(tokenizer), mean_resizing=False)
     vision = load_vision_config(TINY_VISION_PRESET, text_hidden_size=text.config.hidden_size)
     model = with_vision(text, vision, tokenizer.convert_tokens_to_ids(MEDIA_TOKENS["media_pad"]))
     with torch.no_grad():
