@@ -4,6 +4,8 @@ a multimodal model."""
 
 from __future__ import annotations
 
+import pytest
+
 import data_recipes  # noqa: F401  (registers the task families)
 from posttrain.data.chat import load_tokenizer
 from posttrain.engines.testing import tiny_vl_k3
@@ -49,3 +51,20 @@ def test_rl_on_visual_questions_plays_drawn_image_episodes(tmp_path, stage_runne
     assert all(r["task_reward_mean"] == 0.0 and r["skipped"] == 1.0 for r in records)
     policy = load_pretrained(ctx.output_dir)
     assert isinstance(policy, KimiK3ForConditionalGeneration)
+
+
+def test_a_multimodal_policy_refuses_a_text_only_rollout_engine(tmp_path, stage_runner):
+    sft = save_multimodal(tiny_vl_k3(0), tmp_path / "sft", tokenizer=load_tokenizer(media=True))
+    body = {**BODY, "rollout": {**BODY["rollout"], "engine": "vllm"}}
+    ctx = stage_runner.context(
+        "rl",
+        tmp_path / "run",
+        body,
+        stage_id="rl-general-high",
+        inputs={"sft": sft},
+        matrix={"domain": "general", "effort": "high"},
+    )
+    with pytest.raises(
+        ValueError, match="rollout.engine vllm serves text only.*use rollout.engine: embedded"
+    ):
+        stage_runner.run(ctx)
