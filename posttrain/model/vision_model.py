@@ -14,6 +14,7 @@ positions are prompt: their labels are ignored (-100), whatever the caller passe
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,11 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from posttrain.data.images import MediaItem, MoonViTImageProcessor
 from posttrain.model.configuration_kimi_k3 import KimiK3Config
 from posttrain.model.modeling_kimi_k3 import KimiK3ForCausalLM
-from posttrain.model.released import RELEASED_MEDIA_PLACEHOLDER_TOKEN_ID, TEXT_MODEL_TYPE
+from posttrain.model.released import (
+    MEDIA_PLACEHOLDER_TOKEN,
+    RELEASED_MEDIA_PLACEHOLDER_TOKEN_ID,
+    TEXT_MODEL_TYPE,
+)
 from posttrain.model.vision import KimiK3MultiModalProjector, MoonViTPosEmb, MoonViTV2
 from posttrain.model.vision_config import KimiK3VisionConfig
 
@@ -176,9 +181,9 @@ def count_vision_parameters(config: KimiK3VLConfig | KimiK3VisionConfig) -> dict
 
 
 def has_vision_weights(model_dir: str | Path) -> bool:
-    """Whether a checkpoint directory holds vision-tower tensors (a multimodal stage output or
-    release), read from the safetensors headers only. A text model's directory has a
-    `vision_config` header too (vLLM's parser needs one) but no `vision_tower.*` tensors."""
+    """Whether a checkpoint directory holds vision-tower tensors, read from the safetensors headers
+    only. A text model's directory has a `vision_config` header too (vLLM's parser needs one) but
+    no `vision_tower.*` tensors."""
     for file in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(str(file), "pt") as f:
             if any(name.startswith("vision_tower.") for name in f.keys()):
@@ -186,12 +191,39 @@ def has_vision_weights(model_dir: str | Path) -> bool:
     return False
 
 
+def sees_images(model_dir: str | Path) -> bool:
+    """Whether a directory is a vision-language model its own tokenizer can feed: vision weights,
+    and its tokenizer's `<|media_pad|>` is the config's `media_placeholder_token_id` (a text-only
+    save of a small vocabulary writes the pad token there, and no image can be rendered for it)."""
+    directory = Path(model_dir)
+    config_file = directory / "config.json"
+    if not config_file.is_file() or not has_vision_weights(directory):
+        return False
+    placeholder = json.loads(config_file.read_text()).get("media_placeholder_token_id")
+    return _added_tokens(directory).get(placeholder) == MEDIA_PLACEHOLDER_TOKEN
+
+
+def _added_tokens(directory: Path) -> dict[int, str]:
+    """id -> content of a saved tokenizer's added tokens (tokenizer.json's `added_tokens`, or
+    tokenizer_config.json's `added_tokens_decoder` as a release without tokenizer.json has)."""
+    out: dict[int, str] = {}
+    config = directory / "tokenizer_config.json"
+    if config.is_file():
+        decoder = json.loads(config.read_text()).get("added_tokens_decoder", {})
+        out.update({int(i): token.get("content") for i, token in decoder.items()})
+    fast = directory / "tokenizer.json"
+    if fast.is_file():
+        out.update({t["id"]: t["content"] for t in json.loads(fast.read_text()).get("added_tokens", [])})
+    return out
+
+
 def load_pretrained(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    """A checkpoint directory as the model it holds: KimiK3ForConditionalGeneration when it has
-    vision weights, else `AutoModelForCausalLM` (K3 or any transformers causal LM)."""
+    """A checkpoint directory as the model it holds: KimiK3ForConditionalGeneration when it
+    `sees_images`, else `AutoModelForCausalLM` (K3, whose vision tensors are then skipped, or any
+    transformers causal LM)."""
     import posttrain.model  # noqa: F401  (registers kimi_k3 with AutoModelForCausalLM)
 
-    if has_vision_weights(model_dir):
+    if sees_images(model_dir):
         return KimiK3ForConditionalGeneration.from_pretrained(str(model_dir), dtype=dtype)
     return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
 
@@ -240,7 +272,6 @@ def save_multimodal(
     `mm_projector.*`, `language_model.*`, experts one by one), its tokenizer, its text model's
     generation config and the preprocessor_config.json vLLM's K3 processor reads; whole or not at
     all, as `save_released`."""
-    import json
     import os
     import shutil
 

@@ -126,10 +126,10 @@ def load_policy(
     """The stage's model, ready to train: a fresh seeded KimiK3ForCausalLM from a preset file, or
     from_pretrained from a model dir (`model_path`, default ctx.model; K3 or any transformers causal
     LM); embeddings grown to `vocab_size` when the tokenizer has more tokens; QAT hooks from ctx.qat;
-    LoRA adapters. A model dir with vision weights loads as the multimodal
-    KimiK3ForConditionalGeneration; `vision` (a vision preset) puts a fresh seeded MoonViT-V2 and
-    projector under a text model, with `media_pad_id` (the tokenizer's `<|media_pad|>`) as its
-    media placeholder.
+    LoRA adapters. A model dir that `sees_images` (vision weights its tokenizer can feed) loads as
+    the multimodal KimiK3ForConditionalGeneration; `vision` (a vision preset) puts a fresh seeded
+    MoonViT-V2 and projector under a text model, with `media_pad_id` (the tokenizer's
+    `<|media_pad|>`) as its media placeholder.
 
     QAT quantises K3's routed experts: asked of a model without them (`qat: {scheme: k3}` on a
     Llama) it is an error naming the stage and the fix. Router balancing needs no request: it runs
