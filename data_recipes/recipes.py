@@ -2,11 +2,16 @@
 
 agent_sft: the default run's SFT data, every shipped trajectory once (all three domains), with 5%
 held out for eval loss and tool-task success. agent_sft_agentic: the same trajectories with the
-multi-turn agent domain weighted twice, an example of a weighted mixture.
+multi-turn agent domain weighted twice, an example of a weighted mixture. visual_sft: the
+general/visual questions (images drawn with Pillow from each prompt's seed, nothing downloaded),
+demonstrated and written to a local file on every call (a pure function of the seed), for a stage
+with a vision tower (stages/vision/).
 """
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 from posttrain.data.mixture import DATA_RECIPES, MixtureSource, Recipe
@@ -30,4 +35,29 @@ def agent_sft_agentic() -> Recipe:
         ),
         eval_fraction=0.05,
         description="shipped agent SFT set, agent domain twice",
+    )
+
+
+VISUAL_SFT_ROWS = 240
+
+
+def write_visual_sft(out: Path, rows: int = VISUAL_SFT_ROWS, seed: int = 0) -> Path:
+    """Write `rows` demonstrated general/visual trajectories (byte-identical for a seed) to `out`,
+    through a temporary file renamed into place, so concurrent stages never read half a file."""
+    from data_recipes.agent_tasks import VISUAL_FAMILIES
+    from data_recipes.agent_tasks.generate import generate_trajectory, to_jsonl
+
+    records = [generate_trajectory(name, index, seed) for name in VISUAL_FAMILIES for index in range(rows)]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}")
+    tmp.write_text(to_jsonl(records))
+    tmp.replace(out)
+    return out
+
+
+@DATA_RECIPES.register("visual_sft")
+def visual_sft() -> Recipe:
+    path = write_visual_sft(Path(tempfile.gettempdir()) / "posttrain-recipes" / "visual_sft.jsonl")
+    return Recipe(
+        sources=(MixtureSource(str(path)),), eval_fraction=0.05, description="drawn visual questions"
     )

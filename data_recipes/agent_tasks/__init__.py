@@ -1,9 +1,10 @@
 """Shipped task families for the default run (general, agent, coding) and their real tools.
 
-Importing this package registers the families in posttrain.envs.tasks.TASK_FAMILIES.
+Importing this package registers the families in posttrain.envs.tasks.TASK_FAMILIES. FAMILIES are
+the default run's; `visual.VisualQuestions` (general/visual, images) is registered too but opt-in.
 """
 
-from data_recipes.agent_tasks import agent, coding, general
+from data_recipes.agent_tasks import agent, coding, general, visual
 
 FAMILIES: tuple[str, ...] = (
     general.Arithmetic.name,
@@ -17,4 +18,6 @@ FAMILIES: tuple[str, ...] = (
     coding.FixFunction.name,
 )
 
-__all__ = ["FAMILIES"]
+VISUAL_FAMILIES: tuple[str, ...] = (visual.VisualQuestions.name,)
+
+__all__ = ["FAMILIES", "VISUAL_FAMILIES"]

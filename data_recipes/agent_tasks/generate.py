@@ -27,7 +27,7 @@ def generate_trajectory(family_name: str, index: int, seed: int = 0) -> dict[str
     rng = random.Random(f"sft:{seed}:{family_name}:{index}")
     sample = family.make_prompt(rng, EFFORTS[index % len(EFFORTS)])
     messages = family.demonstrate(sample)
-    return {
+    record = {
         "uid": sample.uid,
         "domain": sample.domain,
         "effort": sample.effort,
@@ -35,6 +35,9 @@ def generate_trajectory(family_name: str, index: int, seed: int = 0) -> dict[str
         "tools": sample.tools,
         "task": sample.task,
     }
+    if sample.images:  # a visual family's drawn images (data URIs), in the order of the media parts
+        record["images"] = sample.images
+    return record
 
 
 def generate(seed: int = 0, per_family: int = DEFAULT_PER_FAMILY) -> list[dict[str, Any]]:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from posttrain.data.images import MediaItem
 from posttrain.data.sample import Sample
 
 
@@ -56,6 +57,7 @@ class TokenBatch:
     behaviour_logprobs: float32, the rollout engine's log-prob of each generated token (0 elsewhere).
     versions: long, the policy version that generated each token (0 on others).
     lengths: each row's token count.
+    images: each row's `Sample.images` (the media whose visual tokens its `<|media_pad|>` runs are).
     """
 
     input_ids: torch.Tensor
@@ -64,6 +66,7 @@ class TokenBatch:
     behaviour_logprobs: torch.Tensor
     versions: torch.Tensor
     lengths: tuple[int, ...]
+    images: tuple[list[MediaItem], ...] = ()
 
     @classmethod
     def of(cls, samples: Sequence[Sample], pad_id: int) -> TokenBatch:
@@ -80,6 +83,7 @@ class TokenBatch:
                 [[max(v, 0) for v in s.policy_version] for s in samples], width, torch.long
             ),
             lengths=tuple(len(s.tokens) for s in samples),
+            images=tuple(s.images for s in samples),
         )
 
     @property
@@ -97,6 +101,7 @@ class TokenBatch:
         return TokenBatch(
             *(t[start:stop, keep] for t in self.tensors()),
             lengths=lengths,
+            images=self.images[start:stop],
         )
 
     def tensors(self) -> tuple[torch.Tensor, ...]:

@@ -26,7 +26,7 @@ from posttrain.data.sample import EFFORTS
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
-    from posttrain.data.images import MediaBlock
+    from posttrain.data.images import MediaBlock, MediaItem, MoonViTImageProcessor
 
 # Role headers are <|im_role|> ... <|im_middle|>, the K2 chat format's names.
 # Ids follow this order (the shipped tokenizer gives them ids 0..16): pad first, so a model config's
@@ -105,7 +105,9 @@ class ChatRenderer:
     system, user, tool-result and header tokens.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerFast) -> None:
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerFast, processor: MoonViTImageProcessor | None = None
+    ) -> None:
         vocab = tokenizer.get_vocab()
         missing = [token for token in SPECIAL_TOKENS.values() if token not in vocab]
         if missing:
@@ -123,6 +125,20 @@ class ChatRenderer:
             name: vocab[token] for name, token in MEDIA_TOKENS.items() if token in vocab
         }
         self._tool_declare_ids = self.encode(TOOL_DECLARE_NAME)
+        # The image processor of the model's vision tower (None: a text model, no media to size).
+        self.processor = processor
+
+    def media_blocks(self, images: Sequence[MediaItem]) -> list[list[MediaBlock]] | None:
+        """`render`'s media argument for a Sample's images: None when there are none, else the
+        processor's blocks (an error naming the fix when the renderer has no processor)."""
+        if not images:
+            return None
+        if self.processor is None:
+            raise ValueError(
+                f"{len(images)} media entries to render but this renderer has no image processor: the "
+                "model has no vision tower; give the stage a `vision:` preset or a vision-language model"
+            )
+        return self.processor.blocks(images)
 
     @property
     def stop_token_ids(self) -> list[int]:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import datasets
 
+from posttrain.data.chat_media import MEDIA_PART_TYPES
 from posttrain.data.sample import Sample
 from posttrain.data.trajectory import (
     BadTrajectoryError,
@@ -153,6 +154,12 @@ def prompt_sample(record: dict[str, Any]) -> Sample:
     what an environment or an eval of tool-task success starts from."""
     messages = record["messages"]
     first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
+    media_parts = sum(
+        part.get("type") in MEDIA_PART_TYPES
+        for m in messages[:first]
+        if isinstance(m.get("content"), list)
+        for part in m["content"]
+    )
     return Sample(
         uid=record["uid"],
         domain=record.get("domain", "general"),
@@ -161,4 +168,5 @@ def prompt_sample(record: dict[str, Any]) -> Sample:
         messages=messages[:first],
         tools=record.get("tools", []),
         task=record.get("task", {}),
+        images=record.get("images", [])[:media_parts],
     )

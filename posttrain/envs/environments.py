@@ -175,7 +175,11 @@ class Environment:
     def family_names(self) -> list[str]:
         if self.config.families:
             return list(self.config.families)
-        names = [name for name, family in TASK_FAMILIES.items() if family.domain == self.domain]
+        names = [
+            name
+            for name, family in TASK_FAMILIES.items()
+            if family.domain == self.domain and not family.opt_in
+        ]
         if not names:
             raise ValueError(
                 f"no task family of domain {self.domain!r} is registered; list the families under "
@@ -232,8 +236,11 @@ class Environment:
             messages=copy.deepcopy(prompt.messages),
             tools=copy.deepcopy(prompt.tools),
             task={**copy.deepcopy(prompt.task), "prompt_uid": prompt.uid},
+            images=copy.deepcopy(prompt.images),
         )
-        ids = self.renderer.render_prompt(sample.messages, sample.tools, effort)
+        ids = self.renderer.render_prompt(
+            sample.messages, sample.tools, effort, media=self.renderer.media_blocks(sample.images)
+        )
         sample.append(ids, generated=False)
         sample.prompt_length = len(ids)
         return sample
@@ -507,4 +514,7 @@ def _pause_rule(should_pause: PauseRule, ended: int) -> PauseWhen:
 
 def _question(prompt: Sample) -> str:
     """What makes two prompts the same task: everything but the system prompt and tools."""
-    return json.dumps([m for m in prompt.messages if m["role"] != "system"], sort_keys=True)
+    question = [m for m in prompt.messages if m["role"] != "system"]
+    if prompt.images:  # one question text over many drawn images: the images tell them apart
+        question.append({"images": prompt.images})
+    return json.dumps(question, sort_keys=True)

@@ -54,10 +54,15 @@ class FinalState:
 
 
 class TaskFamily(ABC):
-    """One kind of task. Subclasses set `name`, `domain` and implement `make_toolset`."""
+    """One kind of task. Subclasses set `name`, `domain` and implement `make_toolset`.
+
+    opt_in: an environment offers the family only when its config lists it (`families`), never
+    by default; e.g. the visual questions, which need a model with a vision tower.
+    """
 
     name: ClassVar[str]
     domain: ClassVar[str]
+    opt_in: ClassVar[bool] = False
 
     @abstractmethod
     def make_toolset(self) -> dict[str, Tool]:

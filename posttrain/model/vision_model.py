@@ -14,17 +14,26 @@ positions are prompt: their labels are ignored (-100), whatever the caller passe
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from torch import nn
-from transformers import PretrainedConfig, PreTrainedModel
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from posttrain.data.images import MediaItem, MoonViTImageProcessor
 from posttrain.model.configuration_kimi_k3 import KimiK3Config
 from posttrain.model.modeling_kimi_k3 import KimiK3ForCausalLM
-from posttrain.model.released import RELEASED_MEDIA_PLACEHOLDER_TOKEN_ID, TEXT_MODEL_TYPE
+from posttrain.model.released import (
+    MEDIA_PLACEHOLDER_TOKEN,
+    RELEASED_MEDIA_PLACEHOLDER_TOKEN_ID,
+    TEXT_MODEL_TYPE,
+)
 from posttrain.model.vision import KimiK3MultiModalProjector, MoonViTPosEmb, MoonViTV2
 from posttrain.model.vision_config import KimiK3VisionConfig
 
@@ -166,3 +175,125 @@ def count_vision_parameters(config: KimiK3VLConfig | KimiK3VisionConfig) -> dict
         "vision_tower": sum(p.numel() for p in tower.parameters()),
         "mm_projector": sum(p.numel() for p in projector.parameters()),
     }
+
+
+# Through the pipeline: building, loading and feeding the multimodal model -------------------------
+
+
+def has_vision_weights(model_dir: str | Path) -> bool:
+    """Whether a checkpoint directory holds vision-tower tensors, read from the safetensors headers
+    only. A text model's directory has a `vision_config` header too (vLLM's parser needs one) but
+    no `vision_tower.*` tensors."""
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            if any(name.startswith("vision_tower.") for name in f.keys()):
+                return True
+    return False
+
+
+def sees_images(model_dir: str | Path) -> bool:
+    """Whether a directory is a vision-language model its own tokenizer can feed: vision weights,
+    and its tokenizer's `<|media_pad|>` is the config's `media_placeholder_token_id` (a text-only
+    save of a small vocabulary writes the pad token there, and no image can be rendered for it)."""
+    directory = Path(model_dir)
+    config_file = directory / "config.json"
+    if not config_file.is_file() or not has_vision_weights(directory):
+        return False
+    placeholder = json.loads(config_file.read_text()).get("media_placeholder_token_id")
+    return _added_tokens(directory).get(placeholder) == MEDIA_PLACEHOLDER_TOKEN
+
+
+def _added_tokens(directory: Path) -> dict[int, str]:
+    """id -> content of a saved tokenizer's added tokens (tokenizer.json's `added_tokens`, or
+    tokenizer_config.json's `added_tokens_decoder` as a release without tokenizer.json has)."""
+    out: dict[int, str] = {}
+    config = directory / "tokenizer_config.json"
+    if config.is_file():
+        decoder = json.loads(config.read_text()).get("added_tokens_decoder", {})
+        out.update({int(i): token.get("content") for i, token in decoder.items()})
+    fast = directory / "tokenizer.json"
+    if fast.is_file():
+        out.update({t["id"]: t["content"] for t in json.loads(fast.read_text()).get("added_tokens", [])})
+    return out
+
+
+def load_pretrained(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """A checkpoint directory as the model it holds: KimiK3ForConditionalGeneration when it
+    `sees_images`, else `AutoModelForCausalLM` (K3, whose vision tensors are then skipped, or any
+    transformers causal LM)."""
+    import posttrain.model  # noqa: F401  (registers kimi_k3 with AutoModelForCausalLM)
+
+    if sees_images(model_dir):
+        return KimiK3ForConditionalGeneration.from_pretrained(str(model_dir), dtype=dtype)
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+
+
+def with_vision(
+    text_model: KimiK3ForCausalLM, vision: KimiK3VisionConfig, media_placeholder_token_id: int
+) -> KimiK3ForConditionalGeneration:
+    """`text_model` (its weights kept) under a fresh vision tower and projector, initialised from
+    the global RNG: how a stage starts a vision-language model from a text base or preset."""
+    config = KimiK3VLConfig(
+        text_config=text_model.config,
+        vision_config=vision,
+        media_placeholder_token_id=media_placeholder_token_id,
+    )
+    model = KimiK3ForConditionalGeneration(config)
+    model.language_model = text_model
+    return model
+
+
+def image_processor(config: KimiK3VLConfig) -> MoonViTImageProcessor:
+    """The processor whose patches and token counts match the model's vision tower."""
+    return MoonViTImageProcessor.from_vision_config(config.vision_config)
+
+
+def media_inputs(model: nn.Module, rows: Sequence[Sequence[MediaItem]]) -> dict[str, torch.Tensor]:
+    """The forward's pixel_values / grid_thws for the media of a batch's rows, in row order (the
+    order of the `<|media_pad|>` runs in the batch); {} when no row has media, so a text forward
+    is called exactly as before."""
+    entries = [entry for row in rows for entry in row]
+    if not entries:
+        return {}
+    if not isinstance(getattr(model, "vision_tower", None), nn.Module):
+        raise ValueError(
+            f"{len(entries)} media entries but {type(model).__name__} has no vision tower; train a "
+            "vision-language model (a stage with `vision:`, or a model dir with vision weights)"
+        )
+    batch = image_processor(model.config)(entries)
+    device = next(model.parameters()).device
+    return {"pixel_values": batch.pixel_values.to(device), "grid_thws": batch.grid_thws.to(device)}
+
+
+def save_multimodal(
+    model: KimiK3ForConditionalGeneration, out_dir: str | Path, *, tokenizer: Any = None
+) -> Path:
+    """Write the multimodal model in the released layout (save_pretrained: `vision_tower.*`,
+    `mm_projector.*`, `language_model.*`, experts one by one), its tokenizer, its text model's
+    generation config and the preprocessor_config.json vLLM's K3 processor reads; whole or not at
+    all, as `save_released`."""
+    import os
+    import shutil
+
+    from posttrain.model.released import PREPROCESSOR_FILE, default_preprocessor_config
+
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise FileExistsError(f"{out_dir} exists and is not empty: choose a new directory or remove it")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+        model.language_model.generation_config.save_pretrained(str(tmp))
+        preprocessor = default_preprocessor_config(model.config.vision_config.to_dict())
+        (tmp / PREPROCESSOR_FILE).write_text(json.dumps(preprocessor, indent=2) + "\n")
+        if out_dir.exists():
+            out_dir.rmdir()
+        tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir

@@ -121,11 +121,16 @@ def load_policy(
     lora: LoRAConfig | None = None,
     gradient_checkpointing: bool = False,
     model_path: Path | None = None,
+    vision: Path | None = None,
+    media_pad_id: int | None = None,
 ) -> Policy:
     """The stage's model, ready to train: a fresh seeded KimiK3ForCausalLM from a preset file, or
     from_pretrained from a model dir (`model_path`, default ctx.model; K3 or any transformers causal
     LM); embeddings grown to `vocab_size` when the tokenizer has more tokens; QAT hooks from ctx.qat;
-    LoRA adapters.
+    LoRA adapters. A model dir that `sees_images` (vision weights its tokenizer can feed) loads as
+    the multimodal KimiK3ForConditionalGeneration; `vision` (a vision preset) puts a fresh seeded
+    MoonViT-V2 and projector under a text model, with `media_pad_id` (the tokenizer's
+    `<|media_pad|>`) as its media placeholder.
 
     QAT quantises K3's routed experts: asked of a model without them (`qat: {scheme: k3}` on a
     Llama) it is an error naming the stage and the fix. Router balancing needs no request: it runs
@@ -143,9 +148,9 @@ def load_policy(
     if path.is_dir():
         if not (path / CONFIG_FILE).is_file():
             raise FileNotFoundError(f"stage {ctx.stage_id}: model dir {path} has no {CONFIG_FILE}")
-        from transformers import AutoModelForCausalLM
+        from posttrain.model.vision_model import load_pretrained
 
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        model = load_pretrained(path)
         source = "pretrained"
     else:
         config = k3.load_model_config(path)
@@ -155,6 +160,8 @@ def load_policy(
         source = "preset"
     if model.get_input_embeddings().num_embeddings < vocab_size:
         model.resize_token_embeddings(vocab_size)
+    if vision is not None:
+        model = _with_vision(ctx, model, vision, media_pad_id)
     try:
         applied = apply_qat(model, ctx.qat)
     except ValueError as error:
@@ -180,6 +187,37 @@ def load_policy(
     return Policy(model=model, source=source)
 
 
+def _with_vision(ctx: StageContext, model: nn.Module, vision: Path, media_pad_id: int | None) -> nn.Module:
+    from posttrain.model import KimiK3ForCausalLM
+    from posttrain.model.vision_config import load_vision_config
+    from posttrain.model.vision_model import with_vision
+
+    if hasattr(model, "vision_tower"):
+        raise ValueError(
+            f"stage {ctx.stage_id}: `vision: {vision}` asks for a fresh vision tower but the model already "
+            "has one; drop `vision:` to continue the model's own"
+        )
+    if not isinstance(model, KimiK3ForCausalLM) or media_pad_id is None:
+        raise ValueError(
+            f"stage {ctx.stage_id}: `vision:` needs a K3 text model and a tokenizer with the media tokens "
+            f"(load_tokenizer(media=True)); got {type(model).__name__}, media pad {media_pad_id}"
+        )
+    config = load_vision_config(vision, text_hidden_size=model.config.hidden_size)
+    torch.manual_seed(ctx.seed)
+    return with_vision(model, config, media_pad_id)
+
+
+def renderer_for(tokenizer: Any, model: nn.Module) -> Any:
+    """The policy's ChatRenderer: with the image processor of its vision tower when it has one,
+    so prompts size their images as the tower cuts them."""
+    from posttrain.data.chat import ChatRenderer
+    from posttrain.model.vision_model import image_processor
+
+    if isinstance(getattr(model, "vision_tower", None), nn.Module):
+        return ChatRenderer(tokenizer, image_processor(model.config))
+    return ChatRenderer(tokenizer)
+
+
 def merged_model(model: nn.Module) -> nn.Module:
     """The plain transformers model to save: a peft model has its LoRA adapters merged in."""
     from peft import PeftModel
@@ -199,12 +237,18 @@ def save_final_model(model: nn.Module, tokenizer: Any, output_dir: Path, stop_to
     master weights are written as they are (QAT is recorded in `posttrain_qat`, not applied).
     Any other transformers model is written with its own save_pretrained."""
     from posttrain.model import KimiK3ForCausalLM, save_released
+    from posttrain.model.vision_model import KimiK3ForConditionalGeneration, save_multimodal
 
     model.config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.eos_token_id = list(stop_token_ids)
+    # the multimodal model generates through its text model, whose generation config is written
+    text = model.language_model if isinstance(model, KimiK3ForConditionalGeneration) else model
+    text.generation_config.pad_token_id = tokenizer.pad_token_id
+    text.generation_config.eos_token_id = list(stop_token_ids)
     if isinstance(model, KimiK3ForCausalLM):
         save_released(model, output_dir, tokenizer=tokenizer)
+        return
+    if isinstance(model, KimiK3ForConditionalGeneration):
+        save_multimodal(model, output_dir, tokenizer=tokenizer)
         return
     model.save_pretrained(str(output_dir), safe_serialization=True)
     tokenizer.save_pretrained(str(output_dir))

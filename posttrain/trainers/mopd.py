@@ -45,6 +45,7 @@ from posttrain.trainers.common import (
     base_without_peft,
     load_policy,
     merged_model,
+    renderer_for,
     save_final_model,
 )
 from posttrain.trainers.mopd_eval import (
@@ -389,6 +390,7 @@ def run_mopd(ctx: StageContext) -> dict[str, float]:
     )
     renderer = ChatRenderer(tokenizer)
     policy = load_policy(ctx, len(tokenizer), lora=cfg.lora, model_path=start)
+    renderer = renderer_for(tokenizer, policy.model)  # sizes images when the student has a vision tower
     state = TrainState.create(ctx, policy.model, cfg.train, cfg.accelerate, cfg.train.steps)
     pool = TeacherPool(routes, ctx.stage_dir, cfg.max_teacher_retries, ctx.log)
     ctx.log.info(

@@ -20,18 +20,20 @@ from posttrain.algos import mismatch_stats, policy_loss, staleness_stats
 from posttrain.algos.policy_loss import PolicyLoss, PolicyLossConfig
 from posttrain.data.batch import TokenBatch
 from posttrain.data.sample import Sample
+from posttrain.model.vision_model import media_inputs
 from posttrain.trainers.common import TrainState
 
 
 def target_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float = 1.0) -> torch.Tensor:
     """[B, T - 1] log pi(token t | tokens[:t]) at `temperature`, with gradient: the forward's
-    log-softmax gathered at each target token."""
+    log-softmax gathered at each target token (the rows' images merged, as the engine prefilled)."""
     device = next(model.parameters()).device
     ids = batch.input_ids.to(device)
     logits = model(
         input_ids=ids,
         attention_mask=batch.attention_mask.to(device),
         position_ids=batch.position_ids.to(device),
+        **media_inputs(model, batch.images),
     ).logits.float()
     logp = torch.log_softmax(logits[:, :-1] / temperature, dim=-1)
     return logp.gather(-1, ids[:, 1:, None]).squeeze(-1)

@@ -36,6 +36,11 @@ def rollout_engine(
     """
     if name == "embedded":
         return EmbeddedEngine(policy, pad_token_id=renderer.pad_id)
+    if renderer.processor is not None:  # our prompts hold the expanded media runs vLLM would not take
+        raise ValueError(
+            f"stage {ctx.stage_id}: rollout.engine {name} serves text only, and the policy has a vision "
+            "tower; use rollout.engine: embedded for a multimodal policy"
+        )
     ctx.log.info("rollout engine: %s for %s (logs and weights under %s)", name, init, ctx.stage_dir)
     return build_engine(
         name,

@@ -53,6 +53,7 @@ from posttrain.trainers.common import (
     TrainState,
     base_without_peft,
     load_policy,
+    renderer_for,
     save_final_model,
 )
 from posttrain.trainers.policy_step import policy_step
@@ -208,6 +209,7 @@ def run_rl(ctx: StageContext) -> dict[str, float]:
     )
     renderer = ChatRenderer(tokenizer)
     policy = load_policy(ctx, len(tokenizer), model_path=init)
+    renderer = renderer_for(tokenizer, policy.model)  # sizes images when the policy has a vision tower
     state = TrainState.create(
         ctx, policy.model, cfg.train, cfg.accelerate, cfg.train.steps * cfg.train.updates_per_iteration
     )

@@ -25,7 +25,9 @@ from torch import nn
 
 from posttrain.algos.sft import sft_loss
 from posttrain.data.chat import ChatRenderer, load_tokenizer
+from posttrain.data.images import MediaItem
 from posttrain.data.packing import PackedRow
+from posttrain.model.vision_model import media_inputs
 from posttrain.parallel.config import ParallelConfig
 from posttrain.stages import StageContext, stage_kind
 from posttrain.trainers.common import (
@@ -35,8 +37,9 @@ from posttrain.trainers.common import (
     TrainState,
     base_without_peft,
     load_policy,
+    renderer_for,
 )
-from posttrain.trainers.sft_data import DataConfig, PackedStream, load_sft_data, pack
+from posttrain.trainers.sft_data import DataConfig, PackedStream, load_sft_data, pack, row_media
 from posttrain.trainers.tool_eval import tool_task_prompts, tool_task_success
 
 
@@ -76,6 +79,11 @@ class SFTConfig(BaseModel):
     tokenizer: str | None = Field(
         None, description="tokenizer dir; null: the model dir's, else the shipped one"
     )
+    vision: str | None = Field(
+        None,
+        description="vision preset (e.g. models/vision-tiny.yaml, relative to stages/ or the run dir): "
+        "a fresh MoonViT-V2 + projector under the text model, for data with images; null: none",
+    )
     checkpoint_every: int = Field(50, gt=0, description="optimizer steps between checkpoints")
     eval_every: int = Field(
         0, ge=0, description="optimizer steps between eval-loss measurements; 0: only at the ends"
@@ -84,6 +92,12 @@ class SFTConfig(BaseModel):
     parallel: ParallelConfig | None = Field(
         None, description="expert parallelism (FSDP2 over the rest with accelerate.fsdp) across processes"
     )
+
+    @model_validator(mode="after")
+    def _vision_preset_exists(self) -> SFTConfig:
+        if self.vision is not None:
+            vision_preset(self.vision)
+        return self
 
     @model_validator(mode="after")
     def _fits_in_a_row(self) -> SFTConfig:
@@ -98,17 +112,33 @@ class SFTConfig(BaseModel):
         return self
 
 
+STAGES_DIR = Path(__file__).resolve().parents[2] / "stages"
+
+
+def vision_preset(value: str) -> Path:
+    """The vision preset file `vision:` names: a path from the run dir, else one under stages/."""
+    for candidate in (Path(value), STAGES_DIR / value):
+        if candidate.is_file():
+            return candidate.resolve()
+    raise ValueError(
+        f"vision: {value}: no such file (relative to {Path.cwd()} or {STAGES_DIR}); "
+        "e.g. models/vision-tiny.yaml"
+    )
+
+
 @torch.no_grad()
-def eval_loss(model: nn.Module, rows: list[PackedRow]) -> float:
-    """Mean loss per trained token over packed rows (every token weighted equally)."""
+def eval_loss(model: nn.Module, rows: list[PackedRow], media: list[list[MediaItem]] | None = None) -> float:
+    """Mean loss per trained token over packed rows (every token weighted equally); media[i]: row
+    i's media entries (None: text rows)."""
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
     device = next(model.parameters()).device  # rows are packed on the CPU; the model may be on a GPU
     try:
-        for row in rows:
+        for index, row in enumerate(rows):
             ids, mask, cu = (t.to(device) for t in (row.input_ids, row.loss_mask, row.cu_seqlens))
-            logits = model(input_ids=ids, cu_seqlens=cu, use_cache=False).logits
+            extra = media_inputs(model, [media[index]]) if media else {}
+            logits = model(input_ids=ids, cu_seqlens=cu, use_cache=False, **extra).logits
             out = sft_loss(logits, ids, mask, reduction="sum", cu_seqlens=cu)
             total += float(out.loss)
             count += int(out.num_tokens)
@@ -133,15 +163,21 @@ class Evaluator:
     """Eval loss and tool-task success of the model being trained, under one name suffix."""
 
     def __init__(
-        self, cfg: EvalConfig, renderer: ChatRenderer, rows: list[PackedRow], records: list[dict]
+        self,
+        cfg: EvalConfig,
+        renderer: ChatRenderer,
+        rows: list[PackedRow],
+        records: list[dict],
+        media: list[list[MediaItem]] | None = None,
     ) -> None:
         self.cfg = cfg
         self.renderer = renderer
         self.rows = rows
+        self.media = media
         self.prompts = tool_task_prompts(records, cfg.tool_prompts)
 
     def loss(self, model: nn.Module, suffix: str) -> dict[str, float]:
-        return {f"eval_loss_{suffix}": eval_loss(model, self.rows)} if self.rows else {}
+        return {f"eval_loss_{suffix}": eval_loss(model, self.rows, self.media)} if self.rows else {}
 
     def __call__(self, model: nn.Module, suffix: str) -> dict[str, float]:
         metrics = self.loss(model, suffix)
@@ -163,12 +199,19 @@ def run_sft(ctx: StageContext) -> dict[str, float]:
     cfg: SFTConfig = ctx.config
     train = cfg.train
     seed = ctx.seed if train.seed is None else train.seed
-    tokenizer = load_tokenizer(_tokenizer_dir(cfg, ctx))
+    vision = vision_preset(cfg.vision) if cfg.vision is not None else None
+    tokenizer = load_tokenizer(_tokenizer_dir(cfg, ctx), media=vision is not None)
     renderer = ChatRenderer(tokenizer)
-    data = load_sft_data(cfg.data, renderer, seed, cfg.data.max_length or train.micro_batch_tokens, ctx.log)
     policy = load_policy(
-        ctx, len(tokenizer), lora=cfg.lora, gradient_checkpointing=train.gradient_checkpointing
+        ctx,
+        len(tokenizer),
+        lora=cfg.lora,
+        gradient_checkpointing=train.gradient_checkpointing,
+        vision=vision,
+        media_pad_id=renderer.media_token_ids.get("media_pad"),
     )
+    renderer = renderer_for(tokenizer, policy.model)
+    data = load_sft_data(cfg.data, renderer, seed, cfg.data.max_length or train.micro_batch_tokens, ctx.log)
     if cfg.parallel is not None:
         from posttrain.parallel.train_state import ShardedTrainState
 
@@ -184,9 +227,9 @@ def run_sft(ctx: StageContext) -> dict[str, float]:
         state = TrainState.create(ctx, policy.model, train, cfg.accelerate, train.steps, train.grad_accum)
     model = base_without_peft(state.unwrapped)
     stream = PackedStream(data.train, train.micro_batch_tokens, renderer.pad_id, seed)
-    evaluate = Evaluator(
-        cfg.eval, renderer, pack(data.eval, train.micro_batch_tokens, renderer.pad_id), data.eval_records
-    )
+    eval_rows = pack(data.eval, train.micro_batch_tokens, renderer.pad_id)
+    eval_media = [row_media(row, data.eval) for row in eval_rows] if renderer.processor else None
+    evaluate = Evaluator(cfg.eval, renderer, eval_rows, data.eval_records, eval_media)
     ctx.log.info(
         "SFT: %s model, %d trainable parameters, %d steps x %d rows x %d tokens",
         policy.source,
@@ -211,7 +254,7 @@ def run_sft(ctx: StageContext) -> dict[str, float]:
         last = _train_step(state, stream, train, step + 1)
         step += 1
         if cfg.eval_every and step % cfg.eval_every == 0 and step < train.steps and evaluate.rows:
-            last["eval_loss"] = eval_loss(model, evaluate.rows)
+            last["eval_loss"] = eval_loss(model, evaluate.rows, evaluate.media)
         ctx.metrics.log(step, last)
         if step % cfg.checkpoint_every == 0 or step == train.steps:
             state.save_checkpoint(step, extra={"data": stream.cursor(), "before": before, "last": last})
@@ -247,6 +290,7 @@ def _train_step(state: TrainState, stream: PackedStream, train: TrainConfig, ste
             logits = state.model(
                 input_ids=row.input_ids.to(accelerator.device),
                 cu_seqlens=row.cu_seqlens.to(accelerator.device),
+                **media_inputs(state.unwrapped, [stream.media(uids)]),
             ).logits
             out = sft_loss(
                 logits,

@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from posttrain.data.chat import ChatRenderer
+from posttrain.data.images import MediaItem
 from posttrain.data.loading import decode_record
 from posttrain.data.mixture import build_mixture, recipe_for, weighted_indices
 from posttrain.data.packing import PackedRow, pack_documents
@@ -44,11 +45,13 @@ class DataConfig(BaseModel):
 
 @dataclass
 class Document:
-    """One rendered trajectory: ids and the loss mask (1 on assistant tokens)."""
+    """One rendered trajectory: ids, the loss mask (1 on assistant tokens) and its media entries
+    (the record's `images`, whose visual tokens are the `<|media_pad|>` runs of ids, in order)."""
 
     uid: str
     ids: list[int]
     loss_mask: list[int]
+    images: list[MediaItem] = field(default_factory=list)
 
 
 @dataclass
@@ -99,12 +102,20 @@ def load_sft_data(
 
 
 def _render(record: dict[str, Any], renderer: ChatRenderer) -> Document:
-    ids, mask = renderer.render(record["messages"], record.get("tools"), record.get("effort"))
-    return Document(uid=record["uid"], ids=ids, loss_mask=mask)
+    images = record.get("images", [])
+    ids, mask = renderer.render(
+        record["messages"], record.get("tools"), record.get("effort"), renderer.media_blocks(images)
+    )
+    return Document(uid=record["uid"], ids=ids, loss_mask=mask, images=images)
 
 
 def pack(documents: list[Document], seq_len: int, pad_id: int) -> list[PackedRow]:
     return pack_documents([(d.ids, d.loss_mask) for d in documents], seq_len, pad_id)
+
+
+def row_media(row: PackedRow, documents: list[Document]) -> list[MediaItem]:
+    """The media entries of a packed row's documents, in row order (`documents`: what was packed)."""
+    return [entry for index in row.document_indices for entry in documents[index].images]
 
 
 class PackedStream:
@@ -121,6 +132,7 @@ class PackedStream:
         self.epoch = 0
         self.row = 0
         self._rows: list[tuple[PackedRow, list[str]]] | None = None
+        self._images = {d.uid: d.images for d in documents if d.images}
 
     def _epoch_rows(self, epoch: int) -> list[tuple[PackedRow, list[str]]]:
         order = list(range(len(self.documents)))
@@ -139,6 +151,10 @@ class PackedStream:
         item = self._rows[self.row]
         self.row += 1
         return item
+
+    def media(self, uids: list[str]) -> list[MediaItem]:
+        """The media entries of a row's documents (by `next`'s uids), in row order."""
+        return [entry for uid in uids for entry in self._images.get(uid, ())]
 
     def cursor(self) -> dict[str, int]:
         return {"epoch": self.epoch, "row": self.row}

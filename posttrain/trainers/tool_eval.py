@@ -76,14 +76,24 @@ def tool_task_success(
     if not records:
         raise ValueError("tool-task eval: no held-out record names a registered task family")
     engine = EmbeddedEngine(model, pad_token_id=renderer.pad_id)
-    config = EnvironmentConfig(max_turns=max_turns, max_tokens_per_turn=max_new_tokens)
     prompts = [prompt_sample(record) for record in records]
+    # each domain's environment offers exactly the records' families (opt-in ones included)
+    families = {
+        p.domain: sorted({q.task["family"] for q in prompts if q.domain == p.domain}) for p in prompts
+    }
     with tempfile.TemporaryDirectory(prefix="tool-eval-") as root, contextlib.ExitStack() as stack:
         envs = {
             domain: stack.enter_context(
-                make_environment(domain, renderer, config, sandbox_dir=Path(root) / domain)
+                make_environment(
+                    domain,
+                    renderer,
+                    EnvironmentConfig(
+                        max_turns=max_turns, max_tokens_per_turn=max_new_tokens, families=names
+                    ),
+                    sandbox_dir=Path(root) / domain,
+                )
             )
-            for domain in dict.fromkeys(p.domain for p in prompts)
+            for domain, names in families.items()
         }
         samples = [envs[p.domain].start(p, uid=p.uid, group=p.uid, effort=p.effort) for p in prompts]
         sampling = {domain: env.turn_sampling(0.0, seed=0) for domain, env in envs.items()}

@@ -172,3 +172,21 @@ def test_qat_hooks_touch_only_the_text_routed_experts(media_renderer):
     assert not torch.equal(quantised, logits)  # QAT is on for the experts
     after = {k: v for k, v in model.state_dict().items() if not k.startswith("language_model.")}
     assert all(torch.equal(after[k], vision_before[k]) for k in vision_before)
+
+
+def test_a_dir_loads_as_the_multimodal_model_only_when_its_tokenizer_can_feed_the_tower(tmp_path):
+    from posttrain.data.chat import load_tokenizer
+    from posttrain.engines.testing import tiny_k3
+    from posttrain.model import KimiK3ForCausalLM, save_released
+    from posttrain.model.vision_model import load_pretrained, save_multimodal, sees_images
+
+    model = tiny_vl_model(seed=8)
+    save_multimodal(model, tmp_path / "vl", tokenizer=load_tokenizer(media=True))
+    model.save_pretrained(tmp_path / "vl-no-tokenizer")
+    text = tiny_k3(0)
+    save_released(text, tmp_path / "text", tokenizer=load_tokenizer())  # placeholder: the pad token
+    assert [sees_images(tmp_path / d) for d in ("vl", "vl-no-tokenizer", "text")] == [True, False, False]
+    loaded = load_pretrained(tmp_path / "vl")
+    assert isinstance(loaded, KimiK3ForConditionalGeneration)
+    assert all(torch.equal(p, dict(model.named_parameters())[n]) for n, p in loaded.named_parameters())
+    assert type(load_pretrained(tmp_path / "text")) is KimiK3ForCausalLM

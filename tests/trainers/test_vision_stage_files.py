@@ -1,0 +1,27 @@
+"""The vision option's stage files (stages/vision/) load as one pipeline whose kinds accept every
+key: sft with a vision preset and the visual recipe, the general specialists offering the visual
+family, and the distillation of those three into the multimodal student."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import data_recipes  # noqa: F401  (registers the recipes and families the files name)
+from orchestration.pipeline import load_pipeline
+from posttrain.stages import STAGE_KINDS
+
+VISION = Path(__file__).resolve().parents[2] / "stages" / "vision"
+
+
+def test_the_vision_pipeline_loads_and_validates():
+    pipeline = load_pipeline(VISION / "mopd.yaml")
+    assert list(pipeline.stages) == ["sft", "rl-general-low", "rl-general-high", "rl-general-max", "mopd"]
+    sft = STAGE_KINDS.get("sft").config.model_validate(pipeline.stages["sft"].body)
+    assert sft.vision == "models/vision-tiny.yaml" and set(sft.data.recipes) == {"agent_sft", "visual_sft"}
+    for effort in ("low", "high", "max"):
+        stage = pipeline.stages[f"rl-general-{effort}"]
+        rl = STAGE_KINDS.get("rl").config.model_validate(stage.body)
+        assert "general/visual" in rl.environments["general"].families and stage.needs == ["sft"]
+    mopd = pipeline.stages["mopd"]
+    assert sorted(mopd.needs) == ["rl-general-high", "rl-general-low", "rl-general-max", "sft"]
+    assert "general/visual" in mopd.body["environments"]["general"]["families"]
