@@ -84,3 +84,18 @@ def test_table_leads_with_what_tells_whether_the_recipe_worked(run) -> None:
 def test_summary_shows_headline_metrics_first() -> None:
     metrics = {"eval_s_after": 1.3, "eval_s_before": 2.2, "accuracy_after": 0.5, "reward_mean": 0.25}
     assert _metrics_text(metrics, limit=2).startswith("reward_mean=0.25, accuracy_after=0.5")
+
+
+def test_the_report_shows_each_evaluation_with_its_errors_and_the_claims(run) -> None:
+    """recorded_run holds eval.json files of a real shrunk DAG (rl-general-low, rl-agent-high,
+    mopd): each RL row shows its accuracies ± errors and the paired change; the MOPD table one row
+    per pair; the claims those files support are listed (a domain needs all three efforts)."""
+    pipeline, run_dir = run
+    report = write_report(pipeline, run_dir).read_text()
+    rl = row(report.split("## RL evaluations")[1], "rl-general-low")
+    cells = [c.strip() for c in rl.strip("|").split("|")]
+    assert cells[1] == "6" and all("±" in c for c in cells[2:])
+    mopd = report.split("## MOPD evaluation: mopd")[1].split("##")[0]
+    assert sum(line.startswith("| general-") for line in mopd.splitlines()) == 3
+    claims = report.split("## Claims of the default recipe (this run)")[1]
+    assert "| mopd_kl_down/coding-max |" in claims and "max_beats_sft" not in claims
