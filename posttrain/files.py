@@ -13,6 +13,8 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -70,3 +72,23 @@ def remove_tree(path: Path) -> None:
     trash = path.with_name(f".trash-{path.name}-{uuid.uuid4().hex[:8]}")
     os.rename(path, trash)
     shutil.rmtree(trash, ignore_errors=True)
+
+
+@contextmanager
+def new_dir(out_dir: Path) -> Iterator[Path]:
+    """A directory written whole or not at all: yields a temporary sibling to fill, renamed to
+    `out_dir` when the block ends, removed if it raises. `out_dir` must be new or empty."""
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise FileExistsError(f"{out_dir} exists and is not empty: choose a new directory or remove it")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        if out_dir.exists():
+            out_dir.rmdir()
+        tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -90,6 +90,24 @@ class StageRunner:
             ctx.metrics.close()
 
 
+# The rl stage body of the tiny RL tests: two iterations of one group of 6, 12-token single turns,
+# tau close to 1 for every effort so usages straddle tau * b0 (the median) and groups have reward
+# variance to learn from.
+TINY_RL_BODY: dict = {
+    "train": {"steps": 2, "lr": 1e-3},
+    "rollout": {"prompts": 2, "groups_per_step": 1, "group_size": 6},
+    "environments": {d: {"max_tokens_per_turn": 12, "max_turns": 1} for d in ("general", "agent", "coding")},
+    "budget": {
+        "cold_start": {"samples": 4},
+        "tau": {
+            "low": {"tau_start": 1.0, "tau_end": 0.9},
+            "high": {"tau_start": 1.1, "tau_end": 1.0},
+            "max": {"tau_start": 1.2, "tau_end": 1.1},
+        },
+    },
+    "eval": {"prompts": 2},
+}
+
 _RUNNER = StageRunner()
 
 

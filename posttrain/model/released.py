@@ -17,8 +17,6 @@ in the checkpoint-conversion mapping of `modeling_kimi_k3`).
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,6 +25,8 @@ import torch
 from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import save_file
 from torch import nn
+
+from posttrain.files import new_dir
 
 WRAPPER_ARCHITECTURE = "KimiK3ForConditionalGeneration"
 WRAPPER_MODEL_TYPE = "kimi_k3"
@@ -241,13 +241,7 @@ def save_released(
     vLLM's parser reads (`default_preprocessor_config`).
     """
     out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise FileExistsError(f"{out_dir} exists and is not empty: choose a new directory or remove it")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with new_dir(out_dir) as tmp:
         dtype = dtype or model_dtype(model)
         state = released_state_dict(model, dtype=dtype, expert_writer=expert_writer)
         write_safetensors(tmp, state, max_shard_size)
@@ -270,10 +264,4 @@ def save_released(
         generation_config = getattr(model, "generation_config", None)
         if generation_config is not None:
             generation_config.save_pretrained(str(tmp))
-        if out_dir.exists():
-            out_dir.rmdir()
-        tmp.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir

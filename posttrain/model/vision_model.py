@@ -27,6 +27,7 @@ from transformers import initialization as init
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from posttrain.data.images import MediaItem, MoonViTImageProcessor
+from posttrain.files import new_dir
 from posttrain.model.configuration_kimi_k3 import KimiK3Config
 from posttrain.model.modeling_kimi_k3 import KimiK3ForCausalLM
 from posttrain.model.released import (
@@ -272,28 +273,14 @@ def save_multimodal(
     `mm_projector.*`, `language_model.*`, experts one by one), its tokenizer, its text model's
     generation config and the preprocessor_config.json vLLM's K3 processor reads; whole or not at
     all, as `save_released`."""
-    import os
-    import shutil
-
     from posttrain.model.released import PREPROCESSOR_FILE, default_preprocessor_config
 
     out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise FileExistsError(f"{out_dir} exists and is not empty: choose a new directory or remove it")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with new_dir(out_dir) as tmp:
         model.save_pretrained(str(tmp), safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
         model.language_model.generation_config.save_pretrained(str(tmp))
         preprocessor = default_preprocessor_config(model.config.vision_config.to_dict())
         (tmp / PREPROCESSOR_FILE).write_text(json.dumps(preprocessor, indent=2) + "\n")
-        if out_dir.exists():
-            out_dir.rmdir()
-        tmp.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir

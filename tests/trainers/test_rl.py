@@ -18,23 +18,10 @@ from posttrain.envs.env_eval import paired_standard_error
 from posttrain.metrics import read_metrics
 from posttrain.rewards.budget import trajectory_rewards
 from posttrain.stages import StageContext
+from posttrain.testing import TINY_RL_BODY
 from posttrain.trainers.rl import RLConfig
 
-TINY_BODY = {
-    "train": {"steps": 2, "lr": 1e-3},
-    "rollout": {"prompts": 2, "groups_per_step": 1, "group_size": 6},
-    "environments": {d: {"max_tokens_per_turn": 12, "max_turns": 1} for d in ("general", "agent", "coding")},
-    # tau close to 1 for every effort: usages straddle tau * b0 (the median), so groups have reward variance.
-    "budget": {
-        "cold_start": {"samples": 4},
-        "tau": {
-            "low": {"tau_start": 1.0, "tau_end": 0.9},
-            "high": {"tau_start": 1.1, "tau_end": 1.0},
-            "max": {"tau_start": 1.2, "tau_end": 1.1},
-        },
-    },
-    "eval": {"prompts": 2},
-}
+TINY_BODY = TINY_RL_BODY
 
 
 @pytest.fixture(scope="module")

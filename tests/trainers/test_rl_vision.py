@@ -11,21 +11,11 @@ from posttrain.data.chat import load_tokenizer
 from posttrain.engines.testing import tiny_vl_k3
 from posttrain.metrics import read_metrics
 from posttrain.model.vision_model import KimiK3ForConditionalGeneration, load_pretrained, save_multimodal
+from posttrain.testing import TINY_RL_BODY
 
 BODY = {
-    "train": {"steps": 2, "lr": 1e-3},
-    "rollout": {"prompts": 2, "groups_per_step": 1, "group_size": 6},
+    **TINY_RL_BODY,
     "environments": {"general": {"max_tokens_per_turn": 12, "max_turns": 1, "families": ["general/visual"]}},
-    # tau close to 1: usages straddle tau * b0, so groups have reward variance (as tests/trainers/test_rl.py)
-    "budget": {
-        "cold_start": {"samples": 4},
-        "tau": {
-            "low": {"tau_start": 1.0, "tau_end": 0.9},
-            "high": {"tau_start": 1.1, "tau_end": 1.0},
-            "max": {"tau_start": 1.2, "tau_end": 1.1},
-        },
-    },
-    "eval": {"prompts": 2},
 }
 
 
