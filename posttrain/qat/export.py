@@ -18,8 +18,9 @@ Both record the QAT config under `posttrain_qat` in config.json; `load_exported`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,9 +28,6 @@ from torch import nn
 from posttrain.qat.apply import QAT_CONFIG_KEY, qat_config_of, restore_qat, routed_expert_modules
 from posttrain.qat.config import QATConfig
 from posttrain.qat.mx import pack_mxfp4, quantize_dequantize
-
-if TYPE_CHECKING:  # posttrain.model imports posttrain.qat: the writer itself is imported lazily
-    from posttrain.model.released import ExpertWriter
 
 MXFP4_FORMAT = "mxfp4-pack-quantized"
 EXPERT_WEIGHTS = ("w1", "w2", "w3")  # gate, down, up: the released per-expert names
@@ -118,13 +116,11 @@ def export_mxfp4(
     fake-quantised forward used. dtype: the other tensors' dtype (default: the model's; the release
     uses bf16). tokenizer: saved alongside. Returns out_dir.
     """
-    _expert_weight_names(model)  # a model without routed experts is refused before anything else
-    qat = _qat_of(model, qat)
     return _save_experts_as(
         model,
         out_dir,
         qat,
-        lambda w: dict(
+        lambda w, qat: dict(
             zip(("weight_packed", "weight_scale"), pack_mxfp4(w, qat.weight_scale_rule), strict=True)
         ),
         quantization_config=mxfp4_quantization_config(),
@@ -137,23 +133,27 @@ def export_mxfp4(
 def _save_experts_as(
     model: nn.Module,
     out_dir: str | Path,
-    qat: QATConfig,
-    expert_writer: ExpertWriter,
+    qat: QATConfig | None,
+    write_expert: Callable[[torch.Tensor, QATConfig], dict[str, torch.Tensor]],
     *,
     quantization_config: dict[str, Any] | None = None,
     dtype: torch.dtype | None,
     tokenizer: Any,
     max_shard_size: str | int,
 ) -> Path:
-    """save_released with the routed experts written by expert_writer and the QAT config recorded."""
+    """save_released with each routed expert's weight written by write_expert(weight, qat) and the
+    QAT config recorded (qat defaults as in export_mxfp4); a model without routed experts is
+    refused before anything is written."""
     from posttrain.model.released import save_released
 
+    _expert_weight_names(model)
+    qat = _qat_of(model, qat)
     return save_released(
         model,
         out_dir,
         tokenizer=tokenizer,
         dtype=dtype,
-        expert_writer=expert_writer,
+        expert_writer=lambda weight: write_expert(weight, qat),
         quantization_config=quantization_config,
         extra_config={QAT_CONFIG_KEY: qat.model_dump()},
         max_shard_size=max_shard_size,
@@ -194,13 +194,11 @@ def export_dequantized(
     No quantization_config: vLLM and `from_pretrained` read it as an ordinary model; `restore_qat`
     then re-applies the recorded QAT. qat defaults as in export_mxfp4. Returns out_dir.
     """
-    _expert_weight_names(model)  # a model without routed experts is refused before anything else
-    qat = _qat_of(model, qat)
     return _save_experts_as(
         model,
         out_dir,
         qat,
-        lambda w: {
+        lambda w, qat: {
             "weight": quantize_dequantize(w, qat.weight_format, qat.block_size, qat.weight_scale_rule)
         },
         dtype=dtype,

@@ -388,7 +388,6 @@ def run_mopd(ctx: StageContext) -> dict[str, float]:
     tokenizer = load_tokenizer(
         cfg.tokenizer or (start if (start / "tokenizer_config.json").is_file() else None)
     )
-    renderer = ChatRenderer(tokenizer)
     policy = load_policy(ctx, len(tokenizer), lora=cfg.lora, model_path=start)
     renderer = renderer_for(tokenizer, policy.model)  # sizes images when the student has a vision tower
     state = TrainState.create(ctx, policy.model, cfg.train, cfg.accelerate, cfg.train.steps)

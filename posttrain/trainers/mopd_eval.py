@@ -43,11 +43,8 @@ def pair_results(samples: list[Sample], with_kl: bool = True) -> dict[str, dict[
     kl, the reverse KL to its teacher (token mean over the student's tokens of
     log p_student - log p_teacher), kl_tokens, how many tokens that mean is over, and (from two
     episodes a pair) kl_se, its standard error with the episodes as units."""
-    by_pair: dict[str, list[Sample]] = {}
-    for sample in samples:
-        by_pair.setdefault(pair_name((sample.domain, sample.effort)), []).append(sample)
     results = {}
-    for name, group in by_pair.items():
+    for name, group in by_pair(samples).items():
         rows = episode_rows(group)
         results[name] = {
             "accuracy": sum(rows["reward"]) / len(group),
@@ -120,12 +117,17 @@ def episode_table(
     return table
 
 
+def by_pair(samples: list[Sample]) -> dict[str, list[Sample]]:
+    """The samples grouped by their "<domain>-<effort>" pair, in order."""
+    groups: dict[str, list[Sample]] = {}
+    for sample in samples:
+        groups.setdefault(pair_name((sample.domain, sample.effort)), []).append(sample)
+    return groups
+
+
 def greedy_rows(samples: list[Sample]) -> dict[str, dict[str, list]]:
     """Per pair, its greedy episodes' rows (posttrain.envs.env_eval.episode_rows), in order."""
-    by_pair: dict[str, list[Sample]] = {}
-    for sample in samples:
-        by_pair.setdefault(pair_name((sample.domain, sample.effort)), []).append(sample)
-    return {name: episode_rows(group) for name, group in by_pair.items()}
+    return {name: episode_rows(group) for name, group in by_pair(samples).items()}
 
 
 def write_eval(

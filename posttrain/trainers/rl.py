@@ -207,7 +207,6 @@ def run_rl(ctx: StageContext) -> dict[str, float]:
     tokenizer = load_tokenizer(
         cfg.tokenizer or (init if (init / "tokenizer_config.json").is_file() else None)
     )
-    renderer = ChatRenderer(tokenizer)
     policy = load_policy(ctx, len(tokenizer), model_path=init)
     renderer = renderer_for(tokenizer, policy.model)  # sizes images when the policy has a vision tower
     state = TrainState.create(
