@@ -24,6 +24,15 @@ NAMES = ("Ana", "Ben", "Cleo", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun",
 class ExactAnswerFamily(ToolFamily):
     """The final answer must equal task["answer"] after `normalise_answer`."""
 
+    @staticmethod
+    def answer_content(answer: str) -> str:
+        """The final content a demonstration gives: a word answer after a space, so it is written
+        in the tokens of its mentions ("than Jun." ends in " Jun"). The shipped BPE has another token
+        for the bare word that opens a content ("Jun"), and the tiny model never learned to map one
+        to the other: taught the bare word, its answer after "The shortest is Jun.</think>" was a
+        name at chance (docs/rl.md). Digits are one token each either way; verifiers strip spaces."""
+        return f" {answer}" if answer[:1].isalpha() else answer
+
     def verify(self, sample: Sample, state: FinalState) -> float:
         return float(normalise_answer(state.answer) == normalise_answer(sample.task["answer"]))
 
@@ -155,11 +164,11 @@ class Elements(ExactAnswerFamily):
                 "a different element."
                 for e in neighbours[:1]
             ]
-            working = [
-                "The question asks for one fact from the periodic table.",
-                f"So the answer is {answer}.",
-            ]
-            yield episode.assistant(thinking(sample.effort, fact, working, checks), content=answer)
+            plan = f"{fact} So the answer is {answer}."
+            working = ["The question asks for one fact from the periodic table."]
+            yield episode.assistant(
+                thinking(sample.effort, plan, working, checks), content=self.answer_content(answer)
+            )
             return
         other = f"{second['name']} is element {second['number']}."
         expression = f"{first['number']}+{second['number']}"
@@ -212,7 +221,9 @@ class Ordering(ExactAnswerFamily):
         checks = [
             f"Check: nobody is {relation} than {people[0]}, and {people[-1]} is {relation} than nobody."
         ]
-        yield episode.assistant(thinking(sample.effort, plan, working, checks), content=sample.task["answer"])
+        yield episode.assistant(
+            thinking(sample.effort, plan, working, checks), content=self.answer_content(sample.task["answer"])
+        )
 
 
 # (fact template, question template, what the answer is) over one attribute of several people.
@@ -268,4 +279,6 @@ class Lookup(ExactAnswerFamily):
         working.append(f"So {fact.format(n=asked, v=answer)}")
         others = [name for name in sample.task["people"] if name != asked]
         checks = [f"Check: the fact about {asked} is the only one naming {asked}, not {' or '.join(others)}."]
-        yield episode.assistant(thinking(sample.effort, plan, working, checks), content=answer)
+        yield episode.assistant(
+            thinking(sample.effort, plan, working, checks), content=self.answer_content(answer)
+        )
