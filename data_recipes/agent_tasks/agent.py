@@ -17,6 +17,10 @@ from posttrain.data.sample import Sample
 from posttrain.envs.tasks import TASK_FAMILIES, Episode, FinalState
 
 FILE_NAMES = ("answer.txt", "result.txt", "report.txt", "out.txt")
+# Questions and thinking name the file in quotes: `to "out.txt".` holds the bare token `out` that
+# write_file's JSON argument uses, while `to out.txt.` is one superword token (` out.txt.`) the tiny
+# model never learned to map to it; unquoted, the SFT model wrote the right number to answer.txt
+# (`{"path": "answer.txt", "content": "` is one token) instead of the asked file (docs/data.md).
 
 
 def _facts(document: str, pattern: str) -> list[re.Match[str]]:
@@ -97,7 +101,7 @@ class OrderTotal(FileAnswerFamily):
         quantity, path = rng.randint(2, 9), rng.choice(FILE_NAMES)
         question = (
             f"A customer orders {quantity} {product['product']} units to the {region['region']} region. "
-            f"Find the total cost in dollars and write only the number to {path}."
+            f'Find the total cost in dollars and write only the number to "{path}".'
         )
         total = quantity * int(product["price"]) + int(region["fee"])
         values = {"product": product["product"], "region": region["region"], "quantity": str(quantity)}
@@ -133,9 +137,9 @@ class OrderTotal(FileAnswerFamily):
             effort,
             path,
             total,
-            (f"The total is {total}. I write it to {path}.", [], ["Only the number goes in the file."]),
-            ("The file is written.", [], [f"The tool confirmed the write to {path}."]),
-            f"The total is {total} dollars. I wrote it to {path}.",
+            (f'The total is {total}. I write it to "{path}".', [], ["Only the number goes in the file."]),
+            ("The file is written.", [], [f'The tool confirmed the write to "{path}".']),
+            f'The total is {total} dollars. I wrote it to "{path}".',
         )
 
 
@@ -148,8 +152,8 @@ class StaffOffice(FileAnswerFamily):
     def make_prompt(self, rng: random.Random, effort: str) -> Sample:
         person, path = rng.choice(_facts("staff.txt", STAFF)), rng.choice(FILE_NAMES)
         asks = (
-            f"In which city does {person['person']} work? Save the city name to {path}.",
-            f"Look up the office city of {person['person']} and write it to {path}.",
+            f'In which city does {person["person"]} work? Save the city name to "{path}".',
+            f'Look up the office city of {person["person"]} and write it to "{path}".',
         )
         return self.file_task(rng, effort, asks, person["city"], path, {"person": person["person"]})
 
@@ -170,9 +174,9 @@ class StaffOffice(FileAnswerFamily):
             effort,
             path,
             city,
-            (f"{person} works at the {city} office.", [f"I save {city} to {path}."], []),
-            ("Saved.", [], [f"The write to {path} succeeded."]),
-            f"{person} works in {city}. I saved it to {path}.",
+            (f"{person} works at the {city} office.", [f'I save {city} to "{path}".'], []),
+            ("Saved.", [], [f'The write to "{path}" succeeded.']),
+            f'{person} works in {city}. I saved it to "{path}".',
         )
 
 
@@ -186,7 +190,7 @@ class DesksPerFloor(FileAnswerFamily):
         office, path = rng.choice(_facts("offices.txt", OFFICE)), rng.choice(FILE_NAMES)
         question = (
             f"How many desks per floor does the {office['city']} office have on average? "
-            f"Write the number to {path}."
+            f'Write the number to "{path}".'
         )
         answer = str(int(office["desks"]) // int(office["floors"]))
         return self.file_task(rng, effort, question, answer, path, {"city": office["city"]})
@@ -219,9 +223,9 @@ class DesksPerFloor(FileAnswerFamily):
             average,
             (
                 f"The average is {average}.",
-                [f"I write {average} to {path}."],
+                [f'I write {average} to "{path}".'],
                 [f"{average}*{floors} = {desks}."],
             ),
-            ("Written.", [], [f"The file {path} now holds {average}."]),
-            f"The {city} office has {average} desks per floor on average. I wrote it to {path}.",
+            ("Written.", [], [f'The file "{path}" now holds {average}.']),
+            f'The {city} office has {average} desks per floor on average. I wrote it to "{path}".',
         )

