@@ -13,6 +13,7 @@ token is the model's top-1 and its mean probability.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -48,7 +49,8 @@ def main() -> None:
     top1: dict[str, int] = defaultdict(int)
     prob: dict[str, float] = defaultdict(float)
     count: dict[str, int] = defaultdict(int)
-    for prompt in env.prompts("eval", args.prompts, 0):
+    for drawn in env.prompts("eval", args.prompts, 0):
+        prompt = dataclasses.replace(drawn, effort=args.effort)  # the demonstration thinks at this effort
         family = prompt.task["family"]
         messages = TASK_FAMILIES.get(family)().demonstrate(prompt)
         ids, _ = renderer.render(messages, prompt.tools, effort=args.effort)

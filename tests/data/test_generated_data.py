@@ -69,8 +69,8 @@ def test_tool_results_come_from_the_tools(shipped):
 def test_word_answers_are_written_in_the_tokens_of_their_mention(renderer, shipped):
     """A general answer that is a word ("Jun", "Zn", "Oslo") is given after a space, so its tokens
     are the very ones of its mention in the thinking (a word the vocabulary only has bare follows a
-    lone space token): the tiny model copies a token, but never
-    learned that the bare word opening a content is the same name (docs/rl.md)."""
+    lone space token): the tiny model copies a token, but never learned that the bare word opening
+    a content is the same name (docs/rl.md)."""
     checked = 0
     for record in shipped:
         answer = record["task"].get("answer", "")
