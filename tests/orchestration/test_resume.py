@@ -33,7 +33,8 @@ def kill_when(stage: Path, run: Path, step: int | None, delay: float) -> str:
         time.sleep(0.01)
     time.sleep(delay)
     finished = process.poll() is not None
-    os.kill(process.pid, signal.SIGKILL)
+    if not finished:  # a run that ended on its own was reaped by poll(): its pid is gone
+        os.kill(process.pid, signal.SIGKILL)
     process.wait()
     return f"kill at step>={step} +{delay:.2f}s ({'already finished' if finished else 'killed'})"
 
