@@ -16,6 +16,7 @@ between decoding steps: samples not yet sent come back "paused" with no new toke
 from __future__ import annotations
 
 import math
+import shutil
 import tempfile
 from collections.abc import Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -97,6 +98,7 @@ class TRLVLLMClient(Engine):
         self.max_concurrency = max_concurrency
         self.weights_dir = Path(weights_dir or tempfile.mkdtemp(prefix="trl-vllm-weights-"))
         self._communicator_ready = False
+        self._written: Path | None = None  # the last checkpoint dir this client wrote for a reload
         self.policy_version = 0
 
     def _generate_one(
@@ -199,7 +201,8 @@ class TRLVLLMClient(Engine):
         if isinstance(weights, Mapping) and self.weight_sync == "nccl":
             self._nccl_update(weights)
         else:
-            if isinstance(weights, Mapping):
+            written = isinstance(weights, Mapping)
+            if written:
                 path = save_state_dict(weights, self.weights_dir / f"version-{self.policy_version + 1}")
             else:
                 path = Path(weights).resolve()
@@ -215,6 +218,10 @@ class TRLVLLMClient(Engine):
                     f"{response.text[:1000]} (is the server in dev mode, VLLM_SERVER_DEV_MODE=1?)"
                 )
             self.client.reset_prefix_cache()
+            # the server holds these weights now: drop the copy before (a full model per update)
+            if self._written is not None:
+                shutil.rmtree(self._written, ignore_errors=True)
+            self._written = path if written else None
         self.policy_version += 1
 
     def _nccl_update(self, weights: Mapping[str, Any]) -> None:

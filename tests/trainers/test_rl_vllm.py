@@ -32,7 +32,9 @@ from posttrain.engines.testing import (
     reference_logprobs,
     tiny_k3,
 )
+from posttrain.engines.trl_client import trl_serve_command
 from posttrain.engines.vllm_engine import VLLMEngine
+from posttrain.engines.vllm_server import VLLMServer, free_port
 from posttrain.envs.environments import EnvironmentConfig, make_environment
 from posttrain.metrics import read_metrics
 from posttrain.qat import QATConfig, quantize_dequantize
@@ -139,6 +141,43 @@ def test_rl_stage_samples_from_vllm_synced_after_every_update(tmp_path, policy_d
     start = load_file(str(policy_dir / "model.safetensors"))
     after = load_file(str(ctx.output_dir / "model.safetensors"))
     assert after.keys() == start.keys() and not torch.equal(after["lm_head.weight"], start["lm_head.weight"])
+
+
+def test_rl_stage_samples_from_a_trl_vllm_serve_server_reloaded_after_every_update(
+    tmp_path, policy_dir, stage_runner
+):
+    """`rollout: {engine: trl_vllm, url}`: the server `trl vllm-serve` runs (TRL's build_command
+    flags), sampled and updated through TRL's own client; on CPU the weights reach it as a
+    checkpoint directory reloaded through /collective_rpc."""
+    port = free_port()
+    server = VLLMServer(
+        trl_serve_command(policy_dir, host="127.0.0.1", port=port),
+        port=port,
+        logprobs_mode="processed",
+        log_path=tmp_path / "trl-server.log",
+    )
+    server.start()
+    try:
+        body = {**BODY, "rollout": {**BODY["rollout"], "engine": "trl_vllm", "url": server.url}}
+        ctx = llama_context(stage_runner, tmp_path / "run", body, policy_dir)
+        final = stage_runner.run(ctx)
+    finally:
+        server.stop()
+
+    assert final["steps"] == 2.0
+    records = {r["step"]: r for r in read_metrics(ctx.stage_dir / "metrics.jsonl") if "reward_mean" in r}
+    assert sorted(records) == [1, 2] and not any(r.get("skipped") for r in records.values())
+    assert [records[s]["policy_version"] for s in (1, 2)] == [1.0, 2.0]
+    # The server's processed log-probs equal the trainer's at temperature 0.7 in both iterations:
+    # iteration 2 was sampled from the reloaded weights of the first update, not the served start.
+    for record in records.values():
+        assert record["trained_tokens"] > 0 and record["log_ratio_abs_max"] < 1e-3
+    # Each update wrote a full checkpoint for the server; only the one it serves now is kept.
+    pushed = sorted(p.name for p in ctx.stage_dir.rglob("version-*") if p.is_dir())
+    assert pushed == ["version-2"], pushed
+    start = load_file(str(policy_dir / "model.safetensors"))
+    after = load_file(str(ctx.output_dir / "model.safetensors"))
+    assert not torch.equal(after["lm_head.weight"], start["lm_head.weight"])
 
 
 def test_partial_rollouts_pause_in_vllm_and_resume_under_the_next_policy(
