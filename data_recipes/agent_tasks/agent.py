@@ -21,6 +21,9 @@ FILE_NAMES = ("answer.txt", "result.txt", "report.txt", "out.txt")
 # write_file's JSON argument uses, while `to out.txt.` is one superword token (` out.txt.`) the tiny
 # model never learned to map to it; unquoted, the SFT model wrote the right number to answer.txt
 # (`{"path": "answer.txt", "content": "` is one token) instead of the asked file (docs/data.md).
+# Likewise order_total's thinking restates the quantity after the question's own words (`A customer
+# orders ` is one token, the digit after it is what a copy reads): stated only in the question, 150
+# tokens before the calculator call, the SFT model put a guess there (0 of 12 held-out prompts).
 
 
 def _facts(document: str, pattern: str) -> list[re.Match[str]]:
@@ -113,7 +116,8 @@ class OrderTotal(FileAnswerFamily):
         yield episode.assistant(
             thinking(
                 effort,
-                f"I need the {product} price and the {region} shipping fee.",
+                f"A customer orders {quantity} units. I need the {product} price and the {region} "
+                "shipping fee.",
                 ["The catalog has prices and the shipping document has fees.", "I search both at once."],
                 ["The fee is charged once per order, not per unit."],
             ),
@@ -125,7 +129,7 @@ class OrderTotal(FileAnswerFamily):
         yield episode.assistant(
             thinking(
                 effort,
-                f"Price {price}, fee {fee}: the total is {expression}.",
+                f"A customer orders {quantity} units, price {price}, fee {fee}: the total is {expression}.",
                 [f"{quantity} units at {price} dollars each, plus one fee of {fee}."],
                 [f"Estimate: {quantity}*{price} is under {int(quantity) * (int(price) + 10)}."],
             ),
