@@ -1,0 +1,77 @@
+"""Where does a model fail one task family? Greedy held-out episodes, each failure printed.
+
+Plays the first `--prompts` held-out prompts of FAMILY (the RL stages' eval draw, `eval.seed` 0,
+with that family alone offered) as greedy episodes of its domain under the harness
+`stages/rl.yaml` gives that domain, with the embedded engine over MODEL_DIR and the QAT its
+training recorded. Prints the share solved with its binomial standard error, then the last
+`--tail` characters of every failed episode, so a failure's kind (a wrong file, a wrong number
+copied, a truncated turn) can be read off. This is how `agent/order_total`'s wrong quantities and
+wrong files were found (bench/RESULTS.md).
+
+    PYTHONPATH=. python bench/family_episodes.py runs/mopd/sft/model agent/order_total --effort high
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import tempfile
+from pathlib import Path
+
+import torch
+import yaml
+
+import data_recipes  # noqa: F401  (registers the task families)
+from posttrain.data.chat import load_tokenizer
+from posttrain.engines import EmbeddedEngine
+from posttrain.envs.environments import EnvironmentConfig, make_environment
+from posttrain.model.vision_model import load_pretrained
+from posttrain.qat import restore_qat
+from posttrain.trainers.common import renderer_for
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def stage_harness(domain: str, family: str) -> EnvironmentConfig:
+    """stages/rl.yaml's `environments.<domain>`, with `family` the only one offered."""
+    environments = yaml.safe_load((REPO / "stages" / "rl.yaml").read_text())["environments"]
+    return EnvironmentConfig(**{**environments.get(domain, {}), "families": [family]})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model_dir", type=Path)
+    parser.add_argument("family", help="a registered task family, e.g. agent/order_total")
+    parser.add_argument("--effort", default="high", choices=("low", "high", "max"))
+    parser.add_argument("--prompts", type=int, default=12)
+    parser.add_argument("--tail", type=int, default=700, help="characters of each failure shown")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    domain = args.family.split("/")[0]
+    model = load_pretrained(args.model_dir)
+    restore_qat(model)
+    tokenizer = load_tokenizer(args.model_dir)
+    renderer = renderer_for(tokenizer, model.eval())
+    with (
+        tempfile.TemporaryDirectory() as root,
+        make_environment(domain, renderer, stage_harness(domain, args.family), sandbox_dir=Path(root)) as env,
+    ):
+        prompts = env.prompts("eval", args.prompts, seed=0)
+        samples = [env.start(p, uid=p.uid, group=p.uid, effort=args.effort) for p in prompts]
+        env.play(EmbeddedEngine(model, pad_token_id=renderer.pad_id), samples, env.turn_sampling(0.0, seed=0))
+    solved = [s.reward == 1.0 for s in samples]
+    p = sum(solved) / len(solved)
+    print(
+        f"{args.family} at {args.effort}: solved {sum(solved)}/{len(solved)} = {p:.3f} ± "
+        f"{math.sqrt(p * (1 - p) / len(solved)):.3f}"
+    )
+    for sample, ok in zip(samples, solved, strict=True):
+        if not ok:
+            hidden = {k: v for k, v in sample.task.items() if k != "family"}
+            print(f"\n--- {sample.uid} reward {sample.reward} task {hidden}")
+            print(tokenizer.decode(sample.tokens[sample.prompt_length :])[-args.tail :])
+
+
+if __name__ == "__main__":
+    main()
