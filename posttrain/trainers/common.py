@@ -128,9 +128,10 @@ def load_policy(
     from_pretrained from a model dir (`model_path`, default ctx.model; K3 or any transformers causal
     LM); embeddings grown to `vocab_size` when the tokenizer has more tokens; QAT hooks from ctx.qat;
     LoRA adapters. A model dir that `sees_images` (vision weights its tokenizer can feed) loads as
-    the multimodal KimiK3ForConditionalGeneration; `vision` (a vision preset) puts a fresh seeded
-    MoonViT-V2 and projector under a text model, with `media_pad_id` (the tokenizer's
-    `<|media_pad|>`) as its media placeholder.
+    the multimodal KimiK3ForConditionalGeneration; `vision` puts a MoonViT-V2 and projector under a
+    text model, with `media_pad_id` (the tokenizer's `<|media_pad|>`) as its media placeholder:
+    fresh seeded ones for a vision preset file, the pretrained ones of a vision directory
+    (`data_recipes/vision_base/`).
 
     QAT quantises K3's routed experts: asked of a model without them (`qat: {scheme: k3}` on a
     Llama) it is an error naming the stage and the fix. Router balancing needs no request: it runs
@@ -190,11 +191,11 @@ def load_policy(
 def _with_vision(ctx: StageContext, model: nn.Module, vision: Path, media_pad_id: int | None) -> nn.Module:
     from posttrain.model import KimiK3ForCausalLM
     from posttrain.model.vision_config import load_vision_config
-    from posttrain.model.vision_model import with_vision
+    from posttrain.model.vision_model import is_vision_dir, load_vision_dir, with_vision
 
     if hasattr(model, "vision_tower"):
         raise ValueError(
-            f"stage {ctx.stage_id}: `vision: {vision}` asks for a fresh vision tower but the model already "
+            f"stage {ctx.stage_id}: `vision: {vision}` asks for a new vision tower but the model already "
             "has one; drop `vision:` to continue the model's own"
         )
     if not isinstance(model, KimiK3ForCausalLM) or media_pad_id is None:
@@ -202,9 +203,14 @@ def _with_vision(ctx: StageContext, model: nn.Module, vision: Path, media_pad_id
             f"stage {ctx.stage_id}: `vision:` needs a K3 text model and a tokenizer with the media tokens "
             f"(load_tokenizer(media=True)); got {type(model).__name__}, media pad {media_pad_id}"
         )
-    config = load_vision_config(vision, text_hidden_size=model.config.hidden_size)
+    weights = None
+    if is_vision_dir(vision):
+        config, weights = load_vision_dir(vision, model.config.hidden_size)
+        ctx.log.info("vision tower and projector: pretrained, from %s", vision)
+    else:
+        config = load_vision_config(vision, text_hidden_size=model.config.hidden_size)
     torch.manual_seed(ctx.seed)
-    return with_vision(model, config, media_pad_id)
+    return with_vision(model, config, media_pad_id, weights)
 
 
 def renderer_for(tokenizer: Any, model: nn.Module) -> Any:
