@@ -51,6 +51,11 @@ class OptimConfig(BaseModel):
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW's moment decay rates")
     eps: float = Field(1e-8, gt=0, description="AdamW's denominator epsilon")
     grad_clip: float | None = Field(1.0, gt=0, description="max global grad norm; null: no clipping")
+    freeze_vision: bool = Field(
+        False,
+        description="keep the vision tower and projector as loaded (a pretrained tower: at the text "
+        "model's lr, AdamW's unit-size steps erase its features before the text model reads them)",
+    )
 
 
 class FSDPConfig(BaseModel):
@@ -265,7 +270,10 @@ def save_final_model(model: nn.Module, tokenizer: Any, output_dir: Path, stop_to
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
     """AdamW over the trainable parameters; matrices decay, vectors (norms, biases, gates' scalars)
-    do not: decaying a norm's gain pulls it to 0, which no one wants."""
+    do not: decaying a norm's gain pulls it to 0, which no one wants. With `cfg.freeze_vision`
+    the vision tower and projector stop being trainable first (`freeze_vision`)."""
+    if cfg.freeze_vision:
+        freeze_vision(model)
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("the model has no trainable parameter")
@@ -276,6 +284,22 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(
         [g for g in groups if g["params"]], lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=False
     )
+
+
+def freeze_vision(model: nn.Module) -> None:
+    """The vision tower and projector get no gradient and no update; the text model trains.
+
+    Why: the vision SFT from the pre-aligned tower (data_recipes/vision_base) with them trained at
+    the text model's lr ended with features that no longer told the drawn answers apart (a
+    nearest-class-mean probe of the tallest bar: 0.95 before SFT, 0.34 after) and answered at
+    chance; frozen, the same trajectories teach the text model to read them (bench/RESULTS.md)."""
+    parts = [getattr(model, name, None) for name in ("vision_tower", "mm_projector")]
+    if not all(isinstance(part, nn.Module) for part in parts):
+        raise ValueError(
+            f"train.freeze_vision: {type(model).__name__} has no vision tower and projector; drop the key"
+        )
+    for part in parts:
+        part.requires_grad_(False)
 
 
 @dataclass(frozen=True)
