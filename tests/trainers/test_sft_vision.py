@@ -90,7 +90,7 @@ def vision_sft(tmp_path_factory, visual_recipe, stage_runner):
     return ctx, stage_runner.run(ctx)
 
 
-def test_sft_with_images_learns_and_saves_the_vision_weights(vision_sft):
+def test_sft_with_images_learns_and_saves_the_vision_weights(vision_sft, stage_runner, tmp_path):
     ctx, final = vision_sft
     assert final["eval_loss_after"] < final["eval_loss_before"] - 0.5
     assert final["data/kept"] == 32 and 0.0 <= final["tool_success_after"] <= 1.0
@@ -106,22 +106,25 @@ def test_sft_with_images_learns_and_saves_the_vision_weights(vision_sft):
     assert all(torch.equal(saved[n], p.detach()) for n, p in vision.items())
 
     # the tower and projector were trained: they moved from the seeded initialisation load_policy made
-    initial = dict(_fresh_vision_model(model.config.media_placeholder_token_id).named_parameters())
+    initial = _initial_parameters(stage_runner, tmp_path, ctx.config.model_dump())
     moved = [n for n, p in vision.items() if not torch.equal(p.detach(), initial[n].detach())]
     assert "mm_projector.proj.0.weight" in moved and "vision_tower.encoder.blocks.0.wqkv.weight" in moved
 
 
-def _fresh_vision_model(placeholder: int) -> KimiK3ForConditionalGeneration:
-    """The model load_policy builds for `vision: VISION_PRESET` over tiny.yaml at seed 0."""
+def _initial_parameters(stage_runner, run_dir: Path, body: dict) -> dict[str, torch.Tensor]:
+    """The parameters the sft stage of `body` starts from: its load_policy, seeded as the stage."""
+    from posttrain.trainers.common import load_policy
+    from posttrain.trainers.sft import vision_preset
+
     tokenizer = load_tokenizer(media=True)
-    text = load_model_config(REPO / "stages" / "models" / "tiny.yaml")
-    text.vocab_size = len(tokenizer)
-    torch.manual_seed(0)
-    return with_vision(
-        KimiK3ForCausalLM(text),
-        load_vision_config(REPO / "stages" / VISION_PRESET, text_hidden_size=text.hidden_size),
-        placeholder,
+    ctx = stage_runner.context("sft", run_dir, body)
+    policy = load_policy(
+        ctx,
+        len(tokenizer),
+        vision=vision_preset(body["vision"]),
+        media_pad_id=ChatRenderer(tokenizer).media_token_ids["media_pad"],
     )
+    return {n: p.detach() for n, p in policy.model.named_parameters()}
 
 
 def test_freeze_vision_trains_the_text_model_and_keeps_the_tower(tmp_path, visual_recipe, stage_runner):
@@ -134,11 +137,10 @@ def test_freeze_vision_trains_the_text_model_and_keeps_the_tower(tmp_path, visua
         "vision": VISION_PRESET,
         "eval": {"tool_prompts": 0},
     }
-    ctx = stage_runner.context("sft", tmp_path, body)
+    ctx = stage_runner.context("sft", tmp_path / "run", body)
     stage_runner.run(ctx)
-    model = load_pretrained(ctx.output_dir)
-    initial = dict(_fresh_vision_model(model.config.media_placeholder_token_id).named_parameters())
-    trained = dict(model.named_parameters())
+    initial = _initial_parameters(stage_runner, tmp_path / "initial", body)
+    trained = {n: p.detach() for n, p in load_pretrained(ctx.output_dir).named_parameters()}
     vision = [n for n in trained if n.startswith(("vision_tower.", "mm_projector."))]
     assert len(vision) == 18 and all(torch.equal(trained[n], initial[n]) for n in vision)
     text = [n for n in trained if n.startswith("language_model.") and "embed_tokens" not in n]
