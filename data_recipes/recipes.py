@@ -39,8 +39,8 @@ def agent_sft_agentic() -> Recipe:
 
 
 # Drawn visual trajectories: with the pre-aligned tower kept fixed, the text model learns to read
-# it from about 2000 visual documents (bench/RESULTS.md); 720 rows give about that in the vision
-# SFT's 1200 steps (240 gave a third and answered the digits only).
+# it from 1500-2000 visual documents (bench/RESULTS.md); 720 rows give about 1500 in the vision
+# SFT's 1200 steps (240 gave about 600, and it read only the digits).
 VISUAL_SFT_ROWS = 720
 
 
