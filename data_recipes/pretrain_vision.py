@@ -5,7 +5,8 @@ K3's MoonViT is pretrained before joint training; ours was not, and the vision S
 each, too little to learn, from scratch, a feature that tells the language model how many shapes
 or which bar. With an oracle in the tower's place (the answer's own token embedding at every visual
 position) the same SFT reads the image perfectly within 200 steps, so the language side is not the
-bottleneck; the tower is.
+bottleneck; the tower is. The SFT then keeps this tower fixed (`train.freeze_vision`): trained at
+the text model's lr it loses what it learned here.
 
 This script trains the tower and projector of `stages/models/vision-tiny.yaml` (text width of the
 tiny K3 base) to describe drawn scenes: linear heads on the mean of the projected visual tokens
@@ -17,8 +18,8 @@ vision config, the log), which `stages/vision/sft.yaml` names as its `vision:`.
 
 Images come only from `draw_scene`, nothing is downloaded. Their seeds start at 2**32, so no
 pretraining image is a prompt's (prompts draw 32-bit seeds). One thread on the CPU and a fixed
-seed: the same torch build on the same machine writes the same bytes (a test checks that two short
-runs agree).
+seed: the same torch build on the same machine writes the same weights, byte for byte (a test
+checks that two short runs agree; the log's timings differ).
 """
 
 from __future__ import annotations
@@ -37,12 +38,12 @@ import yaml
 from safetensors.torch import save_file
 from torch import nn
 
+from posttrain.model.vision_model import VISION_CONFIG_FILE, VISION_PREFIXES, VISION_WEIGHTS_FILE
+
 ROOT = Path(__file__).resolve().parents[1]
 PRESET = ROOT / "stages" / "models" / "vision-tiny.yaml"
 BASE = Path(__file__).resolve().parent / "base"
 OUTPUT = Path(__file__).resolve().parent / "vision_base"
-WEIGHTS_FILE = "model.safetensors"
-CONFIG_FILE = "vision_config.yaml"
 LOG_FILE = "pretrain_log.json"
 # Seeds of pretraining images: above every 32-bit seed a general/visual prompt draws.
 SEED_OFFSET = 2**32
@@ -98,14 +99,15 @@ class Describer(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor, grid_thws: torch.Tensor) -> dict[str, torch.Tensor]:
         tokens = self.mm_projector(self.vision_tower(pixel_values, grid_thws))
-        per_image = [int(t * (h // 2) * (w // 2)) for t, h, w in grid_thws.tolist()]
+        kh, kw = self.vision_tower.config.merge_kernel_size
+        per_image = [(h // kh) * (w // kw) for _, h, w in grid_thws.tolist()]  # frames are averaged
         pooled = torch.stack([chunk.mean(0) for chunk in tokens.split(per_image)])
         return {head: layer(pooled) for head, layer in self.heads.items()}
 
 
 def build(seed: int) -> tuple[Describer, object, object]:
-    """The describer with the tower and projector initialised exactly as a stage's fresh ones
-    (KimiK3ForConditionalGeneration's init under `seed`), the vision config and its processor."""
+    """The describer with the tower and projector initialised as KimiK3ForConditionalGeneration
+    initialises fresh ones, under `seed`; the vision config and its processor."""
     from posttrain.model import KimiK3Config
     from posttrain.model.vision_config import load_vision_config
     from posttrain.model.vision_model import KimiK3ForConditionalGeneration, KimiK3VLConfig, image_processor
@@ -113,8 +115,7 @@ def build(seed: int) -> tuple[Describer, object, object]:
     text_config = KimiK3Config.from_pretrained(str(BASE))  # the text width the projector maps into
     vision = load_vision_config(PRESET, text_hidden_size=text_config.hidden_size)
     torch.manual_seed(seed)
-    # the language model is built (after the tower and projector, as in a stage) and never used:
-    # any in-vocabulary placeholder id will do
+    # the language model is built and never used: any in-vocabulary placeholder id will do
     config = KimiK3VLConfig(text_config=text_config, vision_config=vision, media_placeholder_token_id=0)
     vl = KimiK3ForConditionalGeneration(config)
     describer = Describer(vl.vision_tower, vl.mm_projector, text_config.hidden_size)
@@ -137,6 +138,8 @@ def accuracy(model: Describer, processor, images: list, targets: dict[str, torch
 
 
 def train(steps: int, batch: int, lr: float, seed: int, log_every: int) -> tuple[Describer, object, dict]:
+    """`steps` AdamW steps of `batch` fresh scenes (warm-up, cosine to a tenth, clip 1), one thread;
+    (the describer, the vision config, the log with held-out accuracy every `log_every` steps)."""
     torch.set_num_threads(1)
     model, vision_config, processor = build(seed)
     heldout = draw_batch(random.Random(f"vision-align:heldout:{seed}"), 600)
@@ -182,12 +185,12 @@ def save(model: Describer, vision_config, log: dict, args: dict, out: Path) -> N
     state = {
         name: tensor.detach().contiguous()
         for name, tensor in model.state_dict().items()
-        if name.startswith(("vision_tower.", "mm_projector."))
+        if name.startswith(VISION_PREFIXES)
     }
-    save_file(state, str(tmp / WEIGHTS_FILE))
+    save_file(state, str(tmp / VISION_WEIGHTS_FILE))
     keys = yaml.safe_load(PRESET.read_text())
     keys["text_hidden_size"] = vision_config.text_hidden_size
-    (tmp / CONFIG_FILE).write_text(yaml.safe_dump(keys, sort_keys=False))
+    (tmp / VISION_CONFIG_FILE).write_text(yaml.safe_dump(keys, sort_keys=False))
     (tmp / LOG_FILE).write_text(json.dumps({"args": args, **log}, indent=1) + "\n")
     readme = out / "README.md"
     if readme.is_file():
