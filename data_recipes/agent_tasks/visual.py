@@ -57,6 +57,14 @@ def draw(kind: str, seed: int) -> tuple[Image.Image, dict[str, Any]]:
     facts {"shape", "count"}. digit: one seven-segment digit in a random colour and place; {"digit"}.
     bar: 3-5 bars of distinct heights; {"bars", "tallest"} (1-based from the left).
     """
+    image, facts, _ = draw_scene(kind, seed)
+    return image, facts
+
+
+def draw_scene(kind: str, seed: int) -> tuple[Image.Image, dict[str, Any], dict[str, Any]]:
+    """`draw`'s image and facts plus the whole scene, question-independent: {"circle": n,
+    "square": m} for count (distractors included), {"digit": d} for digit, {"heights": [tenths, ...]}
+    for bar. The vision pre-alignment (data_recipes/pretrain_vision.py) learns to read scenes."""
     rng = random.Random(f"visual:{kind}:{seed}")
     image = Image.new("RGB", (SIZE, SIZE), BACKGROUND)
     pen = ImageDraw.Draw(image)
@@ -67,13 +75,13 @@ def draw(kind: str, seed: int) -> tuple[Image.Image, dict[str, Any]]:
         cells = rng.sample(range(16), count + rng.randint(0, 3))  # a 4 x 4 grid of 28 px cells
         for index, cell in enumerate(cells):
             _shape(pen, shape if index < count else other, cell, rng)
-        return image, {"shape": shape, "count": count}
+        return image, {"shape": shape, "count": count}, {shape: count, other: len(cells) - count}
     if kind == "digit":
         digit = str(rng.randint(0, 9))
         _seven_segment(
             pen, digit, rng.randint(20, 56), rng.randint(10, 30), rng.choice(list(COLOURS.values()))
         )
-        return image, {"digit": digit}
+        return image, {"digit": digit}, {"digit": digit}
     if kind == "bar":
         bars = rng.randint(3, 5)
         heights = rng.sample(range(2, 11), bars)  # tenths of the chart, all distinct
@@ -84,7 +92,8 @@ def draw(kind: str, seed: int) -> tuple[Image.Image, dict[str, Any]]:
             left = 8 + index * width
             top = SIZE - 8 - height * (SIZE - 20) // 10
             pen.rectangle([left + 3, top, left + width - 3, SIZE - 9], fill=colour)
-        return image, {"bars": bars, "tallest": heights.index(max(heights)) + 1}
+        facts = {"bars": bars, "tallest": heights.index(max(heights)) + 1}
+        return image, facts, {"heights": heights}
     raise ValueError(f"visual question kind {kind!r}: expected one of {', '.join(KINDS)}")
 
 

@@ -230,10 +230,15 @@ def load_pretrained(model_dir: str | Path, dtype: torch.dtype = torch.float32) -
 
 
 def with_vision(
-    text_model: KimiK3ForCausalLM, vision: KimiK3VisionConfig, media_placeholder_token_id: int
+    text_model: KimiK3ForCausalLM,
+    vision: KimiK3VisionConfig,
+    media_placeholder_token_id: int,
+    vision_weights: dict[str, torch.Tensor] | None = None,
 ) -> KimiK3ForConditionalGeneration:
-    """`text_model` (its weights kept) under a fresh vision tower and projector, initialised from
-    the global RNG: how a stage starts a vision-language model from a text base or preset."""
+    """`text_model` (its weights kept) under a vision tower and projector: how a stage starts a
+    vision-language model from a text base or preset. Fresh ones, initialised from the global RNG,
+    unless `vision_weights` (a pretrained vision directory's `vision_tower.*` / `mm_projector.*`
+    tensors, `load_vision_dir`) gives every one of their parameters."""
     config = KimiK3VLConfig(
         text_config=text_model.config,
         vision_config=vision,
@@ -241,7 +246,53 @@ def with_vision(
     )
     model = KimiK3ForConditionalGeneration(config)
     model.language_model = text_model
+    if vision_weights is not None:
+        own = {
+            name: tensor for name, tensor in model.state_dict().items() if name.startswith(VISION_PREFIXES)
+        }
+        if set(own) != set(vision_weights):
+            missing, extra = sorted(set(own) - set(vision_weights)), sorted(set(vision_weights) - set(own))
+            raise ValueError(f"vision weights do not fit the tower: missing {missing[:4]}, extra {extra[:4]}")
+        for name, tensor in vision_weights.items():
+            if tensor.shape != own[name].shape:
+                shapes = f"{tuple(tensor.shape)}, the tower's {tuple(own[name].shape)}"
+                raise ValueError(f"vision weight {name} has shape {shapes}")
+        model.load_state_dict(vision_weights, strict=False)
     return model
+
+
+# A pretrained vision directory (data_recipes/vision_base/, data_recipes/pretrain_vision.py): the
+# tower and projector alone, so a stage puts them under any text model of the same width.
+VISION_CONFIG_FILE = "vision_config.yaml"
+VISION_WEIGHTS_FILE = "model.safetensors"
+VISION_PREFIXES = ("vision_tower.", "mm_projector.")
+
+
+def is_vision_dir(path: str | Path) -> bool:
+    """Whether `path` is a pretrained vision directory (its config and weights)."""
+    path = Path(path)
+    return (path / VISION_CONFIG_FILE).is_file() and (path / VISION_WEIGHTS_FILE).is_file()
+
+
+def load_vision_dir(
+    path: str | Path, text_hidden_size: int
+) -> tuple[KimiK3VisionConfig, dict[str, torch.Tensor]]:
+    """(the vision config, the `vision_tower.*` / `mm_projector.*` tensors) of a pretrained vision
+    directory whose projector maps into `text_hidden_size`; a different width is an error (the
+    projector was aligned to another text model)."""
+    from safetensors.torch import load_file
+
+    from posttrain.model.vision_config import load_vision_config
+
+    path = Path(path)
+    config = load_vision_config(path / VISION_CONFIG_FILE)
+    if config.text_hidden_size != text_hidden_size:
+        raise ValueError(
+            f"vision dir {path}: its projector maps into width {config.text_hidden_size}, the text model's "
+            f"hidden_size is {text_hidden_size}; pretrain a tower for this text model "
+            "(data_recipes/pretrain_vision.py) or use a preset (a fresh tower)"
+        )
+    return config, load_file(str(path / VISION_WEIGHTS_FILE))
 
 
 def image_processor(config: KimiK3VLConfig) -> MoonViTImageProcessor:

@@ -51,6 +51,11 @@ class OptimConfig(BaseModel):
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW's moment decay rates")
     eps: float = Field(1e-8, gt=0, description="AdamW's denominator epsilon")
     grad_clip: float | None = Field(1.0, gt=0, description="max global grad norm; null: no clipping")
+    freeze_vision: bool = Field(
+        False,
+        description="keep the vision tower and projector as loaded (a pretrained tower: at the text "
+        "model's lr, AdamW's unit-size steps erase its features before the text model reads them)",
+    )
 
 
 class FSDPConfig(BaseModel):
@@ -128,9 +133,10 @@ def load_policy(
     from_pretrained from a model dir (`model_path`, default ctx.model; K3 or any transformers causal
     LM); embeddings grown to `vocab_size` when the tokenizer has more tokens; QAT hooks from ctx.qat;
     LoRA adapters. A model dir that `sees_images` (vision weights its tokenizer can feed) loads as
-    the multimodal KimiK3ForConditionalGeneration; `vision` (a vision preset) puts a fresh seeded
-    MoonViT-V2 and projector under a text model, with `media_pad_id` (the tokenizer's
-    `<|media_pad|>`) as its media placeholder.
+    the multimodal KimiK3ForConditionalGeneration; `vision` puts a MoonViT-V2 and projector under a
+    text model, with `media_pad_id` (the tokenizer's `<|media_pad|>`) as its media placeholder:
+    fresh seeded ones for a vision preset file, the pretrained ones of a vision directory
+    (`data_recipes/vision_base/`).
 
     QAT quantises K3's routed experts: asked of a model without them (`qat: {scheme: k3}` on a
     Llama) it is an error naming the stage and the fix. Router balancing needs no request: it runs
@@ -190,11 +196,11 @@ def load_policy(
 def _with_vision(ctx: StageContext, model: nn.Module, vision: Path, media_pad_id: int | None) -> nn.Module:
     from posttrain.model import KimiK3ForCausalLM
     from posttrain.model.vision_config import load_vision_config
-    from posttrain.model.vision_model import with_vision
+    from posttrain.model.vision_model import is_vision_dir, load_vision_dir, with_vision
 
     if hasattr(model, "vision_tower"):
         raise ValueError(
-            f"stage {ctx.stage_id}: `vision: {vision}` asks for a fresh vision tower but the model already "
+            f"stage {ctx.stage_id}: `vision: {vision}` asks for a new vision tower but the model already "
             "has one; drop `vision:` to continue the model's own"
         )
     if not isinstance(model, KimiK3ForCausalLM) or media_pad_id is None:
@@ -202,9 +208,14 @@ def _with_vision(ctx: StageContext, model: nn.Module, vision: Path, media_pad_id
             f"stage {ctx.stage_id}: `vision:` needs a K3 text model and a tokenizer with the media tokens "
             f"(load_tokenizer(media=True)); got {type(model).__name__}, media pad {media_pad_id}"
         )
-    config = load_vision_config(vision, text_hidden_size=model.config.hidden_size)
+    weights = None
+    if is_vision_dir(vision):
+        config, weights = load_vision_dir(vision, model.config.hidden_size)
+        ctx.log.info("vision tower and projector: pretrained, from %s", vision)
+    else:
+        config = load_vision_config(vision, text_hidden_size=model.config.hidden_size)
     torch.manual_seed(ctx.seed)
-    return with_vision(model, config, media_pad_id)
+    return with_vision(model, config, media_pad_id, weights)
 
 
 def renderer_for(tokenizer: Any, model: nn.Module) -> Any:
@@ -259,7 +270,10 @@ def save_final_model(model: nn.Module, tokenizer: Any, output_dir: Path, stop_to
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
     """AdamW over the trainable parameters; matrices decay, vectors (norms, biases, gates' scalars)
-    do not: decaying a norm's gain pulls it to 0, which no one wants."""
+    do not: decaying a norm's gain pulls it to 0, which no one wants. With `cfg.freeze_vision`
+    the vision tower and projector stop being trainable first (`freeze_vision`)."""
+    if cfg.freeze_vision:
+        freeze_vision(model)
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("the model has no trainable parameter")
@@ -270,6 +284,22 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(
         [g for g in groups if g["params"]], lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=False
     )
+
+
+def freeze_vision(model: nn.Module) -> None:
+    """The vision tower and projector get no gradient and no update; the text model trains.
+
+    Why: the vision SFT from the pre-aligned tower (data_recipes/vision_base) with them trained at
+    the text model's lr ended with features that no longer told the drawn answers apart (a
+    nearest-class-mean probe of the tallest bar: 0.95 before SFT, 0.34 after) and answered at
+    chance; frozen, the same trajectories teach the text model to read them (bench/RESULTS.md)."""
+    parts = [getattr(model, name, None) for name in ("vision_tower", "mm_projector")]
+    if not all(isinstance(part, nn.Module) for part in parts):
+        raise ValueError(
+            f"train.freeze_vision: {type(model).__name__} has no vision tower and projector; drop the key"
+        )
+    for part in parts:
+        part.requires_grad_(False)
 
 
 @dataclass(frozen=True)

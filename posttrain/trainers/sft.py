@@ -81,8 +81,9 @@ class SFTConfig(BaseModel):
     )
     vision: str | None = Field(
         None,
-        description="vision preset (e.g. models/vision-tiny.yaml, relative to stages/ or the run dir): "
-        "a fresh MoonViT-V2 + projector under the text model, for data with images; null: none",
+        description="vision preset file (e.g. models/vision-tiny.yaml: a fresh MoonViT-V2 + projector) or "
+        "pretrained vision dir (e.g. ../data_recipes/vision_base: its tower + projector) under the text "
+        "model, for data with images, relative to stages/ or the run dir; null: none",
     )
     checkpoint_every: int = Field(50, gt=0, description="optimizer steps between checkpoints")
     eval_every: int = Field(
@@ -116,13 +117,16 @@ STAGES_DIR = Path(__file__).resolve().parents[2] / "stages"
 
 
 def vision_preset(value: str) -> Path:
-    """The vision preset file `vision:` names: a path from the run dir, else one under stages/."""
+    """What `vision:` names, a preset file or a pretrained vision directory: a path from the run
+    dir, else one under stages/."""
+    from posttrain.model.vision_model import is_vision_dir
+
     for candidate in (Path(value), STAGES_DIR / value):
-        if candidate.is_file():
+        if candidate.is_file() or is_vision_dir(candidate):
             return candidate.resolve()
     raise ValueError(
-        f"vision: {value}: no such file (relative to {Path.cwd()} or {STAGES_DIR}); "
-        "e.g. models/vision-tiny.yaml"
+        f"vision: {value}: no preset file or vision dir (relative to {Path.cwd()} or {STAGES_DIR}); "
+        "e.g. models/vision-tiny.yaml or ../data_recipes/vision_base"
     )
 
 

@@ -1,6 +1,7 @@
 """The `sft` stage with images: drawn visual questions (data_recipes visual_sft) train the tiny K3
-under a fresh tiny MoonViT-V2 (`vision:`), the loss falls, the tower and projector get trained,
-and the output dir loads back as the multimodal model with those weights. The text-only SFT path
+under a fresh tiny MoonViT-V2 (`vision:`), the loss falls, the tower and projector get trained
+(or, with `train.freeze_vision`, stay as they came), and the output dir loads back as the
+multimodal model with those weights. The text-only SFT path
 is tests/trainers/test_sft.py's."""
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def vision_sft(tmp_path_factory, visual_recipe, stage_runner):
     return ctx, stage_runner.run(ctx)
 
 
-def test_sft_with_images_learns_and_saves_the_vision_weights(vision_sft):
+def test_sft_with_images_learns_and_saves_the_vision_weights(vision_sft, stage_runner, tmp_path):
     ctx, final = vision_sft
     assert final["eval_loss_after"] < final["eval_loss_before"] - 0.5
     assert final["data/kept"] == 32 and 0.0 <= final["tool_success_after"] <= 1.0
@@ -105,18 +106,53 @@ def test_sft_with_images_learns_and_saves_the_vision_weights(vision_sft):
     assert all(torch.equal(saved[n], p.detach()) for n, p in vision.items())
 
     # the tower and projector were trained: they moved from the seeded initialisation load_policy made
-    tokenizer = load_tokenizer(media=True)
-    text = load_model_config(REPO / "stages" / "models" / "tiny.yaml")
-    text.vocab_size = len(tokenizer)
-    torch.manual_seed(0)
-    fresh = with_vision(
-        KimiK3ForCausalLM(text),
-        load_vision_config(REPO / "stages" / VISION_PRESET, text_hidden_size=text.hidden_size),
-        model.config.media_placeholder_token_id,
-    )
-    initial = dict(fresh.named_parameters())
+    initial = _initial_parameters(stage_runner, tmp_path, ctx.config.model_dump())
     moved = [n for n, p in vision.items() if not torch.equal(p.detach(), initial[n].detach())]
     assert "mm_projector.proj.0.weight" in moved and "vision_tower.encoder.blocks.0.wqkv.weight" in moved
+
+
+def _initial_parameters(stage_runner, run_dir: Path, body: dict) -> dict[str, torch.Tensor]:
+    """The parameters the sft stage of `body` starts from: its load_policy, seeded as the stage."""
+    from posttrain.trainers.common import load_policy
+    from posttrain.trainers.sft import vision_preset
+
+    tokenizer = load_tokenizer(media=True)
+    ctx = stage_runner.context("sft", run_dir, body)
+    policy = load_policy(
+        ctx,
+        len(tokenizer),
+        vision=vision_preset(body["vision"]),
+        media_pad_id=ChatRenderer(tokenizer).media_token_ids["media_pad"],
+    )
+    return {n: p.detach() for n, p in policy.model.named_parameters()}
+
+
+def test_freeze_vision_trains_the_text_model_and_keeps_the_tower(tmp_path, visual_recipe, stage_runner):
+    """train.freeze_vision (stages/vision/*.yaml): the tower and projector leave the stage exactly as
+    they came in, the text model trains."""
+    name, _ = visual_recipe
+    body = {
+        "data": {"recipes": {name: 1.0}},
+        "train": {"steps": 4, "micro_batch_tokens": 256, "lr": 5e-3, "freeze_vision": True},
+        "vision": VISION_PRESET,
+        "eval": {"tool_prompts": 0},
+    }
+    ctx = stage_runner.context("sft", tmp_path / "run", body)
+    stage_runner.run(ctx)
+    initial = _initial_parameters(stage_runner, tmp_path / "initial", body)
+    trained = {n: p.detach() for n, p in load_pretrained(ctx.output_dir).named_parameters()}
+    vision = [n for n in trained if n.startswith(("vision_tower.", "mm_projector."))]
+    assert len(vision) == 18 and all(torch.equal(trained[n], initial[n]) for n in vision)
+    text = [n for n in trained if n.startswith("language_model.") and "embed_tokens" not in n]
+    assert any(not torch.equal(trained[n], initial[n]) for n in text)
+
+
+def test_freeze_vision_needs_a_vision_tower():
+    from posttrain.trainers.common import OptimConfig, build_optimizer
+
+    text = KimiK3ForCausalLM(load_model_config(REPO / "stages" / "models" / "tiny.yaml"))
+    with pytest.raises(ValueError, match="no vision tower"):
+        build_optimizer(text, OptimConfig(freeze_vision=True))
 
 
 @pytest.mark.vllm

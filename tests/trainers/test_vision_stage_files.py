@@ -1,5 +1,5 @@
 """The vision option's stage files (stages/vision/) load as one pipeline whose kinds accept every
-key: sft with a vision preset and the visual recipe, the general specialists offering the visual
+key: sft with the pre-aligned vision tower and the visual recipe, the general specialists offering the visual
 family, and the distillation of those three into the multimodal student."""
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ def test_the_vision_pipeline_loads_and_validates():
     pipeline = load_pipeline(VISION / "mopd.yaml")
     assert list(pipeline.stages) == ["sft", "rl-general-low", "rl-general-high", "rl-general-max", "mopd"]
     sft = STAGE_KINDS.get("sft").config.model_validate(pipeline.stages["sft"].body)
-    assert sft.vision == "models/vision-tiny.yaml" and set(sft.data.recipes) == {"agent_sft", "visual_sft"}
+    assert sft.vision == "../data_recipes/vision_base"  # the pre-aligned tower
+    assert set(sft.data.recipes) == {"agent_sft", "visual_sft"}
     for effort in ("low", "high", "max"):
         stage = pipeline.stages[f"rl-general-{effort}"]
         rl = STAGE_KINDS.get("rl").config.model_validate(stage.body)
