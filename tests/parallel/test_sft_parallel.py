@@ -106,12 +106,22 @@ def test_two_ranks_match_one_process_and_resume_bit_exact(tmp_path, recipe) -> N
             # may differ by a bin width or two (posttrain/model/balancing.py's bound).
             assert (got[key] - value).abs().max() <= 2 * (2 + value.abs().max() * 2) / NUM_BINS, key
             continue
+        off = ~torch.isclose(got[key], value, atol=2e-5, rtol=1e-4)
+        assert (got[key] - value).abs().max() <= STEPS * LR, key
+        if ".block_sparse_moe." in key:
+            # A token whose router scores tie to the last bit can pick another expert when the two
+            # setups sum its scores in another order: one such flip per layer changes the two
+            # experts it swapped, the gate rows of the K=2 experts picked either way (3 at most)
+            # and the shared latent projections; every other expert and gate row stays equal.
+            if ".experts.w" in key:
+                assert len(off.flatten(1).any(1).nonzero()) <= 2, (key, off.flatten(1).any(1).tolist())
+            elif key.endswith("gate.weight"):
+                assert int(off.any(1).sum()) <= 3, (key, off.any(1).tolist())
+            continue
         # Adam divides by the root of the squared gradient, so an element whose gradient nearly
         # cancels (a rare token's embedding row) steps by up to lr from the order in which the two
         # setups sum it: a handful such elements may move by up to the steps' lr, no more.
-        off = ~torch.isclose(got[key], value, atol=2e-5, rtol=1e-4)
         assert off.sum() <= max(1, off.numel() // 10_000), (key, int(off.sum()))
-        assert (got[key] - value).abs().max() <= STEPS * LR, key
 
     # killed after step 3 (its newest checkpoint: step 2), resumed at step 3: bit for bit
     assert crashed["crashed"] and crashed["steps"] == [1, 2, 3]
