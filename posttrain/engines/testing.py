@@ -22,9 +22,11 @@ from posttrain.data.chat import ChatRenderer, load_tokenizer
 from posttrain.data.chat_media import MEDIA_TOKENS
 from posttrain.data.sample import FinishReason, Sample
 from posttrain.engines.base import Engine, PauseWhen, SamplingConfig, WeightsSource
+from posttrain.engines.trl_client import trl_serve_command
+from posttrain.engines.vllm_server import VLLMServer, free_port
 from posttrain.model import KimiK3ForCausalLM, load_model_config
 from posttrain.model.vision_config import load_vision_config
-from posttrain.model.vision_model import KimiK3ForConditionalGeneration, with_vision
+from posttrain.model.vision_model import VISION_PREFIXES, KimiK3ForConditionalGeneration, with_vision
 from posttrain.qat import QATConfig, apply_qat
 
 TINY_K3_PRESET = Path(__file__).resolve().parents[2] / "stages" / "models" / "tiny.yaml"
@@ -83,7 +85,7 @@ def tiny_vl_k3(
     model = with_vision(text, vision, tokenizer.convert_tokens_to_ids(MEDIA_TOKENS["media_pad"]))
     with torch.no_grad():
         for name, parameter in model.named_parameters():
-            if name.startswith(("vision_tower.", "mm_projector.")):
+            if name.startswith(VISION_PREFIXES):
                 if parameter.dim() == 1:
                     parameter.uniform_(0.5, 1.5)
                 else:
@@ -227,3 +229,17 @@ class ScriptedTurns(Engine):
 
     def update_weights(self, weights: WeightsSource) -> None:
         self.engine.update_weights(weights)
+
+
+def start_trl_server(model_dir: Path, log_path: Path) -> VLLMServer:
+    """The server `trl vllm-serve` runs (its flags, `trl_serve_command`) over `model_dir` on a free
+    local port, started: what a `trl_vllm` engine's url points at in the tests. Stop it when done."""
+    port = free_port()
+    server = VLLMServer(
+        trl_serve_command(model_dir, host="127.0.0.1", port=port),
+        port=port,
+        logprobs_mode="processed",
+        log_path=log_path,
+    )
+    server.start()
+    return server

@@ -10,22 +10,16 @@ import torch
 from engine_contract import assert_response_logprobs, assert_scores_match, assert_token_ends_turn
 
 from posttrain.engines import SamplingConfig
-from posttrain.engines.testing import perturbed_llama_state_dict, reference_logprobs
-from posttrain.engines.trl_client import TRLVLLMClient, trl_serve_command
-from posttrain.engines.vllm_server import VLLMServer, free_port
+from posttrain.engines.testing import perturbed_llama_state_dict, reference_logprobs, start_trl_server
+from posttrain.engines.trl_client import TRLVLLMClient
 
 pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
 def client(tiny_llama_dir, tmp_path_factory):
-    port = free_port()
-    command = trl_serve_command(tiny_llama_dir, host="127.0.0.1", port=port)
-    assert "--weight-transfer-config" in command and "processed_logprobs" in command
-    server = VLLMServer(
-        command, port=port, logprobs_mode="processed", log_path=tmp_path_factory.mktemp("trl") / "server.log"
-    )
-    server.start()
+    server = start_trl_server(tiny_llama_dir, tmp_path_factory.mktemp("trl") / "server.log")
+    assert "--weight-transfer-config" in server.command and "processed_logprobs" in server.command
     client = TRLVLLMClient(server.url, weights_dir=tmp_path_factory.mktemp("trl-weights"))
     yield client
     client.close()

@@ -11,9 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.engines.testing import build_tiny_llama
-from posttrain.engines.trl_client import trl_serve_command
-from posttrain.engines.vllm_server import VLLMServer, free_port
+from posttrain.engines.testing import build_tiny_llama, start_trl_server
 from posttrain.trainers.mopd_teachers import TeacherRoutingError
 
 pytestmark = pytest.mark.vllm
@@ -26,14 +24,7 @@ def teacher_dir(tmp_path_factory, renderer) -> Path:
 
 @pytest.fixture(scope="module")
 def trl_server(teacher_dir, tmp_path_factory):
-    port = free_port()
-    server = VLLMServer(
-        trl_serve_command(teacher_dir, host="127.0.0.1", port=port),
-        port=port,
-        logprobs_mode="processed",
-        log_path=tmp_path_factory.mktemp("trl") / "server.log",
-    )
-    server.start()
+    server = start_trl_server(teacher_dir, tmp_path_factory.mktemp("trl") / "server.log")
     yield server
     server.stop()
 

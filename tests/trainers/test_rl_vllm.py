@@ -30,11 +30,10 @@ from posttrain.engines.testing import (
     perturbed_llama_state_dict,
     prompt_sample,
     reference_logprobs,
+    start_trl_server,
     tiny_k3,
 )
-from posttrain.engines.trl_client import trl_serve_command
 from posttrain.engines.vllm_engine import VLLMEngine
-from posttrain.engines.vllm_server import VLLMServer, free_port
 from posttrain.envs.environments import EnvironmentConfig, make_environment
 from posttrain.metrics import read_metrics
 from posttrain.qat import QATConfig, quantize_dequantize
@@ -149,14 +148,7 @@ def test_rl_stage_samples_from_a_trl_vllm_serve_server_reloaded_after_every_upda
     """`rollout: {engine: trl_vllm, url}`: the server `trl vllm-serve` runs (TRL's build_command
     flags), sampled and updated through TRL's own client; on CPU the weights reach it as a
     checkpoint directory reloaded through /collective_rpc."""
-    port = free_port()
-    server = VLLMServer(
-        trl_serve_command(policy_dir, host="127.0.0.1", port=port),
-        port=port,
-        logprobs_mode="processed",
-        log_path=tmp_path / "trl-server.log",
-    )
-    server.start()
+    server = start_trl_server(policy_dir, tmp_path / "trl-server.log")
     try:
         body = {**BODY, "rollout": {**BODY["rollout"], "engine": "trl_vllm", "url": server.url}}
         ctx = llama_context(stage_runner, tmp_path / "run", body, policy_dir)
