@@ -4,9 +4,9 @@ cost of QAT `k3` against none on that K3, all in one process.
 K3: hidden 2048, 16 layers (12 KDA + 4 MLA), 64 routed experts top-8 of width 768 on a 1024 latent,
 1 shared expert, vocab 16384. Llama: 16 layers, hidden 2048, intermediate 5376, sdpa, vocab 16384.
 Both: fp32 master weights, bf16 autocast, batch x seq tokens, loss + backward + grad-norm clip
-+ AdamW (the param groups and flags of posttrain.trainers.common.build_optimizer) + zero_grad; K3
-also updates its router bias, as the trainers do. Prints each median step time, tokens/s and MFU
-(6 x active parameters x tokens/s over the H200's 989 TFLOP/s dense bf16 datasheet peak;
++ AdamW (the param groups and flags of posttrain.trainers.common.build_optimizer on CUDA: fused)
++ zero_grad; K3 also updates its router bias, as the trainers do. Prints each median step time,
+tokens/s and MFU (6 x active parameters x tokens/s over the H200's 989 TFLOP/s dense bf16 datasheet peak;
 embeddings are lookups and not counted), kernel launches in one step, and the ratios.
 K3 runs with its elementwise regions compiled (`compile_regions`, the CUDA default) and, with
 `--eager-too`, also eager, QAT none only. Asserts nothing.
@@ -81,14 +81,15 @@ def llama_config() -> LlamaConfig:
 
 
 def adamw(model: nn.Module) -> torch.optim.AdamW:
-    """build_optimizer's AdamW (posttrain.trainers.common imports datasets, absent on the GPU
-    image): matrices decay, vectors do not, foreach=False, OptimConfig's defaults."""
+    """build_optimizer's AdamW as the stages build it on CUDA (posttrain.trainers.common imports
+    datasets, absent on the GPU image): two param groups, fused, OptimConfig's defaults. Both
+    models get the same optimizer."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.0},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    return torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, fused=True)
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor) -> None:

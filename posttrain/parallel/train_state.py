@@ -182,7 +182,7 @@ class ShardedTrainState(TrainState):
                 mp_policy=policy,
                 reshard_after_forward=fsdp.reshard_after_forward,
             )
-        optimizer = build_optimizer(model, optim)
+        optimizer = build_optimizer(model, optim, fused=accelerator.device.type == "cuda")
         scheduler = build_scheduler(optimizer, optim, total_steps)
         ctx.log.info(
             "parallel: %d processes, experts split over %d, %s",

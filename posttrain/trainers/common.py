@@ -268,10 +268,15 @@ def save_final_model(model: nn.Module, tokenizer: Any, output_dir: Path, stop_to
 # Optimisation ----------------------------------------------------------------------------------
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, cfg: OptimConfig, fused: bool = False) -> torch.optim.AdamW:
     """AdamW over the trainable parameters; matrices decay, vectors (norms, biases, gates' scalars)
     do not: decaying a norm's gain pulls it to 0, which no one wants. With `cfg.freeze_vision`
-    the vision tower and projector stop being trainable first (`freeze_vision`)."""
+    the vision tower and projector stop being trainable first (`freeze_vision`).
+
+    fused: torch's fused AdamW (one kernel over all tensors of a group), what the stages use on
+    CUDA: the per-parameter loop was the largest item of a K3 GPU step (89 ms of 470 at 2.8B
+    parameters, bench/RESULTS.md), since the MoE's total size, not its active size, sets it.
+    Otherwise the per-parameter loop, whose CPU results the tests and reruns compare bit for bit."""
     if cfg.freeze_vision:
         freeze_vision(model)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -282,7 +287,12 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
     return torch.optim.AdamW(
-        [g for g in groups if g["params"]], lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=False
+        [g for g in groups if g["params"]],
+        lr=cfg.lr,
+        betas=cfg.betas,
+        eps=cfg.eps,
+        foreach=False,
+        fused=fused,
     )
 
 
@@ -410,7 +420,7 @@ class TrainState:
         grad_accum: int = 1,
     ) -> TrainState:
         accelerator = build_accelerator(accelerate, grad_accum, ctx.log)
-        optimizer = build_optimizer(model, optim)
+        optimizer = build_optimizer(model, optim, fused=accelerator.device.type == "cuda")
         model, optimizer = accelerator.prepare(model, optimizer)
         # The schedule counts optimizer steps itself (accelerate's prepared scheduler would step
         # once per process and change the LR curve with the world size).

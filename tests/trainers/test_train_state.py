@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from posttrain.trainers.common import AccelerateConfig, OptimConfig, TrainState
+from posttrain.trainers.common import AccelerateConfig, OptimConfig, TrainState, build_optimizer
 
 
 def global_norm(model: nn.Module) -> float:
@@ -40,3 +40,38 @@ def test_optimizer_step_clips_the_global_norm_and_logs_the_norm_before_clipping(
         assert clip is None or before < clip
         assert seen == [pytest.approx(before, rel=1e-6)]
     assert all(p.grad is None for p in model.parameters())
+
+
+def _adamw_run(fused: bool, device: str) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(7, 5), nn.LayerNorm(5), nn.Linear(5, 3)).to(device)
+    optimizer = build_optimizer(model, OptimConfig(lr=0.05, weight_decay=0.1), fused=fused)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        x = torch.randn(11, 7, generator=gen).to(device)
+        model(x).pow(2).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return [p.detach().cpu() for p in model.parameters()]
+
+
+def test_fused_adamw_takes_the_steps_of_the_per_parameter_loop() -> None:
+    """The fused AdamW that CUDA stages build (one kernel per group) keeps the param groups and
+    takes the same steps, decay on the matrices only, as the CPU's per-parameter loop."""
+    loop, fused = _adamw_run(False, "cpu"), _adamw_run(True, "cpu")
+    torch.manual_seed(0)
+    start = [
+        p.detach() for p in nn.Sequential(nn.Linear(7, 5), nn.LayerNorm(5), nn.Linear(5, 3)).parameters()
+    ]
+    assert any(not torch.equal(a, b) for a, b in zip(loop, start, strict=True))
+    for a, b in zip(loop, fused, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_train_state_on_cuda_builds_the_fused_adamw() -> None:
+    ctx = SimpleNamespace(stage_id="fused-test", log=logging.getLogger("fused-test"))
+    model = nn.Linear(4, 2).cuda()
+    state = TrainState.create(ctx, model, OptimConfig(), AccelerateConfig(), 4)
+    assert all(group["fused"] for group in state.optimizer.optimizer.param_groups)
+    torch.testing.assert_close(_adamw_run(True, "cuda"), _adamw_run(False, "cpu"), rtol=1e-4, atol=1e-5)
