@@ -152,9 +152,9 @@ def policy_step(
 def reference_kl(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Per-token k2 estimate of KL(pi_theta || pi_ref) on tokens sampled from (about) pi_theta:
     d^2 / 2 with d = log pi_theta - log pi_ref; 0 with zero slope at pi_theta = pi_ref, gradient
-    d * d log pi_theta. Not k3 (exp(-d) - 1 + d): one AdamW step can lower a sampled token's
-    log-prob by 6-11 nats (log_ratio_abs_max of the shipped agent runs), where k3's exp(6) = 400
-    gives one token the whole gradient (grad norm 112 seen). Masked tokens give 0."""
+    d * d log pi_theta. Not k3 (exp(-d) - 1 + d): one iteration at lr 5e-4 can move a sampled
+    token's log-prob by 6-22 nats (log_ratio_abs_max of the seed-0 agent runs), where k3's
+    exp(6) = 400 gives one token the whole gradient (grad norm 112 seen). Masked tokens give 0."""
     d = torch.where(mask, logp - ref_logp.to(logp.dtype), torch.zeros_like(logp))
     return 0.5 * d**2
 
