@@ -28,12 +28,14 @@ the embedded engine; a vLLM engine is sent the restored weights, its numerics ar
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 import time
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from posttrain.algos import group_advantages
@@ -136,6 +138,12 @@ class RLConfig(BaseModel):
     budget: BudgetConfig = Field(default_factory=BudgetConfig)
     loss: PolicyLossConfig = Field(default_factory=PolicyLossConfig)
     advantages: AdvantageConfig = Field(default_factory=AdvantageConfig)
+    kl_to_init: float = Field(
+        0.0,
+        ge=0.0,
+        description="beta_ref: weight of a per-token KL(pi_theta || pi_init) to the frozen init model "
+        "(k2: (log pi_theta - log pi_init)^2 / 2) on every trained token, zero-advantage ones too; 0: none",
+    )
     eval: EvalConfig = Field(default_factory=EvalConfig)
     genrm: GenRMConfig | None = Field(None, description="the judge, for environments with reward: genrm")
     accelerate: AccelerateConfig = Field(default_factory=AccelerateConfig)
@@ -213,6 +221,8 @@ def run_rl(ctx: StageContext) -> dict[str, float]:
         ctx, policy.model, cfg.train, cfg.accelerate, cfg.train.steps * cfg.train.updates_per_iteration
     )
     model = base_without_peft(state.unwrapped)
+    # The KL anchor: a frozen copy of the init weights (taken before any checkpoint is restored).
+    reference = _frozen_copy(model) if cfg.kl_to_init > 0 else None
     judge: GenRM | None = None
     env_cfg = cfg.environments.get(domain, EnvironmentConfig())
     if env_cfg.reward == "genrm":
@@ -277,7 +287,9 @@ def run_rl(ctx: StageContext) -> dict[str, float]:
             rollout = queue.step([s for group in groups for s in group])
             last = {
                 **rollout.metrics,
-                **_train_step(state, engine, rollout.samples, budgets, cfg, domain, step, renderer),
+                **_train_step(
+                    state, engine, rollout.samples, budgets, cfg, domain, step, renderer, reference
+                ),
             }
             if judge is not None:
                 last.update({f"genrm/{k}": float(v) for k, v in judge.counts.items()})
@@ -367,6 +379,7 @@ def _train_step(
     domain: str,
     step: int,
     renderer: ChatRenderer,
+    reference: torch.nn.Module | None = None,
 ) -> dict[str, float]:
     """Score and advantage the iteration's complete groups, then `updates_per_iteration` optimizer
     steps over all of them (posttrain.trainers.policy_step)."""
@@ -382,11 +395,14 @@ def _train_step(
         scale_by_std=cfg.advantages.scale_by_std,
         leave_one_out=cfg.advantages.leave_one_out,
     )
+    metrics.update(signal_stats(rewards, [s.group for s in scored], advantages))
     if not advantages.abs().max() > 0:
         # Every group's rewards are equal: no policy gradient, only rounding noise in the penalty,
         # which Adam's normalisation would blow up into a full-size step in a random direction.
         return {**metrics, "skipped": 1.0}
     width = max(len(s.tokens) for s in scored)
+    trained = [p for p in state.unwrapped.parameters() if p.requires_grad]
+    start = [p.detach().clone() for p in trained]
     metrics.update(
         policy_step(
             state,
@@ -399,7 +415,12 @@ def _train_step(
             temperature=cfg.rollout.temperature,
             updates=cfg.train.updates_per_iteration,
             policy_version=engine.policy_version,
+            reference=reference,
+            reference_coef=cfg.kl_to_init,
         )
+    )
+    metrics["update_norm"] = float(
+        torch.stack([(p.detach() - p0).norm() for p, p0 in zip(trained, start, strict=True)]).norm()
     )
     synced = time.perf_counter()
     publish_policy(engine, base_without_peft(state.unwrapped))
@@ -409,6 +430,25 @@ def _train_step(
         policy_version=float(engine.policy_version),
     )
     return metrics
+
+
+def _frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+    reference = copy.deepcopy(model)
+    reference.requires_grad_(False)
+    return reference.eval()
+
+
+def signal_stats(rewards: torch.Tensor, groups: list[str], advantages: torch.Tensor) -> dict[str, float]:
+    """How much reward signal an iteration's batch holds: the share of its complete groups whose
+    rewards are all equal (their advantages are 0) and the trajectories with a nonzero advantage."""
+    by_group: dict[str, list[float]] = {}
+    for group, reward in zip(groups, rewards.tolist(), strict=True):
+        by_group.setdefault(group, []).append(reward)
+    flat = sum(1 for values in by_group.values() if max(values) == min(values))
+    return {
+        "groups_zero_variance_fraction": flat / max(len(by_group), 1),
+        "advantage_nonzero_trajectories": float((advantages != 0).sum()),
+    }
 
 
 def _shown(metrics: dict[str, Any]) -> str:

@@ -13,7 +13,7 @@ from posttrain.algos.policy_loss import PolicyLossConfig
 from posttrain.data.batch import TokenBatch
 from posttrain.data.sample import Sample
 from posttrain.engines.testing import tiny_k3
-from posttrain.trainers.policy_step import micro_batch_loss
+from posttrain.trainers.policy_step import micro_batch_loss, policy_step, reference_kl, target_logprobs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -72,3 +72,75 @@ def test_only_the_one_step_computes_the_policy_loss():
         if re.search(r"(?<![\w.])policy_loss\(", path.read_text()):
             callers.append(str(path.relative_to(ROOT)))
     assert callers == ["posttrain/trainers/policy_step.py"]
+
+
+class _State:
+    """What policy_step needs of a TrainState: a model, backward and a plain AdamW step."""
+
+    def __init__(self, model: torch.nn.Module, lr: float) -> None:
+        self.model = model
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+
+    def check_finite(self, *args, **kwargs) -> None:
+        pass
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def optimizer_step(self, step: int) -> dict[str, float]:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {}
+
+
+def test_the_reference_kl_pulls_zero_advantage_trajectories_back_to_the_init_policy():
+    """Issue #21: trajectories of groups without reward variance have advantage 0, so without a
+    reference term nothing holds them where the init model had them and the policy drifts there
+    (bench/RESULTS.md). A drifted copy of the init model, trained on such trajectories with
+    kl_to_init's term only, moves back toward the init model; without the term it stays put."""
+    reference = tiny_k3(0).eval()
+    samples = [
+        trajectory("a", [11, 12, 13], [([21, 22, 23, 24], True), ([31, 32], False), ([25, 26, 27], True)]),
+        trajectory("b", [14, 15], [([41, 42, 43, 44, 45], True)]),
+    ]
+    batch = TokenBatch.of(samples, pad_id=0)
+    mask = TokenBatch.targets(batch.generated).bool()
+
+    def drifted() -> torch.nn.Module:
+        model = tiny_k3(0).train()
+        generator = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.02 * torch.randn(p.shape, generator=generator))
+        return model
+
+    def kl(model: torch.nn.Module) -> float:
+        with torch.no_grad():
+            logp = target_logprobs(model, batch, 1.0)
+            ref = target_logprobs(reference, batch, 1.0)
+        return float(reference_kl(logp, ref, mask).sum() / mask.sum())
+
+    zero = torch.zeros(batch.input_ids.shape)
+    runs = {}
+    for coef in (0.0, 1.0):
+        model = drifted()
+        start = kl(model)
+        state = _State(model, lr=1e-3)
+        stats = {}
+        for step in range(5):
+            stats = policy_step(
+                state,
+                samples,
+                zero,
+                step=step,
+                loss=PolicyLossConfig(penalty="none", penalty_coef=0.0),
+                micro_batch_size=1,
+                pad_id=0,
+                reference=reference,
+                reference_coef=coef,
+            )
+        runs[coef] = (start, kl(model), stats)
+    (start0, end0, _), (start1, end1, stats1) = runs[0.0], runs[1.0]
+    assert start0 == start1 > 0.01
+    assert end0 == start0  # no advantage, no penalty: no gradient, no step
+    assert end1 < 0.5 * start1 and stats1["kl_ref"] > 0
