@@ -42,9 +42,13 @@ def test_optimizer_step_clips_the_global_norm_and_logs_the_norm_before_clipping(
     assert all(p.grad is None for p in model.parameters())
 
 
-def _adamw_run(fused: bool, device: str) -> list[torch.Tensor]:
+def _seeded_model() -> nn.Module:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(7, 5), nn.LayerNorm(5), nn.Linear(5, 3)).to(device)
+    return nn.Sequential(nn.Linear(7, 5), nn.LayerNorm(5), nn.Linear(5, 3))
+
+
+def _adamw_run(fused: bool, device: str) -> list[torch.Tensor]:
+    model = _seeded_model().to(device)
     optimizer = build_optimizer(model, OptimConfig(lr=0.05, weight_decay=0.1), fused=fused)
     gen = torch.Generator().manual_seed(1)
     for _ in range(5):
@@ -59,10 +63,7 @@ def test_fused_adamw_takes_the_steps_of_the_per_parameter_loop() -> None:
     """The fused AdamW that CUDA stages build (one kernel per group) keeps the param groups and
     takes the same steps, decay on the matrices only, as the CPU's per-parameter loop."""
     loop, fused = _adamw_run(False, "cpu"), _adamw_run(True, "cpu")
-    torch.manual_seed(0)
-    start = [
-        p.detach() for p in nn.Sequential(nn.Linear(7, 5), nn.LayerNorm(5), nn.Linear(5, 3)).parameters()
-    ]
+    start = [p.detach() for p in _seeded_model().parameters()]
     assert any(not torch.equal(a, b) for a, b in zip(loop, start, strict=True))
     for a, b in zip(loop, fused, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
