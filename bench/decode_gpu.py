@@ -1,9 +1,10 @@
 """Greedy decoding on a GPU: the K3 of bench/train_step_gpu.py through transformers' generate with
 KimiK3Cache, against the equal-active LlamaForCausalLM.generate (the baseline), both bf16, the same
 prompts (batch x 128 random tokens), every row forced to the same number of new tokens. Prints
-new tokens/s for both and the ratio; asserts nothing. K3 runs twice: generate (no pre-allocated
-cache, no graph) and `CudaGraphK3Decoder` (pre-allocated caches, a captured decode step; built once
-before timing, as a serving engine would). Times include the prefill.
+new tokens/s for both and the ratio; asserts nothing. K3 runs three ways: generate (no pre-allocated
+cache, no graph), `CudaGraphK3Decoder` (pre-allocated caches, a captured decode step; built once
+before timing, as a serving engine would) and the EmbeddedEngine's rollout path over that decoder
+(Samples in, sampled at temperature 1, log-probs recorded). Times include the prefill.
 
 Usage: python bench/decode_gpu.py [--batch 32] [--prompt 128] [--new 32]
 """
@@ -17,7 +18,9 @@ import torch
 from train_step_gpu import VOCAB, k3_config, llama_config
 from transformers import LlamaForCausalLM
 
+from posttrain.engines import EmbeddedEngine, SamplingConfig
 from posttrain.engines.cuda_graph_decode import CudaGraphK3Decoder
+from posttrain.engines.testing import prompt_sample
 from posttrain.model import KimiK3ForCausalLM
 
 
@@ -39,16 +42,36 @@ def new_tokens_per_s(model: torch.nn.Module, ids: torch.Tensor, new: int) -> flo
 def graph_tokens_per_s(model: KimiK3ForCausalLM, ids: torch.Tensor, new: int) -> float:
     start = time.perf_counter()
     decoder = CudaGraphK3Decoder(
-        model, batch=ids.shape[0], max_len=ids.shape[1] + new + 1, max_new_tokens=new
+        model, batch=ids.shape[0], max_len=ids.shape[1] + new + 1, sampling=SamplingConfig(new, temperature=0)
     )
-    decoder.generate(ids)  # first prefill compiles its regions
+    decoder.greedy(ids, None, new)  # first prefill compiles its regions
     torch.cuda.synchronize()
     print(f"  K3 graph decoder built and warmed in {time.perf_counter() - start:.1f} s", flush=True)
     start = time.perf_counter()
-    out = decoder.generate(ids)
+    out = decoder.greedy(ids, None, new)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     assert out.shape == (ids.shape[0], new)
+    return ids.shape[0] * new / seconds
+
+
+def engine_tokens_per_s(model: KimiK3ForCausalLM, ids: torch.Tensor, new: int) -> float:
+    """The embedded engine's rollout path: Samples in, sampled at temperature 1 on the device (its
+    graph decode, rows read back every sync_every tokens, log-probs recorded), no stop ids so every
+    row makes `new` tokens. Timed on a second call (the first builds and captures the decoder)."""
+    engine = EmbeddedEngine(model, max_batch_size=ids.shape[0])
+    sampling = SamplingConfig(max_tokens=new, seed=0)
+
+    def prompts(tag: str) -> list:
+        return [prompt_sample(f"{tag}{i}", row.tolist()) for i, row in enumerate(ids.cpu())]
+
+    engine.generate(prompts("warm"), sampling)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = engine.generate(prompts("timed"), sampling)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    assert all(sample.response_length == new for sample in out)
     return ids.shape[0] * new / seconds
 
 
@@ -70,6 +93,8 @@ def main() -> None:
     print(f"  K3 generate: {k3_rate:.0f} new tokens/s", flush=True)
     graph_rate = graph_tokens_per_s(k3, ids, args.new)
     print(f"  K3 CudaGraphK3Decoder: {graph_rate:.0f} new tokens/s", flush=True)
+    engine_rate = engine_tokens_per_s(k3, ids, args.new)
+    print(f"  K3 EmbeddedEngine (graph decode, sampled T=1): {engine_rate:.0f} new tokens/s", flush=True)
     del k3
     torch.cuda.empty_cache()
     llama = LlamaForCausalLM(llama_config()).to(torch.bfloat16).cuda().eval()
@@ -77,6 +102,7 @@ def main() -> None:
     print(f"  Llama generate (baseline): {llama_rate:.0f} new tokens/s")
     print(f"  K3 generate / Llama: {k3_rate / llama_rate:.3f}x")
     print(f"  K3 graph decoder / Llama: {graph_rate / llama_rate:.3f}x (goal >= 1.0x)")
+    print(f"  K3 EmbeddedEngine / Llama: {engine_rate / llama_rate:.3f}x")
 
 
 if __name__ == "__main__":

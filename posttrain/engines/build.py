@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from posttrain.engines.base import ENGINES, Engine, LogprobsMode
 from posttrain.engines.embedded import EmbeddedEngine
 from posttrain.engines.trl_client import TRLVLLMClient
@@ -31,15 +33,21 @@ def build_engine(
     seed: int = 0,
     logprobs_mode: LogprobsMode = "raw",
     url: str | None = None,
+    device: torch.device | None = None,
+    autocast_dtype: torch.dtype | None = None,
 ) -> Engine:
     """The `name` engine serving `model_dir`. work_dir/log_name*: the vLLM server's log, the TRL
     client's weight directory. seed and logprobs_mode reach the vllm and vllm_server engines; url
-    is trl_vllm's."""
+    is trl_vllm's. device and autocast_dtype are the embedded engine's: on a GPU its weights are
+    held in autocast_dtype (it only samples and scores, as a vLLM server would hold them) and its
+    forwards autocast to it."""
     engine_class = ENGINES.get(name)  # an unknown name fails here with the registered ones
     if name == "embedded":
         from posttrain.qat import restore_qat
 
-        engine = EmbeddedEngine.from_pretrained(model_dir)
+        engine = EmbeddedEngine.from_pretrained(model_dir, autocast_dtype=autocast_dtype)
+        if device is not None and device.type == "cuda":
+            engine.model.to(device=device, dtype=autocast_dtype)
         restore_qat(engine.model)
         engine.model.eval()
         return engine

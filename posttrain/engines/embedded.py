@@ -36,10 +36,12 @@ sampled from differs from it only by that one token's probability mass.
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -54,65 +56,14 @@ from posttrain.engines.base import (
     SamplingConfig,
     WeightsSource,
     check_prompt,
-    sampling_key,
     tokens_already_generated,
 )
+from posttrain.engines.cuda_graph_decode import CudaGraphK3Decoder
+from posttrain.engines.sampling import draw_tokens, gumbel_noise, stream_key
+from posttrain.model import KimiK3ForCausalLM
 from posttrain.model.cache import KimiK3Cache
 from posttrain.model.vision_model import load_pretrained, media_inputs
 from posttrain.qat.apply import QAT_CONFIG_KEY
-
-
-def gumbel_noise(seed: int, uid: str, positions: list[int], vocab_size: int) -> torch.Tensor:
-    """[len(positions), V] Gumbel(0, 1) noise, one independent stream per (seed, uid, position)."""
-    rows = []
-    for position in positions:
-        generator = torch.Generator().manual_seed(sampling_key(seed, uid, position))
-        uniform = torch.rand(vocab_size, generator=generator, dtype=torch.float64)
-        rows.append(-torch.log(-torch.log(uniform.clamp(min=1e-300))))
-    return torch.stack(rows).float()
-
-
-def truncate_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """[B, V] logits with tokens outside top-k / the top-p nucleus set to -inf.
-
-    The nucleus keeps the smallest set of most likely tokens whose probability reaches top_p
-    (the most likely token always stays).
-    """
-    if top_k and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        mass_before = torch.cumsum(probs, dim=-1) - probs
-        drop_sorted = mass_before >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
-
-
-def sample_tokens(
-    logits: torch.Tensor, sampling: SamplingConfig, noise: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row of `logits` [B, V] (float32). Returns (tokens [B], logprobs [B]).
-
-    Gumbel-max over the processed log-probs is an exact draw from the processed distribution and
-    turns the per-row noise into the token deterministically. Log-probs are "raw" (temperature 1,
-    untruncated) or "processed" per `sampling.logprobs`; greedy (temperature 0, no noise needed)
-    records the model's log-prob in both modes, as vLLM does.
-    """
-    raw = torch.log_softmax(logits, dim=-1)
-    if sampling.temperature == 0:
-        tokens = logits.argmax(dim=-1)
-        return tokens, raw.gather(-1, tokens[:, None]).squeeze(-1)
-    processed_all = torch.log_softmax(
-        truncate_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p), dim=-1
-    )
-    assert noise is not None
-    tokens = (processed_all + noise).argmax(dim=-1)
-    chosen_processed = processed_all.gather(-1, tokens[:, None]).squeeze(-1)
-    chosen_raw = raw.gather(-1, tokens[:, None]).squeeze(-1)
-    return tokens, chosen_raw if sampling.logprobs == "raw" else chosen_processed
 
 
 def cache_row(cache: KimiK3Cache, row: int, config: object) -> KimiK3Cache:
@@ -202,13 +153,25 @@ class CacheReuseStats:
 class EmbeddedEngine(Engine):
     """Generate and score with an in-process causal LM (our KimiK3ForCausalLM by default).
 
-    EmbeddedEngine(model, *, max_batch_size=64, pad_token_id=None, max_cached_samples=256)
+    EmbeddedEngine(model, *, max_batch_size=64, pad_token_id=None, max_cached_samples=256,
+                   decode="auto", autocast_dtype=None, sync_every=16)
       model: the module to sample from (shared with the trainer when in the same process).
       pad_token_id: id used for left padding (masked out; default config.pad_token_id or 0).
       max_cached_samples: samples whose cache is kept between generate calls (least recently
         used dropped first); 0 turns reuse off. Only a KimiK3Cache is kept. Memory per sample:
         every KDA layer's fp32 state and conv window plus every MLA layer's latent and shared key
         per token (docs/engines.md gives the arithmetic).
+      decode: "dynamic" grows the cache per token and drops finished rows (any causal LM);
+        "static" decodes a K3 from pre-allocated caches (CudaGraphK3Decoder), its step run
+        eagerly; "graph" the same with the step captured as a CUDA graph (CUDA only); "auto" is
+        "graph" for a K3 on a CUDA sm90+ GPU in bf16 (weights or autocast_dtype), "dynamic"
+        otherwise. All draw the same tokens for the same seed
+        up to float rounding.
+      autocast_dtype: run every forward under torch.autocast with this dtype (bf16 on a GPU,
+        what the trainer's forward runs under with accelerate's mixed_precision bf16); None: the
+        parameters' dtype.
+      sync_every: static decoding reads the rows back (finished rows, pause_when) every this
+        many tokens; the dynamic loop checks after every token.
     `cache_stats` counts reused and fully prefilled rows, stale and evicted caches, prefill tokens.
     """
 
@@ -219,9 +182,23 @@ class EmbeddedEngine(Engine):
         max_batch_size: int = 64,
         pad_token_id: int | None = None,
         max_cached_samples: int = 256,
+        decode: Literal["auto", "dynamic", "static", "graph"] = "auto",
+        autocast_dtype: torch.dtype | None = None,
+        sync_every: int = 16,
     ) -> None:
         if max_cached_samples < 0:
             raise ValueError(f"max_cached_samples must be >= 0 (0 = no reuse), got {max_cached_samples}")
+        if decode not in ("auto", "dynamic", "static", "graph"):
+            raise ValueError(f"decode must be 'auto', 'dynamic', 'static' or 'graph', got {decode!r}")
+        if sync_every < 1:
+            raise ValueError(f"sync_every must be >= 1, got {sync_every}")
+        # a multimodal model decodes with its text model (the images are all in the prefill)
+        text_model = getattr(model, "language_model", model)
+        if decode in ("static", "graph") and not isinstance(text_model, KimiK3ForCausalLM):
+            raise ValueError(f"decode {decode!r} needs a K3 (KimiK3ForCausalLM), got {type(model).__name__}")
+        self.decode, self.autocast_dtype, self.sync_every = decode, autocast_dtype, sync_every
+        self._text_model = text_model
+        self._decoders: OrderedDict[Hashable, CudaGraphK3Decoder] = OrderedDict()
         self.model = model
         self.max_batch_size = max_batch_size
         config_pad = getattr(getattr(model, "config", None), "pad_token_id", None)
@@ -248,19 +225,28 @@ class EmbeddedEngine(Engine):
     def _forward(
         self, ids: torch.Tensor, mask: torch.Tensor, cache: object | None, media: Sequence[Sample] = ()
     ) -> tuple[torch.Tensor, object]:
-        """Run the model on new tokens `ids` [B, t] with the mask of all positions; (logits, cache).
-        media: the rows' samples when `ids` are their whole tokens (their images are merged)."""
+        """Run the model on new tokens `ids` [B, t] with the mask of all positions; (the last
+        position's logits [B, V] in float32 on the host, cache). media: the rows' samples when `ids`
+        are their whole tokens (their images are merged)."""
         positions = positions_from_mask(mask)[:, -ids.shape[1] :]
         device = self._device
-        out = self.model(
-            input_ids=ids.to(device),
-            attention_mask=mask.to(device),
-            position_ids=positions.to(device),
-            past_key_values=cache,
-            use_cache=True,
-            **media_inputs(self.model, [sample.images for sample in media]),
-        )
-        return out.logits.float().cpu(), out.past_key_values
+        with self._autocast():
+            out = self.model(
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
+                position_ids=positions.to(device),
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,  # only the last position is sampled from
+                **media_inputs(self.model, [sample.images for sample in media]),
+            )
+        return out.logits[:, -1].float().cpu(), out.past_key_values
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        # uncached casts: the captured decode step must recast weights that changed in place
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self._device.type, dtype=self.autocast_dtype, cache_enabled=False)
 
     # -- cache reuse --------------------------------------------------------------------------
     def _policy_key(self) -> Hashable:
@@ -302,6 +288,7 @@ class EmbeddedEngine(Engine):
 
     def close(self) -> None:
         self.clear_cache()
+        self._decoders.clear()
 
     def _prefill(
         self, batch: list[Sample], policy: Hashable
@@ -331,7 +318,7 @@ class EmbeddedEngine(Engine):
         if fresh:
             ids, fresh_mask = left_pad([sample.tokens for sample in fresh], self.pad_token_id)
             out, cache = self._forward(ids, fresh_mask, None, fresh)
-            blocks.append((fresh, cache, out[:, -1]))
+            blocks.append((fresh, cache, out))
             stats.prefilled += len(fresh)
             stats.prefill_tokens += int(fresh_mask.sum())
         stats.reused += len(continuing)
@@ -346,12 +333,12 @@ class EmbeddedEngine(Engine):
                 fed[i] += width
             done = [fed[i] == len(suffixes[i]) for i in members]
             if all(done):
-                blocks.append(([continuing[i] for i in members], cache, out[:, -1]))
+                blocks.append(([continuing[i] for i in members], cache, out))
                 continue
             for row, i in enumerate(members):
                 caches[i] = cache_row(cache, row, self._cache_config)
                 if done[row]:
-                    blocks.append(([continuing[i]], caches[i], out[row : row + 1, -1]))
+                    blocks.append(([continuing[i]], caches[i], out[row : row + 1]))
         rows = [sample for block_rows, _, _ in blocks for sample in block_rows]
         logits = torch.cat([block_logits for _, _, block_logits in blocks])
         if not continuing:  # the one path for models without a KimiK3Cache
@@ -407,12 +394,14 @@ class EmbeddedEngine(Engine):
         cache is kept as the row leaves decoding (finished or paused)."""
         policy = self._policy_key()
         rows, logits, cache, mask = self._prefill(batch, policy)
+        if self._static(cache):
+            return self._decode_static(rows, logits, cache, budgets, sampling, pause_when, samples, policy)
         while True:
             noise = None
             if sampling.temperature > 0:
-                noise = torch.cat(
-                    [gumbel_noise(sampling.seed, s.uid, [len(s.tokens)], logits.shape[-1]) for s in rows]
-                )
+                streams = torch.tensor([stream_key(sampling.seed, s.uid) for s in rows], dtype=torch.long)
+                positions = torch.tensor([len(s.tokens) for s in rows], dtype=torch.long)
+                noise = gumbel_noise(streams, positions, logits.shape[-1])
             tokens, logprobs = self._draw(logits, sampling, noise)
             keep = []
             for row, sample in enumerate(rows):
@@ -444,21 +433,126 @@ class EmbeddedEngine(Engine):
                 rows = [rows[row] for row in keep]
             mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=torch.long)], dim=1)
             logits, cache = self._forward(tokens[:, None], mask, cache)
-            logits = logits[:, -1]
 
     def _draw(
         self, logits: torch.Tensor, sampling: SamplingConfig, noise: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """sample_tokens, with `<|media_pad|>` out of the draw for a multimodal model (raw and
-        greedy log-probs stay the model's own, what the trainer's forward recomputes)."""
+        """The draw, with `<|media_pad|>` out of it for a multimodal model."""
+        return draw_tokens(logits, self._allowed(logits), sampling, noise)
+
+    def _allowed(self, logits: torch.Tensor) -> torch.Tensor:
         if self._media_pad is None:
-            return sample_tokens(logits, sampling, noise)
+            return logits
         banned = logits.clone()
         banned[:, self._media_pad] = float("-inf")
-        tokens, logprobs = sample_tokens(banned, sampling, noise)
-        if sampling.logprobs == "raw" or sampling.temperature == 0:
-            logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
-        return tokens, logprobs
+        return banned
+
+    # -- static decoding ----------------------------------------------------------------------
+    def _static(self, cache: object) -> bool:
+        if self.decode == "dynamic" or not isinstance(cache, KimiK3Cache):
+            return False
+        return self.decode != "auto" or self._graph()
+
+    def _graph(self) -> bool:
+        """Whether static decoding captures its step ("graph", or "auto" for a K3 on CUDA)."""
+        if self.decode == "auto":
+            # capturable only with the routed experts as bf16 grouped GEMMs (sm90+; the per-expert
+            # path reads the expert counts on the host)
+            device = self._device
+            bf16 = torch.bfloat16 in (self.autocast_dtype, next(self.model.parameters()).dtype)
+            return (
+                device.type == "cuda"
+                and isinstance(self._text_model, KimiK3ForCausalLM)
+                and bf16
+                and torch.cuda.get_device_capability(device)[0] >= 9
+            )
+        if self.decode == "graph" and self._device.type != "cuda":
+            raise ValueError(f"decode 'graph' captures CUDA graphs; the model is on {self._device}")
+        return self.decode == "graph"
+
+    def _decoder(self, rows: int, length: int, sampling: SamplingConfig) -> CudaGraphK3Decoder:
+        """A decoder for `rows` rows of `length` positions, built once per (power-of-two batch and
+        length, sampling shape) and kept (the two most recently used): building captures a graph."""
+        batch = min(max(1 << (rows - 1).bit_length(), 1), max(self.max_batch_size, rows))
+        max_len = max(256, 1 << length.bit_length())
+        shape = (
+            sampling.temperature,
+            sampling.top_k,
+            sampling.top_p,
+            sampling.logprobs,
+            sampling.stop_token_ids,
+            sampling.tool_call_token_ids,
+        )
+        qat = repr(getattr(getattr(self.model, "config", None), QAT_CONFIG_KEY, None))
+        key = (batch, max_len, shape, qat)
+        if key not in self._decoders:
+            while len(self._decoders) >= 2:
+                self._decoders.popitem(last=False)
+            self._decoders[key] = CudaGraphK3Decoder(
+                self._text_model,
+                batch,
+                max_len,
+                sampling,
+                pad_token_id=self.pad_token_id,
+                banned_token_id=self._media_pad,
+                autocast_dtype=self.autocast_dtype,
+                graph=self._graph(),
+            )
+        self._decoders.move_to_end(key)
+        return self._decoders[key]
+
+    def _decode_static(
+        self,
+        rows: list[Sample],
+        logits: torch.Tensor,
+        cache: KimiK3Cache,
+        budgets: dict[int, int],
+        sampling: SamplingConfig,
+        pause_when: PauseWhen | None,
+        samples: list[Sample],
+        policy: Hashable,
+    ) -> bool:
+        """_generate_batch's decode from pre-allocated caches: the rows are read back every
+        `sync_every` tokens (their tokens appended, finished rows' caches kept), then pause_when
+        is asked."""
+        row_budgets = [budgets[id(sample)] for sample in rows]
+        decoder = self._decoder(len(rows), cache.get_seq_length() + max(row_budgets) + 1, sampling)
+        decoder.start(
+            cache,
+            logits,
+            [stream_key(sampling.seed, sample.uid) for sample in rows],
+            [len(sample.tokens) for sample in rows],
+            row_budgets,
+        )
+        appended = [0] * len(rows)
+        while True:
+            tokens, logprobs, generated, reasons = decoder.read()
+            view = None
+            for row, sample in enumerate(rows):
+                if generated[row] > appended[row]:
+                    new = slice(appended[row], generated[row])
+                    sample.append(
+                        tokens[row, new].tolist(),
+                        generated=True,
+                        logprobs=logprobs[row, new].tolist(),
+                        version=self.policy_version,
+                    )
+                    budgets[id(sample)] -= generated[row] - appended[row]
+                    appended[row] = generated[row]
+                    if reasons[row] is not None:
+                        sample.finish_reason = reasons[row]
+                        view = view or decoder.cache.as_cache()
+                        self._keep(sample, view, row, policy)
+            running = [row for row, reason in enumerate(reasons[: len(rows)]) if reason is None]
+            if not running:
+                return False
+            if pause_when is not None and pause_when(samples):
+                view = view or decoder.cache.as_cache()
+                for row in running:
+                    rows[row].finish_reason = "paused"
+                    self._keep(rows[row], view, row, policy)
+                return True
+            decoder.run(self.sync_every)
 
     # -- score ------------------------------------------------------------------------------
     def score(self, samples: list[Sample]) -> list[list[float]]:
@@ -491,7 +585,7 @@ class EmbeddedEngine(Engine):
                 ids, mask = left_pad([samples[i].tokens for i in chunk], self.pad_token_id)
                 positions = positions_from_mask(mask)
                 device = self._device
-                with torch.no_grad():
+                with torch.no_grad(), self._autocast():
                     logits = self.model(
                         input_ids=ids.to(device),
                         attention_mask=mask.to(device),

@@ -96,6 +96,13 @@ class AccelerateConfig(BaseModel):
         return self
 
 
+def engine_autocast(accelerate: AccelerateConfig) -> torch.dtype | None:
+    """The dtype accelerate's mixed precision autocasts the trainer's forward to, for the embedded
+    engines of the stage (rollouts, evals, teachers): they then compute what training computes,
+    and on a GPU the routed experts run as grouped GEMMs, which the captured decode step needs."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerate.mixed_precision)
+
+
 class LoRAConfig(BaseModel):
     """Low-rank adapters through peft; only the adapters train and the final model is merged."""
 

@@ -43,6 +43,7 @@ from posttrain.trainers.common import (
     OptimConfig,
     TrainState,
     base_without_peft,
+    engine_autocast,
     load_policy,
     merged_model,
     renderer_for,
@@ -268,7 +269,9 @@ class Distiller:
         pool: TeacherPool,
     ) -> None:
         self.cfg, self.renderer, self.pool, self.seed = cfg, renderer, pool, ctx.seed
-        self.student = EmbeddedEngine(model, pad_token_id=renderer.pad_id)
+        self.student = EmbeddedEngine(
+            model, pad_token_id=renderer.pad_id, autocast_dtype=engine_autocast(cfg.accelerate)
+        )
         sandboxes = ctx.stage_dir / "sandboxes"
         remove_tree(sandboxes)  # snapshots of an interrupted attempt: never resumed, episodes restart
         self.envs = {
@@ -391,7 +394,14 @@ def run_mopd(ctx: StageContext) -> dict[str, float]:
     policy = load_policy(ctx, len(tokenizer), lora=cfg.lora, model_path=start)
     renderer = renderer_for(tokenizer, policy.model)  # sizes images when the student has a vision tower
     state = TrainState.create(ctx, policy.model, cfg.train, cfg.accelerate, cfg.train.steps)
-    pool = TeacherPool(routes, ctx.stage_dir, cfg.max_teacher_retries, ctx.log)
+    pool = TeacherPool(
+        routes,
+        ctx.stage_dir,
+        cfg.max_teacher_retries,
+        ctx.log,
+        device=state.accelerator.device,
+        autocast_dtype=engine_autocast(cfg.accelerate),
+    )
     ctx.log.info(
         "MOPD: student %s; teachers %s", start, {pair_name(p): str(t.model_dir) for p, t in routes.items()}
     )

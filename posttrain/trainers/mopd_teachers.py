@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from posttrain.config.stage_file import check_model_reference
@@ -270,8 +271,19 @@ class TeacherPool:
     dead server before it gives up).
     """
 
-    def __init__(self, routes: Mapping[Pair, Teacher], work_dir: Path, max_retries: int, log: Any) -> None:
+    def __init__(
+        self,
+        routes: Mapping[Pair, Teacher],
+        work_dir: Path,
+        max_retries: int,
+        log: Any,
+        *,
+        device: torch.device | None = None,
+        autocast_dtype: torch.dtype | None = None,
+    ) -> None:
         self.routes = dict(routes)
+        # where embedded teachers run: the student's device and mixed precision
+        self.device, self.autocast_dtype = device, autocast_dtype
         self.work_dir = work_dir
         self.max_retries = max_retries
         self.log = log
@@ -295,7 +307,13 @@ class TeacherPool:
             model_dir = Path(key[0])
             name = f"vllm-teacher-{model_dir.parent.name or model_dir.name}"
             self.engines[key] = build_engine(
-                key[1], model_dir, work_dir=self.work_dir, log_name=name, url=key[2]
+                key[1],
+                model_dir,
+                work_dir=self.work_dir,
+                log_name=name,
+                url=key[2],
+                device=self.device,
+                autocast_dtype=self.autocast_dtype,
             )
         return self.engines[key]
 

@@ -24,18 +24,25 @@ from posttrain.stages import StageContext
 
 
 def rollout_engine(
-    name: str, url: str | None, policy: nn.Module, init: Path, renderer: ChatRenderer, ctx: StageContext
+    name: str,
+    url: str | None,
+    policy: nn.Module,
+    init: Path,
+    renderer: ChatRenderer,
+    ctx: StageContext,
+    autocast_dtype: torch.dtype | None = None,
 ) -> Engine:
     """The engine rollouts, the cold start and evaluation sample from (`rollout.engine` `name`,
     `rollout.url`).
 
-    embedded shares the trained module `policy`. The others (posttrain.engines.build_engine) serve
+    embedded shares the trained module `policy`, its forwards under `autocast_dtype` (the
+    trainer's mixed precision). The others (posttrain.engines.build_engine) serve
     the `init` checkpoint (the architecture they load; the weights come from `publish_policy`) and
     record processed log-probs: of the distribution sampled at rollout.temperature, which the
     trainer recomputes.
     """
     if name == "embedded":
-        return EmbeddedEngine(policy, pad_token_id=renderer.pad_id)
+        return EmbeddedEngine(policy, pad_token_id=renderer.pad_id, autocast_dtype=autocast_dtype)
     if renderer.processor is not None:  # our prompts hold the expanded media runs vLLM would not take
         raise ValueError(
             f"stage {ctx.stage_id}: rollout.engine {name} serves text only, and the policy has a vision "

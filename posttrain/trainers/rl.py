@@ -54,6 +54,7 @@ from posttrain.trainers.common import (
     OptimConfig,
     TrainState,
     base_without_peft,
+    engine_autocast,
     load_policy,
     renderer_for,
     save_final_model,
@@ -234,7 +235,9 @@ def run_rl(ctx: StageContext) -> dict[str, float]:
     sandbox_dir = ctx.stage_dir / "sandboxes"
     remove_tree(sandbox_dir)
     with (
-        rollout_engine(cfg.rollout.engine, cfg.rollout.url, model, init, renderer, ctx) as engine,
+        rollout_engine(
+            cfg.rollout.engine, cfg.rollout.url, model, init, renderer, ctx, engine_autocast(cfg.accelerate)
+        ) as engine,
         make_environment(domain, renderer, env_cfg, sandbox_dir=sandbox_dir, judge=judge) as env,
     ):
         # From the first rollout on the engine samples the trainer's weights (a vLLM engine loaded

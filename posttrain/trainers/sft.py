@@ -36,6 +36,7 @@ from posttrain.trainers.common import (
     OptimConfig,
     TrainState,
     base_without_peft,
+    engine_autocast,
     load_policy,
     renderer_for,
 )
@@ -173,8 +174,10 @@ class Evaluator:
         rows: list[PackedRow],
         records: list[dict],
         media: list[list[MediaItem]] | None = None,
+        autocast_dtype: torch.dtype | None = None,
     ) -> None:
         self.cfg = cfg
+        self.autocast_dtype = autocast_dtype
         self.renderer = renderer
         self.rows = rows
         self.media = media
@@ -192,6 +195,7 @@ class Evaluator:
                 self.prompts,
                 max_new_tokens=self.cfg.max_new_tokens,
                 max_turns=self.cfg.max_turns,
+                autocast_dtype=self.autocast_dtype,
             )
             metrics.update(result.metrics(suffix))
         return metrics
@@ -233,7 +237,9 @@ def run_sft(ctx: StageContext) -> dict[str, float]:
     stream = PackedStream(data.train, train.micro_batch_tokens, renderer.pad_id, seed)
     eval_rows = pack(data.eval, train.micro_batch_tokens, renderer.pad_id)
     eval_media = [row_media(row, data.eval) for row in eval_rows] if renderer.processor else None
-    evaluate = Evaluator(cfg.eval, renderer, eval_rows, data.eval_records, eval_media)
+    evaluate = Evaluator(
+        cfg.eval, renderer, eval_rows, data.eval_records, eval_media, engine_autocast(cfg.accelerate)
+    )
     ctx.log.info(
         "SFT: %s model, %d trainable parameters, %d steps x %d rows x %d tokens",
         policy.source,

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from posttrain.data.chat import ChatRenderer
@@ -70,12 +71,13 @@ def tool_task_success(
     *,
     max_new_tokens: int,
     max_turns: int,
+    autocast_dtype: torch.dtype | None = None,
 ) -> ToolEvalResult:
     """Play one greedy episode per record through its domain's environment (the RL episode loop,
     posttrain.envs.environments.play_episodes) and verify each."""
     if not records:
         raise ValueError("tool-task eval: no held-out record names a registered task family")
-    engine = EmbeddedEngine(model, pad_token_id=renderer.pad_id)
+    engine = EmbeddedEngine(model, pad_token_id=renderer.pad_id, autocast_dtype=autocast_dtype)
     prompts = [prompt_sample(record) for record in records]
     # each domain's environment offers exactly the records' families (opt-in ones included)
     families = {

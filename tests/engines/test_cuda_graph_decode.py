@@ -1,5 +1,6 @@
-"""The pre-allocated-cache decoder (posttrain/engines/cuda_graph_decode.py) against the uncached
-greedy decode: the model's full forward over prompt + tokens so far, argmax of the last position.
+"""The pre-allocated-cache decoder (posttrain/engines/cuda_graph_decode.py), greedy and fixed
+length, against the uncached greedy decode: the model's full forward over prompt + tokens so far,
+argmax of the last position.
 CPU: the step run eagerly over the static buffers, fp32, tokens equal. GPU (`gpu` marker): the
 step captured as a CUDA graph, bf16 grouped experts; tokens equal the eager static step and are
 as near the fp32 argmax as the bf16 uncached greedy's."""
@@ -9,11 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from posttrain.engines import SamplingConfig
 from posttrain.engines.cuda_graph_decode import CudaGraphK3Decoder
 from posttrain.engines.testing import tiny_k3
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 NEW = 10
+GREEDY = SamplingConfig(max_tokens=NEW, temperature=0)
 
 
 def _prompts(device: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,26 +59,30 @@ def _uncached_greedy(model, ids, mask) -> torch.Tensor:
 def test_static_step_equals_uncached_greedy_on_cpu() -> None:
     model = _model("cpu", torch.float32)
     ids, mask = _prompts("cpu")
-    decoder = CudaGraphK3Decoder(
-        model, batch=3, max_len=ids.shape[1] + NEW + 1, max_new_tokens=NEW, graph=False
-    )
-    tokens = decoder.generate(ids, mask)
+    # a batch of 4 for 3 rows: the spare row rides along inactive
+    decoder = CudaGraphK3Decoder(model, batch=4, max_len=ids.shape[1] + NEW + 1, sampling=GREEDY, graph=False)
+    tokens = decoder.greedy(ids, mask, NEW)
     assert torch.equal(tokens, _uncached_greedy(model, ids, mask))
     # reusable: a second call with other prompts starts from clean buffers
     ids2 = torch.roll(ids, 1, dims=1).masked_fill(mask == 0, 0)
-    assert torch.equal(decoder.generate(ids2, mask), _uncached_greedy(model, ids2, mask))
+    assert torch.equal(decoder.greedy(ids2, mask, NEW), _uncached_greedy(model, ids2, mask))
 
 
 def test_bad_sizes_are_clear_errors() -> None:
     model = _model("cpu", torch.float32)
     ids, mask = _prompts("cpu")
-    decoder = CudaGraphK3Decoder(model, batch=3, max_len=ids.shape[1] + 2, max_new_tokens=NEW, graph=False)
-    with pytest.raises(ValueError, match="exceeds max_len"):
-        decoder.generate(ids, mask)
-    with pytest.raises(ValueError, match="built for 3"):
-        decoder.generate(ids[:2], mask[:2])
+    decoder = CudaGraphK3Decoder(model, batch=3, max_len=ids.shape[1] + 2, sampling=GREEDY, graph=False)
+    with pytest.raises(ValueError, match="need max_len > 19"):
+        decoder.greedy(ids, mask, NEW)
+    with pytest.raises(ValueError, match="does not fit 2 rows"):
+        CudaGraphK3Decoder(model, batch=2, max_len=40, sampling=GREEDY, graph=False).greedy(ids, mask, 2)
+    sampled = CudaGraphK3Decoder(
+        model, batch=3, max_len=40, sampling=SamplingConfig(max_tokens=4), graph=False
+    )
+    with pytest.raises(ValueError, match="temperature 0"):
+        sampled.greedy(ids, mask, 2)
     with pytest.raises(ValueError, match="eval mode"):
-        CudaGraphK3Decoder(model.train(), batch=3, max_len=40, max_new_tokens=NEW, graph=False)
+        CudaGraphK3Decoder(model.train(), batch=3, max_len=40, sampling=GREEDY, graph=False)
 
 
 @pytest.mark.gpu
@@ -91,11 +98,11 @@ def test_captured_step_equals_uncached_greedy_on_gpu() -> None:
     twin.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
     ids, mask = _prompts("cuda")
     max_len = ids.shape[1] + NEW + 1
-    graphed = CudaGraphK3Decoder(model, batch=3, max_len=max_len, max_new_tokens=NEW, graph=True)
+    graphed = CudaGraphK3Decoder(model, batch=3, max_len=max_len, sampling=GREEDY, graph=True)
     assert graphed.graph is not None
-    tokens = graphed.generate(ids, mask)
-    eager = CudaGraphK3Decoder(model, batch=3, max_len=max_len, max_new_tokens=NEW, graph=False)
-    assert torch.equal(tokens, eager.generate(ids, mask))
+    tokens = graphed.greedy(ids, mask, NEW)
+    eager = CudaGraphK3Decoder(model, batch=3, max_len=max_len, sampling=GREEDY, graph=False)
+    assert torch.equal(tokens, eager.greedy(ids, mask, NEW))
 
     def gaps(chosen_tokens: torch.Tensor) -> torch.Tensor:
         logits = _uncached_logits(twin, ids, mask, chosen_tokens)
