@@ -558,22 +558,24 @@ class EmbeddedEngine(Engine):
     def score(self, samples: list[Sample]) -> list[list[float]]:
         scores: list[list[float]] = [[] for _ in samples]
         for i, logprobs in self._next_token_logprobs(samples):
-            picked = logprobs.gather(-1, torch.tensor(samples[i].tokens[1:])[:, None]).squeeze(-1)
-            scores[i] = [0.0] + picked.tolist()
+            tokens = torch.tensor(samples[i].tokens[1:], device=logprobs.device)
+            scores[i] = [0.0] + logprobs.gather(-1, tokens[:, None]).squeeze(-1).tolist()
         return scores
 
     def next_token_logprobs(self, samples: list[Sample]) -> list[torch.Tensor]:
         """Per sample, the full next-token log-distribution [len(tokens) - 1, vocab] (row t is
-        log p(. | tokens[: t + 1])): what an exact KL needs where `score`'s log-prob of the actual
-        token gives only a one-sample estimate. A backend-specific extra, not part of Engine."""
+        log p(. | tokens[: t + 1])) on the host: what an exact KL needs where `score`'s log-prob
+        of the actual token gives only a one-sample estimate. A backend-specific extra, not part
+        of Engine."""
         out: list[torch.Tensor] = [torch.empty(0) for _ in samples]
         for i, logprobs in self._next_token_logprobs(samples):
-            out[i] = logprobs
+            out[i] = logprobs.cpu()
         return out
 
     def _next_token_logprobs(self, samples: list[Sample]) -> Iterator[tuple[int, torch.Tensor]]:
-        """(index, [n - 1, vocab] log-softmax) per sample, one left-padded forward per batch of
-        similar lengths, in eval mode."""
+        """(index, [n - 1, vocab] log-softmax on the model's device) per sample, one left-padded
+        forward per batch of similar lengths, in eval mode (score picks its tokens there, so only
+        those leave a GPU)."""
         for sample in samples:
             check_prompt(sample)
         order = sorted(range(len(samples)), key=lambda i: len(samples[i].tokens))
@@ -593,7 +595,7 @@ class EmbeddedEngine(Engine):
                         use_cache=False,
                         **media_inputs(self.model, [samples[i].images for i in chunk]),
                     ).logits
-                logprobs = torch.log_softmax(logits[:, :-1].float(), dim=-1).cpu()
+                logprobs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
                 for row, i in enumerate(chunk):
                     n = len(samples[i].tokens)
                     yield i, logprobs[row, ids.shape[1] - n :]
