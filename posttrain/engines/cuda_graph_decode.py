@@ -225,7 +225,10 @@ class CudaGraphK3Decoder:
         c.key_mask.index_copy_(1, c.pos.view(1), c.active.long()[:, None])
         mla_mask = None
         if model.has_mla:
-            seen = (self.positions <= c.pos)[None, :] & c.key_mask.bool()
+            # every query may see its own position (as build_mla_mask allows), so a row without
+            # real keys (a spare row of the batch) gets finite, ignored outputs rather than NaN
+            here = self.positions == c.pos
+            seen = ((self.positions <= c.pos)[None, :] & c.key_mask.bool()) | here[None, :]
             mla_mask = seen[:, None, None, :]
         ctx = ForwardContext(token_mask=None, cu_seqlens=None, mla_mask=mla_mask, cache=c)
         with self._autocast():

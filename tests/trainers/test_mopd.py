@@ -352,7 +352,9 @@ def test_the_exact_kl_is_the_full_vocabulary_reverse_kl_on_the_students_episodes
         for effort in EFFORTS:
             assert exact[f"general-{effort}"]["kl_exact"] == pytest.approx(0.0, abs=1e-6)
             assert exact[f"general-{effort}"]["kl_exact_se"] == pytest.approx(0.0, abs=1e-6)
-            assert sampled_kl[f"general-{effort}"]["kl"] == pytest.approx(0.0, abs=1e-6)
+            # float32 rounding only: a turn's first log-prob comes from the prefill's last-position
+            # lm_head (logits_to_keep=1), the teacher's from its full forward (seen: 2.3e-6)
+            assert sampled_kl[f"general-{effort}"]["kl"] == pytest.approx(0.0, abs=1e-5)
         # another teacher: the token mean of the per-position full-vocabulary KL, recomputed here
         teacher = load(dirs["max"])
         episodes = []  # per episode, its student tokens' per-position KLs
