@@ -2,9 +2,11 @@
 
 Both share one driver loop; they differ only in how a stage is started and watched.
 Local: each stage is its own process, forked from a server process that has torch and the
-plug-ins imported, as many at a time as their `resources.cpus` fit in this machine's CPUs (and
-at most `max_parallel`); a stage process kills itself when the driver dies, so `kill -9` of
-`posttrain run` stops everything and the rerun resumes.
+plug-ins imported, as many at a time as their `resources.cpus` fit in this machine's CPUs and
+their `resources.gpus` its free GPUs (and at most `max_parallel`); a stage sees only the GPUs it
+was given (CUDA_VISIBLE_DEVICES, none for a stage asking for 0), so one-GPU stages on a one-GPU
+machine run one after another. A stage process kills itself when the driver dies, so `kill -9`
+of `posttrain run` stops everything and the rerun resumes.
 Ray: each stage is a Ray task on a fresh worker process with the stage file's cpus/gpus as its
 resource request; the run dir must be on storage every node sees.
 
@@ -15,6 +17,7 @@ then: a rerun need that produced the same weights (same hash) leaves its dependa
 from __future__ import annotations
 
 import functools
+import math
 import multiprocessing
 import os
 import signal
@@ -35,6 +38,7 @@ from orchestration.rundir import (
     write_manifest,
 )
 from orchestration.runner import EXIT_BUSY, STAGE_LOG, exit_with_driver, run_stage, write_request
+from posttrain.config.errors import ConfigError, Issue
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 POLL_S = 0.2
@@ -96,6 +100,26 @@ def execute(
     def cpus(sid: str) -> float:
         return float(pipeline.stages[sid].resources.get("cpus", 1.0))
 
+    def gpus(sid: str) -> int:
+        return math.ceil(float(pipeline.stages[sid].resources.get("gpus", 0.0)))
+
+    # GPUs are whole devices here, handed to one stage at a time; Ray assigns its own
+    free_gpus = visible_gpus() if executor == "local" else []
+    machine_gpus = len(free_gpus)
+    too_many = [
+        Issue(
+            pipeline.stages[sid].file,
+            f"stage {sid} asks for {pipeline.stages[sid].resources['gpus']:g} GPU(s) but this machine has "
+            f"{machine_gpus} visible",
+            key="resources.gpus",
+            hint=f"lower it ({sid}.resources.gpus=N) or run where the GPUs are (--executor ray)",
+        )
+        for sid in scope
+        if executor == "local" and gpus(sid) > machine_gpus
+    ]
+    if too_many:
+        raise ConfigError(too_many)
+    given: dict[str, list[str]] = {}
     outcome = Outcome()
     waiting = list(scope)
     running: dict[str, Any] = {}
@@ -105,6 +129,8 @@ def execute(
                 if len(running) >= limit:
                     break
                 if running and sum(map(cpus, running)) + cpus(sid) > budget:
+                    continue
+                if gpus(sid) > len(free_gpus):
                     continue
                 needs = pipeline.stages[sid].needs
                 if any(outcome.status.get(n) in ("failed", "blocked") for n in needs):
@@ -123,7 +149,9 @@ def execute(
                     continue
                 write_request(pipeline, run_dir, sid, restart=sid in forced)
                 log(f"stage {sid} starting ({state.status}: {state.reason})")
-                running[sid] = backend.launch(sid, pipeline.stages[sid].resources)
+                given[sid], free_gpus = free_gpus[: gpus(sid)], free_gpus[gpus(sid) :]
+                devices = given[sid] if machine_gpus else None
+                running[sid] = backend.launch(sid, pipeline.stages[sid].resources, devices)
                 display.started(sid)
             for sid, handle in list(running.items()):
                 progress = read_progress(stage_dir(run_dir, sid))
@@ -133,6 +161,7 @@ def execute(
                 if code is None:
                     continue
                 del running[sid]
+                free_gpus += given.pop(sid, [])
                 status = _settle(run_dir, sid, code)
                 outcome.status[sid] = status
                 display.finished(sid, status)
@@ -168,8 +197,19 @@ def _settle(run_dir: Path, stage_id: str, code: int) -> str:
     return "failed"
 
 
+def visible_gpus() -> list[str]:
+    """This machine's GPUs as CUDA_VISIBLE_DEVICES names them: its own list when set, else every
+    device torch counts."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [device.strip() for device in visible.split(",") if device.strip()]
+    import torch
+
+    return [str(index) for index in range(torch.cuda.device_count())]
+
+
 class _Backend(Protocol):
-    def launch(self, stage_id: str, resources: dict[str, float]) -> Any: ...
+    def launch(self, stage_id: str, resources: dict[str, float], devices: list[str] | None) -> Any: ...
     def poll(self, handle: Any) -> int | None: ...
     def wait(self, running: dict[str, Any]) -> None: ...
     def stop(self, running: dict[str, Any]) -> None: ...
@@ -197,10 +237,12 @@ class _LocalBackend:
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
 
-    def launch(self, stage_id: str, resources: dict[str, float]) -> multiprocessing.process.BaseProcess:
+    def launch(
+        self, stage_id: str, resources: dict[str, float], devices: list[str] | None
+    ) -> multiprocessing.process.BaseProcess:
         process = _fork_server().Process(
             target=_local_stage,
-            args=(str(self.run_dir), stage_id, os.getpid()),
+            args=(str(self.run_dir), stage_id, os.getpid(), devices),
             name=f"posttrain-stage-{stage_id}",
         )
         process.start()
@@ -226,8 +268,11 @@ class _LocalBackend:
         pass
 
 
-def _local_stage(run_dir: str, stage_id: str, driver_pid: int) -> None:
-    """Body of a local stage process: output to the stage's log, die with the driver."""
+def _local_stage(run_dir: str, stage_id: str, driver_pid: int, devices: list[str] | None) -> None:
+    """Body of a local stage process: only its GPUs visible (None: a machine without GPUs, left
+    as it is), output to the stage's log, die with the driver."""
+    if devices is not None:  # before anything initialises CUDA in this process
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
     exit_with_driver(driver_pid)
     with open(stage_dir(Path(run_dir), stage_id) / STAGE_LOG, "ab") as log:
         os.dup2(log.fileno(), 1)
@@ -250,9 +295,10 @@ class _RayBackend:
             else:
                 ray.init(include_dashboard=False, runtime_env=runtime_env, log_to_driver=False)
 
-    def launch(self, stage_id: str, resources: dict[str, float]) -> Any:
-        # max_calls=1: every stage gets a fresh worker process, as with the local executor, so no
-        # global state (thread counts, RNGs, registries) leaks from one stage into the next.
+    def launch(self, stage_id: str, resources: dict[str, float], devices: list[str] | None) -> Any:
+        # Ray picks the GPUs (`devices` is the local executor's). max_calls=1: every stage gets a
+        # fresh worker process, as with the local executor, so no global state (thread counts,
+        # RNGs, registries) leaks from one stage into the next.
         task = self.ray.remote(
             num_cpus=resources.get("cpus", 1.0),
             num_gpus=resources.get("gpus", 0.0),

@@ -7,6 +7,8 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 STAGES = ("a", "b", "c")
 
 
@@ -180,3 +182,51 @@ def test_local_stages_that_each_want_every_cpu_run_one_at_a_time(write, posttrai
     assert code == 0, out + err
     low, high = sorted((manifest(run, s) for s in ("rl-low", "rl-max")), key=lambda m: m["started"])
     assert high["started"] >= low["finished"]
+
+
+def test_local_stages_get_their_own_gpus_and_wait_for_free_ones(
+    write, posttrain, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a machine showing GPUs 3 and 5: two 1-GPU stages run at once (the rendezvous) on one
+    GPU each; 2-GPU stages run one after another, each seeing both; a stage asking for none sees
+    none; asking for more than the machine has is refused before anything runs."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    toy = 'kind: toy-sum\nplugins: ["{toy}"]\nresources: {cpus: 0, gpus: 0}\n'
+    write("sft.yaml", toy)
+    meeting = tmp_path / "meeting"
+    one = write(
+        "one.yaml",
+        'kind: toy-sum\nplugins: ["{toy}"]\n',
+        f"needs: [sft.yaml]\nmatrix: {{effort: [low, max]}}\nrendezvous: {meeting}\n",
+        "resources: {cpus: 0, gpus: 1}\n",
+    )
+    code, out, err = posttrain("run", one, "--run-dir", tmp_path / "one")
+    assert code == 0, out + err
+    seen = {
+        s: (tmp_path / "one" / s / "model" / "gpus.txt").read_text() for s in ("sft", "one-low", "one-max")
+    }
+    assert seen["sft"] == "" and sorted([seen["one-low"], seen["one-max"]]) == ["3", "5"]
+
+    two = write(
+        "two.yaml",
+        'kind: toy-sum\nplugins: ["{toy}"]\n',
+        "needs: [sft.yaml]\nmatrix: {effort: [low, max]}\nresources: {cpus: 0, gpus: 2}\n",
+    )
+    run = tmp_path / "two"
+    code, out, err = posttrain("run", two, "--run-dir", run)
+    assert code == 0, out + err
+    assert all((run / s / "model" / "gpus.txt").read_text() == "3,5" for s in ("two-low", "two-max"))
+    low, high = sorted((manifest(run, s) for s in ("two-low", "two-max")), key=lambda m: m["started"])
+    assert high["started"] >= low["finished"]
+
+    three = write(
+        "three.yaml",
+        'kind: toy-sum\nplugins: ["{toy}"]\n',
+        "needs: [sft.yaml]\nresources: {cpus: 0, gpus: 3}\n",
+    )
+    code, out, err = posttrain("run", three, "--run-dir", tmp_path / "three")
+    assert (
+        code == 2
+        and "resources.gpus: stage three asks for 3 GPU(s) but this machine has 2 visible" in out + err
+    )
+    assert not (tmp_path / "three" / "sft" / "model").exists()

@@ -2,13 +2,15 @@
 exactly as a user's own stage kinds are.
 
 `toy-sum` writes value.txt = its `value` plus the values of its inputs, so a test can tell from
-the output which inputs a stage saw; it logs a few curves so reports have something to plot. With
-`rendezvous`, it waits until `parties` stages have arrived there: stages that only finish when run
-at the same time, which is how a test sees --max-parallel without timing anything.
+the output which inputs a stage saw (and gpus.txt, which GPUs it was given); it logs a few curves
+so reports have something to plot. With `rendezvous`, it waits until `parties` stages have
+arrived there: stages that only finish when run at the same time, which is how a test sees
+--max-parallel without timing anything.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -48,6 +50,8 @@ def run_toy_sum(ctx: StageContext) -> dict[str, float]:
     if ctx.config.fail:
         raise RuntimeError(ctx.config.fail_message)
     (ctx.output_dir / "value.txt").write_text(str(total))
+    # the GPUs the executor gave this stage
+    (ctx.output_dir / "gpus.txt").write_text(os.environ.get("CUDA_VISIBLE_DEVICES", "unset"))
     return {"total": float(total), "loss": 1.0 / ctx.config.train.steps}
 
 
