@@ -4,7 +4,9 @@ prompts (batch x 128 random tokens), every row forced to the same number of new 
 new tokens/s for both and the ratio; asserts nothing. K3 runs three ways: generate (no pre-allocated
 cache, no graph), `CudaGraphK3Decoder` (pre-allocated caches, a captured decode step; built once
 before timing, as a serving engine would) and the EmbeddedEngine's rollout path over that decoder
-(Samples in, sampled at temperature 1, log-probs recorded). Times include the prefill.
+(Samples in, sampled at temperature 1, log-probs recorded). Times include the prefill. Then
+scoring, as MOPD's teachers do it: `EmbeddedEngine.score` of those rollouts against a Llama
+forward + log-softmax of the same tokens.
 
 Usage: python bench/decode_gpu.py [--batch 32] [--prompt 128] [--new 32]
 """
@@ -55,7 +57,7 @@ def graph_tokens_per_s(model: KimiK3ForCausalLM, ids: torch.Tensor, new: int) ->
     return ids.shape[0] * new / seconds
 
 
-def engine_tokens_per_s(model: KimiK3ForCausalLM, ids: torch.Tensor, new: int) -> float:
+def engine_tokens_per_s(model: KimiK3ForCausalLM, ids: torch.Tensor, new: int) -> tuple:
     """The embedded engine's rollout path: Samples in, sampled at temperature 1 on the device (its
     graph decode, rows read back every sync_every tokens, log-probs recorded), no stop ids so every
     row makes `new` tokens. Timed on a second call (the first builds and captures the decoder)."""
@@ -72,7 +74,17 @@ def engine_tokens_per_s(model: KimiK3ForCausalLM, ids: torch.Tensor, new: int) -
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     assert all(sample.response_length == new for sample in out)
-    return ids.shape[0] * new / seconds
+    return ids.shape[0] * new / seconds, engine, out
+
+
+def score_tokens_per_s(score, tokens: int) -> float:
+    """Tokens/s of one scoring call (after a warm-up call), as MOPD's teachers prefill."""
+    score()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    score()
+    torch.cuda.synchronize()
+    return tokens / (time.perf_counter() - start)
 
 
 def main() -> None:
@@ -93,13 +105,26 @@ def main() -> None:
     print(f"  K3 generate: {k3_rate:.0f} new tokens/s", flush=True)
     graph_rate = graph_tokens_per_s(k3, ids, args.new)
     print(f"  K3 CudaGraphK3Decoder: {graph_rate:.0f} new tokens/s", flush=True)
-    engine_rate = engine_tokens_per_s(k3, ids, args.new)
+    engine_rate, engine, rollouts = engine_tokens_per_s(k3, ids, args.new)
     print(f"  K3 EmbeddedEngine (graph decode, sampled T=1): {engine_rate:.0f} new tokens/s", flush=True)
+    scored = sum(len(sample.tokens) for sample in rollouts)
+    k3_score = score_tokens_per_s(lambda: engine.score(rollouts), scored)
+    print(f"  K3 EmbeddedEngine.score (teacher prefill): {k3_score:.0f} tokens/s", flush=True)
+    full = torch.tensor([sample.tokens for sample in rollouts]).cuda()
     del k3
     torch.cuda.empty_cache()
     llama = LlamaForCausalLM(llama_config()).to(torch.bfloat16).cuda().eval()
     llama_rate = new_tokens_per_s(llama, ids, args.new)
     print(f"  Llama generate (baseline): {llama_rate:.0f} new tokens/s")
+
+    def llama_score() -> None:
+        with torch.no_grad():
+            logits = llama(input_ids=full).logits
+            torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, full[:, 1:, None]).cpu()
+
+    llama_score_rate = score_tokens_per_s(llama_score, full.numel())
+    print(f"  Llama forward + log-softmax (scoring baseline): {llama_score_rate:.0f} tokens/s")
+    print(f"  K3 EmbeddedEngine.score / Llama: {k3_score / llama_score_rate:.3f}x")
     print(f"  K3 generate / Llama: {k3_rate / llama_rate:.3f}x")
     print(f"  K3 graph decoder / Llama: {graph_rate / llama_rate:.3f}x (goal >= 1.0x)")
     print(f"  K3 EmbeddedEngine / Llama: {engine_rate / llama_rate:.3f}x")
