@@ -50,8 +50,17 @@ OVERRIDES_HELP = (
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    """`@FILE` on the command line reads more arguments from FILE, one per line, skipping blank
+    lines and `#` comments: a profile of overrides (stages/profiles/one-gpu.args)."""
+
+    def convert_arg_line_to_args(self, arg_line: str) -> list[str]:
+        line = arg_line.split(" #", 1)[0].strip()
+        return [] if not line or line.startswith("#") else [line]
+
+
 def _parser(command: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=f"posttrain {command}")
+    parser = _Parser(prog=f"posttrain {command}", fromfile_prefix_chars="@")
     if command in ("run", "plan"):
         parser.add_argument("file", type=Path, help="stage file, e.g. stages/mopd.yaml")
         parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)

@@ -59,3 +59,21 @@ def test_default_run_dir_is_runs_slash_file_stem(
     monkeypatch.chdir(tmp_path)
     code, out, _ = posttrain("plan", "stages/sft.yaml")
     assert code == 0 and f"run dir {Path('runs') / 'sft'}: 1 pending" in out
+
+
+def test_a_profile_file_adds_its_overrides(tmp_path: Path) -> None:
+    """`@FILE` reads one argument per line, comments and blank lines skipped; the shipped one-GPU
+    profile puts every stage of the default DAG on the GPU with the 1B preset as SFT's model."""
+    from orchestration.pipeline import load_pipeline
+    from posttrain.cli import _parser
+
+    profile = tmp_path / "p.args"
+    profile.write_text("# a comment\n\nseed=3   # trailing note\nrl-*.train.steps=1\n")
+    args = _parser("run").parse_intermixed_args(["stages/mopd.yaml", f"@{profile}", "sft.train.steps=2"])
+    assert args.overrides == ["seed=3", "rl-*.train.steps=1", "sft.train.steps=2"]
+
+    shipped = _parser("plan").parse_intermixed_args(["x.yaml", f"@{REPO / 'stages/profiles/one-gpu.args'}"])
+    pipeline = load_pipeline(REPO / "stages/mopd.yaml", shipped.overrides)
+    assert Path(pipeline.stages["sft"].model) == REPO / "stages/models/k3-1b.yaml"
+    for stage in pipeline.stages.values():
+        assert stage.resources["gpus"] == 1 and stage.body["accelerate"]["mixed_precision"] == "bf16"
