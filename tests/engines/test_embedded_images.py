@@ -65,11 +65,12 @@ def test_the_visual_family_is_opt_in(renderer, tmp_path):
     assert TASK_FAMILIES.get("general/visual").opt_in
 
 
-def test_an_episode_with_images_matches_the_trainer_forward(model, renderer, environment):
+@pytest.mark.parametrize("decode", ["dynamic", "static"])
+def test_an_episode_with_images_matches_the_trainer_forward(model, renderer, environment, decode):
     samples = visual_prompts(environment, 4)
     assert len({s.images[0] for s in samples}) == 4  # one question text, four drawn images
     assert all(media_pads(model, s) == 16 for s in samples)
-    engine = EmbeddedEngine(model, pad_token_id=renderer.pad_id)
+    engine = EmbeddedEngine(model, pad_token_id=renderer.pad_id, decode=decode)
     environment.play(engine, samples, SAMPLING)
     assert all(s.done and s.reward in (0.0, 1.0) and s.num_generated > 0 for s in samples)
     assert all(media_pads(model, s) == 16 for s in samples)  # the policy never writes media
@@ -89,12 +90,15 @@ def test_an_episode_with_images_matches_the_trainer_forward(model, renderer, env
     assert (other_full - full).abs().max() > 1e-2
 
 
-def test_a_kept_cache_carries_the_visual_tokens_across_a_pause_and_a_turn(model, renderer, environment):
+@pytest.mark.parametrize("decode", ["dynamic", "static"])
+def test_a_kept_cache_carries_the_visual_tokens_across_a_pause_and_a_turn(
+    model, renderer, environment, decode
+):
     straight = visual_prompts(environment, 2)
     paused = copy.deepcopy(straight)
     EmbeddedEngine(model, pad_token_id=renderer.pad_id, max_cached_samples=0).generate(straight, SAMPLING)
 
-    engine = EmbeddedEngine(model, pad_token_id=renderer.pad_id)
+    engine = EmbeddedEngine(model, pad_token_id=renderer.pad_id, decode=decode, sync_every=1)
     steps = iter(range(100))
     engine.generate(paused, SAMPLING, pause_when=lambda rows: next(steps) >= 3)
     assert all(s.finish_reason == "paused" for s in paused)
