@@ -9,10 +9,14 @@ from pathlib import Path
 
 import torch
 
+import data_recipes  # noqa: F401  (registers the task families)
 from posttrain.algos.policy_loss import PolicyLossConfig
 from posttrain.data.batch import TokenBatch
+from posttrain.data.chat import load_tokenizer
 from posttrain.data.sample import Sample
-from posttrain.engines.testing import tiny_k3
+from posttrain.engines.testing import tiny_k3, tiny_vl_k3
+from posttrain.envs.environments import EnvironmentConfig, make_environment
+from posttrain.trainers.common import renderer_for
 from posttrain.trainers.policy_step import micro_batch_loss, policy_step, reference_kl, target_logprobs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,6 +66,52 @@ def test_a_padded_micro_batch_gives_each_trajectory_its_own_loss_and_gradient():
     assert out.num_tokens == sum(s.num_generated for s in samples) == 14
     for name, grad in single.items():
         torch.testing.assert_close(batched[name], grad, rtol=1e-4, atol=1e-6)
+
+
+def test_visual_rows_of_different_lengths_keep_their_own_images_in_a_micro_batch(tmp_path):
+    """Issue #22 suspected the images of a batch's rows being attached to other rows' media runs
+    (the forward fills `<|media_pad|>` positions in row-major order). Drawn visual prompts with
+    replies of different lengths, a text prompt between them: the micro-batch's loss and gradient
+    are the sums of each trajectory's alone, and moving the images one visual row on changes them."""
+    model = tiny_vl_k3(0, init_scale=4.0).train()
+    renderer = renderer_for(load_tokenizer(media=True), model)
+    config = EnvironmentConfig(families=["general/visual", "general/lookup"])
+    with make_environment("general", renderer, config, sandbox_dir=tmp_path) as env:
+        prompts = env.prompts("train", 4, seed=0)
+        samples = [env.start(p, uid=f"s{i}", group=p.uid, effort="high") for i, p in enumerate(prompts)]
+    assert [len(s.images) for s in samples] == [1, 0, 1, 0]
+    visual = [samples[0], samples[2], samples[1]]  # a text row between the visual ones
+    for n, sample in enumerate(visual):
+        reply = list(range(40, 43 + 3 * n))
+        sample.append(reply, generated=True, logprobs=[-1.0] * len(reply), version=0)
+    advantages = [0.9, -0.6, 0.3]
+    config = PolicyLossConfig(reduction="sum")
+
+    def batched(images: tuple) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        batch = TokenBatch.of(visual, pad_id=renderer.pad_id)
+        batch = TokenBatch(*batch.tensors(), lengths=batch.lengths, images=images)
+        full = torch.tensor(advantages)[:, None].expand_as(batch.input_ids)
+        out, _ = micro_batch_loss(model, batch, full, config=config, temperature=0.6)
+        out.loss.backward()
+        return out.loss.detach(), grads(model)
+
+    loss, gradient = batched(tuple(s.images for s in visual))
+    total = torch.zeros(())
+    for sample, advantage in zip(visual, advantages, strict=True):
+        alone = TokenBatch.of([sample], pad_id=renderer.pad_id)
+        one, _ = micro_batch_loss(
+            model, alone, torch.full(alone.input_ids.shape, advantage), config=config, temperature=0.6
+        )
+        one.loss.backward()
+        total = total + one.loss.detach()
+    single = grads(model)
+    torch.testing.assert_close(loss, total, rtol=1e-5, atol=1e-6)
+    for name, grad in single.items():
+        # the patch convolution sums both images' terms in one backward: float order, not leakage
+        scale = float(grad.abs().max())
+        torch.testing.assert_close(gradient[name], grad, rtol=1e-4, atol=1e-4 * scale)
+    swapped, _ = batched((visual[1].images, visual[0].images, []))
+    assert (swapped - loss).abs() > 1e-3
 
 
 def test_only_the_one_step_computes_the_policy_loss():
