@@ -43,9 +43,8 @@ def new_tokens_per_s(model: torch.nn.Module, ids: torch.Tensor, new: int) -> flo
 
 def graph_tokens_per_s(model: KimiK3ForCausalLM, ids: torch.Tensor, new: int) -> float:
     start = time.perf_counter()
-    decoder = CudaGraphK3Decoder(
-        model, batch=ids.shape[0], max_len=ids.shape[1] + new + 1, sampling=SamplingConfig(new, temperature=0)
-    )
+    greedy = SamplingConfig(max_tokens=new, temperature=0)
+    decoder = CudaGraphK3Decoder(model, batch=ids.shape[0], max_len=ids.shape[1] + new + 1, sampling=greedy)
     decoder.greedy(ids, None, new)  # first prefill compiles its regions
     torch.cuda.synchronize()
     print(f"  K3 graph decoder built and warmed in {time.perf_counter() - start:.1f} s", flush=True)

@@ -123,27 +123,41 @@ def test_static_decode_needs_a_k3(tiny_llama):
 @gpu
 def test_captured_engine_decode_on_gpu(make_prompts, renderer):
     """On CUDA the engine decodes statically by default, the step captured under bf16 autocast over
-    fp32 weights. The captured path equals the same engine's eager static path token for token;
-    kept caches continue a second turn; raw log-probs are the bf16 model's own (a bf16 forward of
-    the whole trajectory) within bf16 rounding."""
+    fp32 weights. The captured path equals the same engine's eager static path token for token and
+    kept caches continue a second turn. Its raw log-probs are as near the engine's own bf16 scoring
+    forward as the dynamic loop's are: on the H200 this peaked model's bf16 decode already differs
+    from a bf16 forward of the whole trajectory by up to 0.57 nats on single tokens (mean 0.13), so
+    the bar is the dynamic loop's gap, not a fixed number."""
     model = tiny_k3(0, init_scale=4.0).eval().cuda()
     _, tool = ending_ids(model, make_prompts("c"))
     config = sampling(tool_call_token_ids=(tool,), logprobs="raw")
-    captured = EmbeddedEngine(model, autocast_dtype=torch.bfloat16, sync_every=4)
-    eager = EmbeddedEngine(model, autocast_dtype=torch.bfloat16, sync_every=4, decode="static")
+    bf16 = torch.bfloat16
+    engines = {
+        "captured": EmbeddedEngine(model, autocast_dtype=bf16, sync_every=4),
+        "eager": EmbeddedEngine(model, autocast_dtype=bf16, sync_every=4, decode="static"),
+        "dynamic": EmbeddedEngine(model, autocast_dtype=bf16, decode="dynamic"),
+    }
     out = {}
-    for name, engine in (("captured", captured), ("eager", eager)):
+    for name, engine in engines.items():
         samples = make_prompts("c")
         for turn in range(2):
             engine.generate(samples, config)
             for sample, ids in zip(samples, results_for(renderer, samples, turn), strict=True):
                 sample.append(ids, generated=False)
         out[name] = samples
-    assert all(d.graph is not None for d in captured._decoders.values())
-    assert all(d.graph is None for d in eager._decoders.values())
+    captured = engines["captured"]
+    assert captured._decoders and all(d.graph is not None for d in captured._decoders.values())
+    assert all(d.graph is None for d in engines["eager"]._decoders.values())
     assert_same_trajectories(out["captured"], out["eager"])
     assert captured.cache_stats.reused == len(out["captured"])
-    for sample, score in zip(out["captured"], captured.score(out["captured"]), strict=True):
-        generated = torch.tensor(sample.loss_mask).bool()
-        ours, ref = torch.tensor(sample.rollout_logprobs)[generated], torch.tensor(score)[generated]
-        assert (ours - ref).abs().mean() < 0.05, (ours, ref)
+
+    def gap(samples: list[Sample]) -> float:
+        """Mean |recorded - scored| log-prob over the generated tokens."""
+        diffs = []
+        for sample, score in zip(samples, captured.score(samples), strict=True):
+            generated = torch.tensor(sample.loss_mask).bool()
+            diffs.append((torch.tensor(sample.rollout_logprobs) - torch.tensor(score))[generated].abs())
+        return float(torch.cat(diffs).mean())
+
+    ours, reference = gap(out["captured"]), gap(out["dynamic"])
+    assert ours <= 1.5 * reference + 0.02, f"captured decode gap {ours:.4f}, dynamic loop {reference:.4f}"
