@@ -43,10 +43,12 @@ def results_for(renderer, samples: list[Sample], turn: int) -> list[list[int]]:
     return [tool_results(renderer, turn, contents[i % len(contents)]) for i in range(len(samples))]
 
 
-def play(engine: EmbeddedEngine, samples: list[Sample], renderer, turns: int) -> list[Sample]:
+def play(
+    engine: EmbeddedEngine, samples: list[Sample], renderer, turns: int, sampling: SamplingConfig = SAMPLING
+) -> list[Sample]:
     """An agent episode's engine side: generate a turn, append tool results, repeat."""
     for turn in range(turns):
-        engine.generate(samples, SAMPLING)
+        engine.generate(samples, sampling)
         if turn < turns - 1:
             for sample, ids in zip(samples, results_for(renderer, samples, turn), strict=True):
                 sample.append(ids, generated=False)

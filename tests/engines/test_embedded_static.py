@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_embedded_cache_reuse import assert_same_trajectories, peaked_k3, results_for
+from test_embedded_cache_reuse import assert_same_trajectories, peaked_k3, play
 
 from posttrain.data.sample import Sample
 from posttrain.engines import EmbeddedEngine, SamplingConfig
@@ -61,14 +61,7 @@ def test_multi_turn_kept_caches_equal_the_dynamic_loop_and_prefill(make_prompts,
         "dynamic": EmbeddedEngine(model, decode="dynamic"),
         "prefill": EmbeddedEngine(model, decode="static", max_cached_samples=0),
     }
-    out = {}
-    for name, engine in engines.items():
-        samples = make_prompts("m")
-        for turn in range(3):
-            engine.generate(samples, config)
-            for sample, ids in zip(samples, results_for(renderer, samples, turn), strict=True):
-                sample.append(ids, generated=False)
-        out[name] = samples
+    out = {name: play(engine, make_prompts("m"), renderer, 3, config) for name, engine in engines.items()}
     assert_same_trajectories(out["static"], out["dynamic"])
     assert_same_trajectories(out["static"], out["prefill"])
     n = len(out["static"])
@@ -137,14 +130,7 @@ def test_captured_engine_decode_on_gpu(make_prompts, renderer):
         "eager": EmbeddedEngine(model, autocast_dtype=bf16, sync_every=4, decode="static"),
         "dynamic": EmbeddedEngine(model, autocast_dtype=bf16, decode="dynamic"),
     }
-    out = {}
-    for name, engine in engines.items():
-        samples = make_prompts("c")
-        for turn in range(2):
-            engine.generate(samples, config)
-            for sample, ids in zip(samples, results_for(renderer, samples, turn), strict=True):
-                sample.append(ids, generated=False)
-        out[name] = samples
+    out = {name: play(engine, make_prompts("c"), renderer, 2, config) for name, engine in engines.items()}
     captured = engines["captured"]
     assert captured._decoders and all(d.graph is not None for d in captured._decoders.values())
     assert all(d.graph is None for d in engines["eager"]._decoders.values())
