@@ -138,9 +138,9 @@ class CudaGraphK3Decoder:
     Build it once per (batch, max_len, sampling): it allocates the buffers and, with `graph=True`,
     warms the step up and captures it. Per batch of rows: `start` (a prefill's cache and last
     logits, each row's random stream, position and budget) draws every row's first token; `run(n)`
-    takes n decode steps; `read` returns what the rows generated so far; `finished` says whether
-    every row is done. `sampling.seed` and `max_tokens` are not baked in (the stream keys and the
-    budgets are per call); temperature, top-k, top-p, log-prob mode and the stop ids are.
+    takes n decode steps; `read` returns what the rows generated so far and which have finished.
+    `sampling.seed` and `max_tokens` are not baked in (the stream keys and the budgets are per
+    call); temperature, top-k, top-p, log-prob mode and the stop ids are.
     """
 
     def __init__(
@@ -305,10 +305,6 @@ class CudaGraphK3Decoder:
                 self.graph.replay()
             else:
                 self._step()
-
-    def finished(self) -> bool:
-        """Whether every row is done (one host sync)."""
-        return not bool(self.cache.active.any())
 
     def read(self) -> tuple[torch.Tensor, torch.Tensor, list[int], list[str | None]]:
         """(tokens [B, steps], log-probs [B, steps], tokens generated per row, finish reason per
