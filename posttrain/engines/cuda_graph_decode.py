@@ -33,13 +33,22 @@ from collections.abc import Sequence
 import torch
 
 from posttrain.engines.base import SamplingConfig
-from posttrain.engines.sampling import draw_tokens, gumbel_noise
+from posttrain.engines.sampling import draw_tokens, gumbel_noise, without_token
 from posttrain.model import KimiK3ForCausalLM
 from posttrain.model.cache import KimiK3Cache
 from posttrain.model.modeling_kimi_k3 import ForwardContext
 
 # the device's finish codes, in `FINISH_REASONS` order after 0 (still running)
 FINISH_REASONS = (None, "stop", "tool_call", "length")
+
+
+def autocast_to(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    """torch.autocast to `dtype` on `device` (a no-op for None), with uncached casts: a cached cast
+    would be captured once and replayed stale after the weights change in place; uncached, every
+    forward (and every graph replay) casts from the weights' current values."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype, cache_enabled=False)
 
 
 class _Slots(list):
@@ -181,26 +190,15 @@ class CudaGraphK3Decoder:
         if graph:
             self._capture()
 
-    def _autocast(self) -> contextlib.AbstractContextManager:
-        # cache_enabled=False: a cached cast would be captured once and replayed stale after the
-        # weights change; uncached, every replay casts from the weights' current values.
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.cache.pos.device.type, dtype=self.autocast_dtype, cache_enabled=False)
-
     def _advance(self, logits: torch.Tensor) -> None:
         """Draw every active row's next token from `logits` [B, V], record it and its log-prob at
         `step_idx`, and finish the rows it ends (stop / tool-call id, or the budget spent)."""
         logits = logits.float()
-        if self.banned_token_id is not None:
-            banned = logits.clone()
-            banned[:, self.banned_token_id] = float("-inf")
-        else:
-            banned = logits
         noise = None
         if self.sampling.temperature > 0:
             noise = gumbel_noise(self.streams, self.draw_positions, logits.shape[-1])
-        tokens, logprobs = draw_tokens(logits, banned, self.sampling, noise)
+        allowed = without_token(logits, self.banned_token_id)
+        tokens, logprobs = draw_tokens(logits, allowed, self.sampling, noise)
         active = self.cache.active
         tokens = torch.where(active, tokens, self.pad_token_id)
         at = self.step_idx.view(1)
@@ -231,7 +229,7 @@ class CudaGraphK3Decoder:
             seen = ((self.positions <= c.pos)[None, :] & c.key_mask.bool()) | here[None, :]
             mla_mask = seen[:, None, None, :]
         ctx = ForwardContext(token_mask=None, cu_seqlens=None, mla_mask=mla_mask, cache=c)
-        with self._autocast():
+        with autocast_to(self.cache.pos.device, self.autocast_dtype):
             state: tuple[torch.Tensor, ...] = (model.embed_tokens(self.ids),)
             for layer in model.layers:
                 state = layer(ctx, *state)
@@ -324,7 +322,7 @@ class CudaGraphK3Decoder:
                 "CudaGraphK3Decoder.greedy: build the decoder with temperature 0 and no stop ids"
             )
         prefill = KimiK3Cache(self.model.config)
-        with self._autocast():
+        with autocast_to(self.cache.pos.device, self.autocast_dtype):
             out = self.model(
                 input_ids=input_ids, attention_mask=attention_mask, past_key_values=prefill, use_cache=True
             )

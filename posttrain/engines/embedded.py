@@ -58,8 +58,8 @@ from posttrain.engines.base import (
     check_prompt,
     tokens_already_generated,
 )
-from posttrain.engines.cuda_graph_decode import CudaGraphK3Decoder
-from posttrain.engines.sampling import draw_tokens, gumbel_noise, stream_key
+from posttrain.engines.cuda_graph_decode import CudaGraphK3Decoder, autocast_to
+from posttrain.engines.sampling import draw_tokens, gumbel_noise, stream_key, without_token
 from posttrain.model import KimiK3ForCausalLM
 from posttrain.model.cache import KimiK3Cache
 from posttrain.model.vision_model import load_pretrained, media_inputs
@@ -165,8 +165,7 @@ class EmbeddedEngine(Engine):
         "static" decodes a K3 from pre-allocated caches (CudaGraphK3Decoder), its step run
         eagerly; "graph" the same with the step captured as a CUDA graph (CUDA only); "auto" is
         "graph" for a K3 on a CUDA sm90+ GPU in bf16 (weights or autocast_dtype), "dynamic"
-        otherwise. All draw the same tokens for the same seed
-        up to float rounding.
+        otherwise. All draw the same tokens for the same seed up to float rounding.
       autocast_dtype: run every forward under torch.autocast with this dtype (bf16 on a GPU,
         what the trainer's forward runs under with accelerate's mixed_precision bf16); None: the
         parameters' dtype.
@@ -243,10 +242,7 @@ class EmbeddedEngine(Engine):
         return out.logits[:, -1].float().cpu(), out.past_key_values
 
     def _autocast(self) -> contextlib.AbstractContextManager:
-        # uncached casts: the captured decode step must recast weights that changed in place
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self._device.type, dtype=self.autocast_dtype, cache_enabled=False)
+        return autocast_to(self._device, self.autocast_dtype)
 
     # -- cache reuse --------------------------------------------------------------------------
     def _policy_key(self) -> Hashable:
@@ -438,14 +434,7 @@ class EmbeddedEngine(Engine):
         self, logits: torch.Tensor, sampling: SamplingConfig, noise: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The draw, with `<|media_pad|>` out of it for a multimodal model."""
-        return draw_tokens(logits, self._allowed(logits), sampling, noise)
-
-    def _allowed(self, logits: torch.Tensor) -> torch.Tensor:
-        if self._media_pad is None:
-            return logits
-        banned = logits.clone()
-        banned[:, self._media_pad] = float("-inf")
-        return banned
+        return draw_tokens(logits, without_token(logits, self._media_pad), sampling, noise)
 
     # -- static decoding ----------------------------------------------------------------------
     def _static(self, cache: object) -> bool:
@@ -473,7 +462,7 @@ class EmbeddedEngine(Engine):
     def _decoder(self, rows: int, length: int, sampling: SamplingConfig) -> CudaGraphK3Decoder:
         """A decoder for `rows` rows of `length` positions, built once per (power-of-two batch and
         length, sampling shape) and kept (the two most recently used): building captures a graph."""
-        batch = min(max(1 << (rows - 1).bit_length(), 1), max(self.max_batch_size, rows))
+        batch = min(1 << (rows - 1).bit_length(), max(self.max_batch_size, rows))
         max_len = max(256, 1 << length.bit_length())
         shape = (
             sampling.temperature,

@@ -95,6 +95,16 @@ def sample_tokens(
     return tokens, chosen_raw if sampling.logprobs == "raw" else chosen_processed
 
 
+def without_token(logits: torch.Tensor, token_id: int | None) -> torch.Tensor:
+    """`logits` with `token_id`'s column at -inf (a copy), or `logits` itself when there is none:
+    the `allowed` argument of draw_tokens for a policy that may not write that token."""
+    if token_id is None:
+        return logits
+    banned = logits.clone()
+    banned[:, token_id] = float("-inf")
+    return banned
+
+
 def draw_tokens(
     logits: torch.Tensor, allowed: torch.Tensor, sampling: SamplingConfig, noise: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
