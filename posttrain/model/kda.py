@@ -18,6 +18,7 @@ from posttrain.model.cache import KimiK3Cache
 from posttrain.model.configuration_kimi_k3 import KimiK3Config
 from posttrain.model.fusion import region
 from posttrain.ops.kda import chunk_kda, fused_recurrent_kda, kda_gate
+from posttrain.ops.kda.fla_layer import fla_kda_core, fla_layer_available
 
 # fla's l2norm epsilon (vLLM's kernels normalise q/k with use_qk_l2norm_in_kernel=True).
 L2NORM_EPS = 1e-6
@@ -126,6 +127,38 @@ class KimiK3DeltaAttention(nn.Module):
         self.o_norm = _GatedRMSNorm(K, compile_regions=config.compile_regions)
         self.o_proj = nn.Linear(P, D, bias=False)
 
+    def fuse_on_fla(
+        self, x: torch.Tensor, token_mask: torch.Tensor | None, cache: KimiK3Cache | None
+    ) -> bool:
+        """Whether this forward runs its conv, l2norm, gate and recurrence in fla's fused kernels
+        (`posttrain.ops.kda.fla_layer`): CUDA training forwards without padding or a cache, when fla
+        is installed."""
+        return token_mask is None and cache is None and torch.is_grad_enabled() and fla_layer_available(x)
+
+    def _input_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(q|k|v [.., 3P], output gate [.., P], f_a [.., K], beta logits [.., H]) of x: one GEMM over
+        the stacked weights when all are plain bias-free nn.Linear holding their full weights (one
+        read of x and, in backward, one input-gradient GEMM instead of six and five bf16 adds), else
+        one call per module (LoRA-wrapped or ZeRO-3-partitioned projections keep their own forward)."""
+        names = [
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "g_proj" if self.use_full_rank_gate else "g_a_proj",
+            "f_a_proj",
+        ]
+        layers = [getattr(self, n) for n in [*names, "b_proj"]]
+        if all(type(m) is nn.Linear and m.bias is None and not hasattr(m.weight, "ds_id") for m in layers):
+            out = F.linear(x, torch.cat([m.weight for m in layers]))
+            q, k, v, gate, f_a, beta_logits = out.split([m.out_features for m in layers], dim=-1)
+            qkv = out[..., : q.shape[-1] + k.shape[-1] + v.shape[-1]]
+        else:
+            q, k, v, gate, f_a, beta_logits = (m(x) for m in layers)
+            qkv = torch.cat([q, k, v], dim=-1)
+        if not self.use_full_rank_gate:
+            gate = self.g_b_proj(gate)
+        return qkv, gate, f_a, beta_logits
+
     def _output_gate(self, x: torch.Tensor) -> torch.Tensor:
         return self.g_proj(x) if self.use_full_rank_gate else self.g_b_proj(self.g_a_proj(x))
 
@@ -145,10 +178,25 @@ class KimiK3DeltaAttention(nn.Module):
         """
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
+        conv_weight = torch.cat([c.weight[:, 0] for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])
+        if self.fuse_on_fla(x, token_mask, cache):
+            qkv, gate, f_a, beta_logits = self._input_projections(x)
+            o = fla_kda_core(
+                qkv,
+                conv_weight,
+                self.f_b_proj(f_a),
+                beta_logits,
+                self.A_log,
+                self.dt_bias,
+                H,
+                self.gate_lower_bound,
+                cu_seqlens,
+            )
+            o = self.o_norm(o, gate.view(B, T, H, K))
+            return self.o_proj(o.reshape(B, T, H * K))
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         if token_mask is not None:
             qkv = qkv * token_mask[..., None].to(qkv.dtype)
-        conv_weight = torch.cat([c.weight[:, 0] for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])
         pos_in_doc = None if cu_seqlens is None else document_positions(cu_seqlens, T)[1]
         conv_state = None if cache is None else cache.conv_states[self.layer_idx]
         q, k, v, new_conv_state = region(conv_qkv, self.compile_regions, qkv)(

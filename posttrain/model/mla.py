@@ -52,12 +52,13 @@ class KimiK3MLAAttention(nn.Module):
         self.o_proj = nn.Linear(H * self.v_head_dim, D, bias=False)
 
     def forward(
-        self, x: torch.Tensor, attn_mask: torch.Tensor, cache: KimiK3Cache | None = None
+        self, x: torch.Tensor, attn_mask: torch.Tensor | None, cache: KimiK3Cache | None = None
     ) -> torch.Tensor:
         """x [B, T, D] -> [B, T, D].
 
         attn_mask: bool [B, 1, T, S] (True = may attend), S = cached + T keys; it carries causality,
-        padding and document boundaries (built once per forward by the model).
+        padding and document boundaries (built once per forward by the model). None: plain causal
+        attention over this forward's T keys (S == T; the model passes None only then).
         """
         B, T, _ = x.shape
         H = self.num_heads
@@ -77,7 +78,12 @@ class KimiK3MLAAttention(nn.Module):
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         k = torch.cat([k_nope, key_shared[:, :, None, :].expand(B, S, H, self.qk_rope_head_dim)], dim=-1)
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_mask, scale=self.scaling
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=attn_mask,
+            is_causal=attn_mask is None,
+            scale=self.scaling,
         )
         out = out.transpose(1, 2).reshape(B, T, H * self.v_head_dim)
         if self.use_output_gate:

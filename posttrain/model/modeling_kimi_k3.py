@@ -48,7 +48,7 @@ class ForwardContext:
 
     token_mask: torch.Tensor | None  # [B, T] 1 real / 0 padding; None: all real
     cu_seqlens: torch.Tensor | None  # [N+1] packed documents (B == 1)
-    mla_mask: torch.Tensor | None  # [B, 1, T, S] bool
+    mla_mask: torch.Tensor | None  # [B, 1, T, S] bool; None: causal over T == S (no cache)
     cache: KimiK3Cache | None
 
 
@@ -233,7 +233,10 @@ class KimiK3Model(KimiK3PreTrainedModel):
             cache=cache,
         )
         key_mask = new_mask if cache is None else cache.extend_key_mask(new_mask)
-        if self.has_mla:
+        # Uncached, unpacked and unpadded (a training batch), the mask is plain causality: MLA then
+        # passes none and SDPA's causal kernels skip the masked tiles instead of reading a [T, T] mask.
+        plainly_causal = cache is None and cu_seqlens is None and ctx.token_mask is None
+        if self.has_mla and not plainly_causal:
             ctx.mla_mask = build_mla_mask(key_mask, T, cu_seqlens)
         state: tuple[torch.Tensor, ...] = (h,)
         for layer in self.layers:
@@ -358,11 +361,10 @@ def causal_lm_loss(
     logits: torch.Tensor, labels: torch.Tensor, cu_seqlens: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Mean next-token cross entropy: logits [B, T, V] at t predict labels[:, t + 1]; -100 ignored."""
-    targets = labels[:, 1:].clone()
+    # The labels shift, not the logits: logits[:, :-1] would copy the largest tensor of the step.
+    targets = F.pad(labels[:, 1:], (0, 1), value=-100)
     if cu_seqlens is not None:
         # position end-1 of a document would predict the next document's first token
         ends = cu_seqlens[1:-1].to(targets.device) - 1
         targets[:, ends] = -100
-    return F.cross_entropy(
-        logits[:, :-1].reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100
-    )
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)

@@ -20,6 +20,7 @@ from torch import nn
 from posttrain.model.balancing import QuantileBalancer
 from posttrain.model.configuration_kimi_k3 import KimiK3Config
 from posttrain.model.mlp import KimiMLP, RMSNorm, glu_activation
+from posttrain.ops.expert_rows import combine_rows, gather_rows
 
 FakeQuant = Callable[[torch.Tensor], torch.Tensor]
 
@@ -120,14 +121,15 @@ class KimiK3Experts(nn.Module):
         ends = torch.searchsorted(
             sorted_expert, torch.arange(1, self.num_experts + 1, device=x.device), out_int32=True
         )
-        xs = _GatherRows.apply(x, token, order, k).to(dtype)
+        # inverse[n, j]: the sorted row of choice j of token n, so both directions are gathers.
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
+        inverse = inverse.view(x.shape[0], k)
+        xs = gather_rows(x.to(dtype), token, inverse)
         gate = torch._grouped_mm(xs, w1.to(dtype).transpose(-2, -1), offs=ends)
         up = torch._grouped_mm(xs, w3.to(dtype).transpose(-2, -1), offs=ends)
         h = aq(glu_activation(self.config, gate, up))
-        y = torch._grouped_mm(h, w2.to(dtype).transpose(-2, -1), offs=ends) * weight[:, None].to(dtype)
-        # Back to (token, choice) order, then the k choices of each token summed: no atomics.
-        y = y.new_empty(y.shape).index_copy(0, order, y)
-        return y.view(x.shape[0], k, y.shape[-1]).sum(1)
+        y = torch._grouped_mm(h, w2.to(dtype).transpose(-2, -1), offs=ends)
+        return combine_rows(y, weight.float(), token, inverse)
 
     def _per_expert(self, x, w1, w3, w2, flat_expert, token, weight, aq) -> torch.Tensor:
         # unbind: one backward node stacks the E weight gradients (indexing w1[e] would add a
@@ -146,25 +148,6 @@ class KimiK3Experts(nn.Module):
             out = out.index_add(0, rows, y)
             start += n
         return out
-
-
-class _GatherRows(torch.autograd.Function):
-    """x[token] for the expert-sorted rows, whose backward gathers too: row r of the sorted
-    order is choice order[r] % k of token order[r] // k, so the gradient of x is the sorted
-    gradient put back in (token, choice) order and summed over the k choices, deterministic and
-    without the atomic scatter-add of index_select's backward."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, token: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
-        ctx.save_for_backward(order)
-        ctx.num_tokens, ctx.k = x.shape[0], k
-        return x.index_select(0, token)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (order,) = ctx.saved_tensors
-        unsorted = grad.new_empty(grad.shape).index_copy_(0, order, grad)
-        return unsorted.view(ctx.num_tokens, ctx.k, grad.shape[-1]).sum(1), None, None, None
 
 
 def grouped_mm_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype | None:
