@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,14 @@ class MetricsLogger:
             self.last.update({k: v for k, v in record.items() if k not in ("step", "time")})
         self.close()
         self._purge_step = kept[-1]["step"] + 1 if kept else 0
+
+    def medians(self, names: Iterable[str]) -> dict[str, float]:
+        """`<name>_median` ("/" written "_") of each named metric over the records that have it
+        (a stage's steps, each once after a resume): a rate's typical step, which a slow first step
+        (warm-up, compilation) moves less than it moves the mean. A name never logged is left out."""
+        records = read_metrics(self.path)
+        found = {name: [r[name] for r in records if name in r] for name in names}
+        return {f"{name.replace('/', '_')}_median": statistics.median(v) for name, v in found.items() if v}
 
     def flush(self) -> None:
         if self._writer is not None:

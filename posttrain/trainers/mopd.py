@@ -69,6 +69,9 @@ from posttrain.trainers.mopd_teachers import (
 )
 from posttrain.trainers.policy_step import policy_step
 
+# Per-step rates whose medians the stage returns (bench/RESULTS.md reports them for GPU runs).
+THROUGHPUT = ("rollout_tokens_per_s", "teacher_tokens_per_s", "train_tokens_per_s")
+
 
 class RolloutConfig(BaseModel):
     """What the student samples each step: prompts of every domain, each at every effort."""
@@ -315,7 +318,9 @@ class Distiller:
 
     def rollout(self, samples: list[Sample], temperature: float, scored: bool = True) -> dict[str, float]:
         """Play every episode; each is teacher-scored in the turn it ends (unless not `scored`: the
-        greedy eval pass measures accuracy and length only). Returns timings."""
+        greedy eval pass measures accuracy and length only). Returns timings and throughput: the
+        student's sampled tokens over rollout_s (tools and verifiers included), the tokens the
+        teachers prefilled (whole trajectories) over teacher_score_s (retries included)."""
         started, scoring = time.perf_counter(), [0.0]
 
         def score(finished: list[Sample]) -> None:
@@ -329,7 +334,18 @@ class Distiller:
         unscored = [s.uid for s in samples if scored and s.teacher_logprobs is None]
         if unscored:
             raise TeacherScoreError(f"episodes {unscored} ended without a teacher score")
-        return {"rollout_s": time.perf_counter() - started - scoring[0], "teacher_score_s": scoring[0]}
+        rollout_s = time.perf_counter() - started - scoring[0]
+        sampled = sum(s.num_generated for s in samples)  # fresh episodes: all sampled in this call
+        timings = {
+            "rollout_s": rollout_s,
+            "teacher_score_s": scoring[0],
+            "rollout_tokens": float(sampled),
+            "rollout_tokens_per_s": sampled / rollout_s,
+        }
+        if scored:  # each episode prefilled once, whole, when it ended
+            prefilled = sum(len(s.tokens) for s in samples)
+            timings.update(teacher_tokens=float(prefilled), teacher_tokens_per_s=prefilled / scoring[0])
+        return timings
 
     def evaluate(self) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, list]]]:
         """Per pair on the held-out prompts: kl from episodes sampled at temperature 1 (the
@@ -445,7 +461,9 @@ def run_mopd(ctx: StageContext) -> dict[str, float]:
         pool.close()
     report = write_eval(ctx.stage_dir / EVAL_FILE, before, after, before_episodes, after_episodes)
     save_final_model(merged_model(state.unwrapped), tokenizer, ctx.output_dir, renderer.stop_token_ids)
-    final = final_metrics(report, pool.retries, step)
+    throughput = ctx.metrics.medians(THROUGHPUT)
+    ctx.log.info("tokens/s, median over steps: %s", ", ".join(f"{k}={v:.4g}" for k, v in throughput.items()))
+    final = {**final_metrics(report, pool.retries, step), **throughput}
     # train_kl: the last batch's KL to the teachers, the training curve's end (with a baseline,
     # train_loss is the policy loss of centred advantages, about 0 whatever the KL)
     return {**final, "train_loss": last["loss"], "train_kl": last["kl"]} if "loss" in last else final

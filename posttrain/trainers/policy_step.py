@@ -12,6 +12,7 @@ optimizer step per update (PPO epochs: the clip is measured against the policy b
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -99,8 +100,12 @@ def policy_step(
     The loss is the sum over generated tokens divided once by the batch's generated-token count:
     the token mean, whatever the micro-batching. Returns the optimizer's metrics, loss, the policy
     loss's stats, train/rollout mismatch and staleness (token-weighted means over micro-batches and
-    updates; maxima for *_max), and trained_tokens.
+    updates; maxima for *_max), trained_tokens, and the step's throughput: train_tokens (the real,
+    unpadded tokens through the policy's forward and backward, once per update), train_s (the whole
+    step, padding to optimizer; the frozen reference's forward is timed but not counted) and
+    train_tokens_per_s.
     """
+    started = time.perf_counter()
     batch = TokenBatch.of(samples, pad_id)
     if advantages.shape != batch.input_ids.shape:
         raise ValueError(
@@ -146,6 +151,12 @@ def policy_step(
             _accumulate(metrics, stats, float(out.num_tokens) / total / updates)
         metrics.update(state.optimizer_step(step))
     metrics["trained_tokens"] = float(batch.generated.sum())
+    metrics["train_tokens"] = float(batch.attention_mask.sum()) * updates
+    device = next(state.model.parameters()).device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the optimizer's queued kernels are part of the step's time
+    metrics["train_s"] = time.perf_counter() - started
+    metrics["train_tokens_per_s"] = metrics["train_tokens"] / metrics["train_s"]
     return metrics
 
 

@@ -65,6 +65,8 @@ from posttrain.trainers.rollout import PartialRolloutConfig, RolloutQueue
 
 Effort = Literal["low", "high", "max"]
 EVAL_FILE = "eval.json"
+# Per-iteration rates whose medians the stage returns (bench/RESULTS.md reports them for GPU runs).
+THROUGHPUT = ("rollout/tokens_per_s", "train_tokens_per_s")
 
 
 class RLTrainConfig(OptimConfig):
@@ -323,6 +325,8 @@ def run_rl(ctx: StageContext) -> dict[str, float]:
     changes = paired_changes(before_rows, after_rows)
     ctx.metrics.log(step, {**after, **changes})
     ctx.log.info("after training: %s", _shown(after))
+    throughput = ctx.metrics.medians(THROUGHPUT)
+    ctx.log.info("tokens/s, median over iterations: %s", _shown(throughput))
     report = {
         "stage": ctx.stage_id,
         "domain": domain,
@@ -350,6 +354,7 @@ def run_rl(ctx: StageContext) -> dict[str, float]:
         **after,
         **changes,
         **budget_metrics,
+        **throughput,
         "steps": float(step),
         **{k: v for k, v in last.items() if k in ("reward_mean", "task_reward_mean", "over_budget_fraction")},
     }
@@ -386,7 +391,6 @@ def _train_step(
 ) -> dict[str, float]:
     """Score and advantage the iteration's complete groups, then `updates_per_iteration` optimizer
     steps over all of them (posttrain.trainers.policy_step)."""
-    started = time.perf_counter()
     scored, rewards, metrics = trajectory_rewards(
         samples, budgets, cfg.budget.for_domain(domain), step, cfg.train.steps, renderer
     )
@@ -427,11 +431,7 @@ def _train_step(
     )
     synced = time.perf_counter()
     publish_policy(engine, base_without_peft(state.unwrapped))
-    metrics.update(
-        train_s=synced - started,
-        weight_sync_s=time.perf_counter() - synced,
-        policy_version=float(engine.policy_version),
-    )
+    metrics.update(weight_sync_s=time.perf_counter() - synced, policy_version=float(engine.policy_version))
     return metrics
 
 

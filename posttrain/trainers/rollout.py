@@ -108,6 +108,8 @@ class RolloutQueue:
         inflight = resumed + list(new_samples)
         overdue = [s for s in resumed if version - _oldest(s, version) >= self.config.max_staleness]
         rest = [s for s in inflight if not any(s is o for o in overdue)]
+        # What a resumed trajectory sampled before this call is not this call's throughput.
+        generated_before = sum(s.num_generated for s in inflight)
         started = time.perf_counter()
         if overdue:
             self.env.play(self.engine, overdue, self.sampling)
@@ -117,6 +119,7 @@ class RolloutQueue:
             should_pause = _threshold(target - len(overdue))
         self.env.play(self.engine, rest, self.sampling, should_pause)
         elapsed = time.perf_counter() - started
+        generated = sum(s.num_generated for s in inflight) - generated_before
 
         everything = finished_waiting + inflight
         groups: dict[str, list[Sample]] = {}
@@ -136,6 +139,8 @@ class RolloutQueue:
             "rollout/partial_fraction": sum(version_span(s) > 0 for s in trained) / max(len(trained), 1),
             "rollout/max_span": float(max((version_span(s) for s in trained), default=0)),
             "rollout/generate_s": elapsed,
+            "rollout/generated_tokens": float(generated),
+            "rollout/tokens_per_s": generated / elapsed,  # tool calls, sandboxes and verifiers included
         }
         return Rollout(complete, metrics)
 

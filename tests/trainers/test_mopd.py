@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import random
+import statistics
 from pathlib import Path
 
 import pytest
@@ -46,7 +47,9 @@ EVAL_KEYS = {
     "accuracy_se_before", "accuracy_se_after", "tokens_se_before", "tokens_se_after",
     "accuracy_change", "accuracy_change_se", "tokens_change", "tokens_change_se", "accuracy_episodes",
 }  # fmt: skip
-TIMINGS = {"time", "rollout_s", "teacher_score_s"}
+# each throughput's seconds: `<stage>_tokens_per_s` is `<stage>_tokens` over them
+SECONDS = {"rollout": "rollout_s", "teacher": "teacher_score_s", "train": "train_s"}
+TIMINGS = {"time", *SECONDS.values(), *(f"{stage}_tokens_per_s" for stage in SECONDS)}
 
 
 @pytest.fixture(scope="module")
@@ -213,6 +216,17 @@ def test_the_stage_trains_the_sft_student_and_writes_eval_json(uninterrupted, di
         assert record["teacher_retries"] == 0.0 and record["student_tokens"] > 0
         if record["reward_clipped_fraction"] == 0.0:  # unclipped: mean reward is minus the batch KL
             assert record["reward"] == pytest.approx(-record["kl"], abs=1e-6)
+        # Throughput: the student sampled the tokens it trains on; its forward and the teachers'
+        # prefill read the whole trajectories (prompts and tool results too).
+        assert record["rollout_tokens"] == record["student_tokens"] == record["trained_tokens"]
+        assert record["teacher_tokens"] == record["train_tokens"] > record["student_tokens"]
+        for stage, seconds in SECONDS.items():
+            rate = record[f"{stage}_tokens_per_s"]
+            assert 0 < rate < math.inf and rate * record[seconds] == pytest.approx(record[f"{stage}_tokens"])
+    for stage in SECONDS:
+        assert final[f"{stage}_tokens_per_s_median"] == statistics.median(
+            r[f"{stage}_tokens_per_s"] for r in steps
+        )
 
     model = AutoModelForCausalLM.from_pretrained(str(stage_dir / ".model-tmp"))
     assert qat_config_of(model.config).scheme == "k3"

@@ -4,9 +4,11 @@ trajectory), and no other module of the pipeline computes the policy loss."""
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
+import pytest
 import torch
 
 import data_recipes  # noqa: F401  (registers the task families)
@@ -194,3 +196,7 @@ def test_the_reference_kl_pulls_zero_advantage_trajectories_back_to_the_init_pol
     assert start0 == start1 > 0.01
     assert end0 == start0  # no advantage, no penalty: no gradient, no step
     assert end1 < 0.5 * start1 and stats1["kl_ref"] > 0
+    # Throughput counts the real tokens the forward read (prompts and tool results too), not padding.
+    assert stats1["train_tokens"] == sum(len(s.tokens) for s in samples) < batch.input_ids.numel()
+    assert 0 < stats1["train_tokens_per_s"] < math.inf
+    assert stats1["train_tokens_per_s"] * stats1["train_s"] == pytest.approx(stats1["train_tokens"])

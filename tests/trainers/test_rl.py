@@ -5,6 +5,8 @@ verdicts that cannot be parsed left out of training, and bit-for-bit resume afte
 from __future__ import annotations
 
 import json
+import math
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 
@@ -138,6 +140,22 @@ def test_rl_stage_end_to_end_and_b0_is_estimated_once_for_all_efforts(tmp_path, 
     assert trained and records[2]["policy_version"] == len(trained)
     assert all(records[step]["grad_norm"] > 0 for step in trained)
     assert records[1]["rollout/trajectories"] == 6
+    # Throughput: synchronous rollouts train every trajectory they sample, so the tokens the engine
+    # sampled are the policy step's generated tokens; its forward also reads prompts and turns' ends.
+    for record in records.values():
+        rate, tokens = record["rollout/tokens_per_s"], record["rollout/generated_tokens"]
+        assert 0 < rate < math.inf and rate * record["rollout/generate_s"] == pytest.approx(tokens)
+    for step in trained:
+        record = records[step]
+        assert record["rollout/generated_tokens"] == record["trained_tokens"] < record["train_tokens"]
+        rate = record["train_tokens_per_s"]
+        assert 0 < rate < math.inf and rate * record["train_s"] == pytest.approx(record["train_tokens"])
+    assert final["rollout_tokens_per_s_median"] == statistics.median(
+        r["rollout/tokens_per_s"] for r in records.values()
+    )
+    assert final["train_tokens_per_s_median"] == statistics.median(
+        records[step]["train_tokens_per_s"] for step in trained
+    )
     assert (
         final["budget/cold_start_prompts"] == 2 and len(list((tmp_path / "budget_cache").glob("*.json"))) == 2
     )

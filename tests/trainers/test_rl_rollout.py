@@ -49,6 +49,7 @@ def test_paused_trajectories_resume_under_the_next_policy_as_if_never_paused(
         assert len(first.samples) + len(queue.waiting) == 12
         assert all(all(s.finish_reason != "paused" for s in group) for group in first.groups)
         kept = {s.uid: (list(s.tokens), list(s.rollout_logprobs)) for s in paused}
+        sampled_before_pause = sum(s.num_generated for s in paused)
 
         manager = CheckpointManager(tmp_path / "ckpt")
         manager.save(1, samples=queue.samples(), write_files=queue.write_files, rng=False)
@@ -85,6 +86,17 @@ def test_paused_trajectories_resume_under_the_next_policy_as_if_never_paused(
     assert second.metrics["rollout/max_span"] == 1.0
     assert second.metrics["rollout/partial_fraction"] > 0
 
+    # Each call counts the tokens it sampled: a resumed trajectory only what it added, so the two
+    # partial iterations together sampled what the synchronous one did.
+    def generated(rollout) -> float:
+        return rollout.metrics["rollout/generated_tokens"]
+
+    assert generated(first) == sum(s.num_generated for s in first.samples + queue.waiting)
+    resumed_sampled = sum(finished[uid].num_generated for uid in kept) - sampled_before_pause
+    assert generated(second) == resumed_sampled > 0
+    assert generated(first) + generated(second) == sum(s.num_generated for s in reference.values())
+    assert generated(second) / second.metrics["rollout/generate_s"] == second.metrics["rollout/tokens_per_s"]
+
 
 def test_a_paused_agent_resumes_from_a_checkpoint_with_its_sandbox_files(tmp_path, renderer, tiny_k3_engine):
     harness = HarnessConfig(tool_sets=[["read_file"]])
@@ -104,6 +116,13 @@ def test_a_paused_agent_resumes_from_a_checkpoint_with_its_sandbox_files(tmp_pat
         queue = RolloutQueue(env, engine, sampling, PartialRolloutConfig(fraction=0.5))
         rollout = queue.step([quick, agent])
         assert rollout.groups == [] and agent.finish_reason == "paused"
+        # the tool's results are in the trajectory but not among the tokens the engine sampled
+        sampled = quick.num_generated + agent.num_generated
+        assert (
+            rollout.metrics["rollout/generated_tokens"]
+            == sampled
+            < quick.response_length + agent.response_length
+        )
         snapshot = Path(agent.sandbox_snapshot)
         assert (snapshot / "files" / path).read_text() == city
         paused_tokens = list(agent.tokens)
