@@ -17,6 +17,7 @@ from torch import nn
 from posttrain.model.cache import KimiK3Cache
 from posttrain.model.configuration_kimi_k3 import KimiK3Config
 from posttrain.model.fusion import region
+from posttrain.model.projections import stacked_projection
 from posttrain.ops.kda import chunk_kda, fused_recurrent_kda, kda_gate
 from posttrain.ops.kda.fla_layer import fla_kda_core, fla_layer_available
 
@@ -136,25 +137,18 @@ class KimiK3DeltaAttention(nn.Module):
         return token_mask is None and cache is None and torch.is_grad_enabled() and fla_layer_available(x)
 
     def _input_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """(q|k|v [.., 3P], output gate [.., P], f_a [.., K], beta logits [.., H]) of x: one GEMM over
-        the stacked weights when all are plain bias-free nn.Linear holding their full weights (one
-        read of x and, in backward, one input-gradient GEMM instead of six and five bf16 adds), else
-        one call per module (LoRA-wrapped or ZeRO-3-partitioned projections keep their own forward)."""
-        names = [
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "g_proj" if self.use_full_rank_gate else "g_a_proj",
-            "f_a_proj",
-        ]
-        layers = [getattr(self, n) for n in [*names, "b_proj"]]
-        if all(type(m) is nn.Linear and m.bias is None and not hasattr(m.weight, "ds_id") for m in layers):
-            out = F.linear(x, torch.cat([m.weight for m in layers]))
-            q, k, v, gate, f_a, beta_logits = out.split([m.out_features for m in layers], dim=-1)
-            qkv = out[..., : q.shape[-1] + k.shape[-1] + v.shape[-1]]
-        else:
+        """(q|k|v [.., 3P], output gate [.., P], f_a [.., K], beta logits [.., H]) of x, from one
+        stacked GEMM where the projections allow it (`posttrain.model.projections`)."""
+        gate_proj = self.g_proj if self.use_full_rank_gate else self.g_a_proj
+        layers = (self.q_proj, self.k_proj, self.v_proj, gate_proj, self.f_a_proj, self.b_proj)
+        out = stacked_projection(x, layers)
+        if out is None:
             q, k, v, gate, f_a, beta_logits = (m(x) for m in layers)
             qkv = torch.cat([q, k, v], dim=-1)
+        else:
+            qkv_width = sum(m.out_features for m in layers[:3])
+            qkv = out[..., :qkv_width]
+            gate, f_a, beta_logits = out[..., qkv_width:].split([m.out_features for m in layers[3:]], dim=-1)
         if not self.use_full_rank_gate:
             gate = self.g_b_proj(gate)
         return qkv, gate, f_a, beta_logits

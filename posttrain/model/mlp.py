@@ -69,4 +69,8 @@ class KimiMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(glu_activation(self.config, self.gate_proj(x), self.up_proj(x)))
+        return self.from_projections(self.gate_proj(x), self.up_proj(x))
+
+    def from_projections(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The rest of the MLP given gate_proj(x) and up_proj(x) (computed by a stacked GEMM)."""
+        return self.down_proj(glu_activation(self.config, gate, up))

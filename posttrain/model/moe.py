@@ -20,6 +20,7 @@ from torch import nn
 from posttrain.model.balancing import QuantileBalancer
 from posttrain.model.configuration_kimi_k3 import KimiK3Config
 from posttrain.model.mlp import KimiMLP, RMSNorm, glu_activation
+from posttrain.model.projections import stacked_projection, stacks_projections
 from posttrain.ops.expert_rows import combine_rows, gather_rows
 
 FakeQuant = Callable[[torch.Tensor], torch.Tensor]
@@ -186,12 +187,26 @@ class KimiK3SparseMoeBlock(nn.Module):
         B, T, D = x.shape
         flat = x.reshape(B * T, D)
         topk_idx, topk_weight = self.gate(flat, None if token_mask is None else token_mask.reshape(-1).bool())
-        routed_in = self.routed_expert_down_proj(flat) if self.use_latent else flat
+        routed_in, shared = self._input_projections(flat)
         routed = self.experts(routed_in, topk_idx, topk_weight)
         if self.use_latent:
             if self.routed_expert_norm is not None:
                 routed = self.routed_expert_norm(routed)
             routed = self.routed_expert_up_proj(routed)
-        if self.shared_experts is not None:
-            routed = routed + self.shared_experts(flat)
+        if shared is not None:
+            routed = routed + shared
         return routed.view(B, T, D)
+
+    def _input_projections(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the experts' input, the shared experts' output) of flat [N, D]; the latent down
+        projection and the shared experts' gate and up as one stacked GEMM where allowed
+        (`posttrain.model.projections`)."""
+        if self.use_latent and self.shared_experts is not None and stacks_projections(flat):
+            mlp = self.shared_experts
+            layers = (self.routed_expert_down_proj, mlp.gate_proj, mlp.up_proj)
+            out = stacked_projection(flat, layers)
+            if out is not None:
+                routed_in, gate, up = out.split([m.out_features for m in layers], dim=-1)
+                return routed_in, mlp.from_projections(gate, up)
+        routed_in = self.routed_expert_down_proj(flat) if self.use_latent else flat
+        return routed_in, None if self.shared_experts is None else self.shared_experts(flat)

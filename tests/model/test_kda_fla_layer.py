@@ -68,31 +68,3 @@ def test_fla_fused_layer_matches_unfused(tiny_config, monkeypatch, autocast, pac
     names = ["x", *(n for n, _ in layer.named_parameters())]
     errors = {n: rel(a, b) for n, a, b in zip(names, fused_grads, ref_grads, strict=True)}
     assert max(errors.values()) < tol, errors
-
-
-@pytest.mark.parametrize("full_rank_gate", [True, False])
-def test_stacked_input_projections_equal_the_modules(tiny_config, full_rank_gate):
-    """The fused path's one GEMM over the stacked projection weights gives each module's output; a
-    wrapped projection (as LoRA wraps one) makes it call the modules instead."""
-    tiny_config.linear_attn_config = dict(tiny_config.linear_attn_config, use_full_rank_gate=full_rank_gate)
-    layer = kda_layer(tiny_config, 2, 16).double()
-    x = torch.randn(2, 5, tiny_config.hidden_size, dtype=torch.float64)
-    gate = layer.g_proj(x) if full_rank_gate else layer.g_b_proj(layer.g_a_proj(x))
-    want = (torch.cat([layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)], -1), gate, layer.f_a_proj(x))
-    want = (*want, layer.b_proj(x))
-    for got, expected in zip(layer._input_projections(x), want, strict=True):
-        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
-
-    class Wrapped(torch.nn.Module):  # stands in for a LoRA layer: its forward must run
-        def __init__(self, inner: torch.nn.Linear) -> None:
-            super().__init__()
-            self.inner, self.out_features = inner, inner.out_features
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.inner(x) + 1.0
-
-    layer.q_proj = Wrapped(layer.q_proj)
-    qkv = layer._input_projections(x)[0]
-    torch.testing.assert_close(
-        qkv[..., : want[0].shape[-1] // 3], want[0][..., : want[0].shape[-1] // 3] + 1.0
-    )
