@@ -17,9 +17,8 @@ from torch import nn
 from posttrain.model.cache import KimiK3Cache
 from posttrain.model.configuration_kimi_k3 import KimiK3Config
 from posttrain.model.fusion import region
-from posttrain.model.projections import stacked_projection
+from posttrain.model.projections import stacked_projection, stacks_projections
 from posttrain.ops.kda import chunk_kda, fused_recurrent_kda, kda_gate
-from posttrain.ops.kda.fla_layer import fla_kda_core, fla_layer_available
 
 # fla's l2norm epsilon (vLLM's kernels normalise q/k with use_qk_l2norm_in_kernel=True).
 L2NORM_EPS = 1e-6
@@ -128,14 +127,6 @@ class KimiK3DeltaAttention(nn.Module):
         self.o_norm = _GatedRMSNorm(K, compile_regions=config.compile_regions)
         self.o_proj = nn.Linear(P, D, bias=False)
 
-    def fuse_on_fla(
-        self, x: torch.Tensor, token_mask: torch.Tensor | None, cache: KimiK3Cache | None
-    ) -> bool:
-        """Whether this forward runs its conv, l2norm, gate and recurrence in fla's fused kernels
-        (`posttrain.ops.kda.fla_layer`): CUDA training forwards without padding or a cache, when fla
-        is installed."""
-        return token_mask is None and cache is None and torch.is_grad_enabled() and fla_layer_available(x)
-
     def _input_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(q|k|v [.., 3P], output gate [.., P], f_a [.., K], beta logits [.., H]) of x, from one
         stacked GEMM where the projections allow it (`posttrain.model.projections`)."""
@@ -172,32 +163,21 @@ class KimiK3DeltaAttention(nn.Module):
         """
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
-        conv_weight = torch.cat([c.weight[:, 0] for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])
-        if self.fuse_on_fla(x, token_mask, cache):
+        if stacks_projections(x):
             qkv, gate, f_a, beta_logits = self._input_projections(x)
-            o = fla_kda_core(
-                qkv,
-                conv_weight,
-                self.f_b_proj(f_a),
-                beta_logits,
-                self.A_log,
-                self.dt_bias,
-                H,
-                self.gate_lower_bound,
-                cu_seqlens,
-            )
-            o = self.o_norm(o, gate.view(B, T, H, K))
-            return self.o_proj(o.reshape(B, T, H * K))
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        else:
+            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+            gate, f_a, beta_logits = self._output_gate(x), self.f_a_proj(x), self.b_proj(x)
         if token_mask is not None:
             qkv = qkv * token_mask[..., None].to(qkv.dtype)
+        conv_weight = torch.cat([c.weight[:, 0] for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])
         pos_in_doc = None if cu_seqlens is None else document_positions(cu_seqlens, T)[1]
         conv_state = None if cache is None else cache.conv_states[self.layer_idx]
         q, k, v, new_conv_state = region(conv_qkv, self.compile_regions, qkv)(
             qkv, conv_weight, conv_state, pos_in_doc, H
         )
-        beta = torch.sigmoid(self.b_proj(x).float())
-        f = self.f_b_proj(self.f_a_proj(x))
+        beta = torch.sigmoid(beta_logits.float())
+        f = self.f_b_proj(f_a)
         g = region(kda_gate, self.compile_regions, f)(f, self.A_log, self.dt_bias, self.gate_lower_bound)
         if token_mask is not None:
             keep = token_mask.to(torch.float32)
@@ -220,7 +200,7 @@ class KimiK3DeltaAttention(nn.Module):
         if cache is not None:
             cache.conv_states[self.layer_idx] = new_conv_state
             cache.recurrent_states[self.layer_idx] = final
-        o = self.o_norm(o, self._output_gate(x).view(B, T, H, K))
+        o = self.o_norm(o, gate.view(B, T, H, K))
         return self.o_proj(o.reshape(B, T, H * K))
 
 

@@ -72,3 +72,21 @@ def test_moe_block_stacked_equals_unstacked(tiny_config, monkeypatch):
 
     for got, want in zip(run(True), run(False), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_kda_layer_stacked_equals_unstacked(tiny_config, monkeypatch, padded):
+    layer = seeded(KimiK3DeltaAttention(tiny_config, 0).double())
+    with torch.no_grad():
+        layer.A_log.copy_(torch.linspace(0.0, 2.0, layer.A_log.numel()))
+    x = torch.randn(2, 9, tiny_config.hidden_size, dtype=torch.float64)
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1], [1] * 9]) if padded else None
+
+    def run(stack: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr("posttrain.model.kda.stacks_projections", lambda t: stack)
+        xr = x.clone().requires_grad_(True)
+        out = layer(xr, mask)
+        return [out, *torch.autograd.grad(out, [xr, *layer.parameters()], torch.ones_like(out))]
+
+    for got, want in zip(run(True), run(False), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
