@@ -1,13 +1,14 @@
 """The Block Attention Residual mix as one Triton kernel forward and one backward.
 
-Under torch.compile (`fused.mix_by_sources`) a mix costs ~3x its memory traffic on an H200: inductor
-splits it into reductions and pointwise passes that each re-read the S sources. Here a program
-takes a few rows and makes two passes over D in chunks: the first reduces each source's row
+Under torch.compile (`fused.mix_by_sources`) inductor splits a mix into reductions and pointwise
+passes that each re-read the S sources (forward + backward ran at ~1.8 TB/s of the traffic lower
+bound on an H200, these kernels at ~2.6-2.9 TB/s: bench/attn_res_gpu.py). Here a program
+takes a row and makes two passes over D in chunks: the first reduces each source's row
 (sum of squares, dot with u; in backward also the dot with grad_out), the second writes (the mix,
 or each source's gradient). The second pass re-reads rows the same program read a moment before,
 so DRAM sees each source and grad_out about once. Arithmetic in float32, as in `fused._AttnResMix`,
 which is the spec of these kernels; backward keeps what it keeps (sources, weights and rstd [S, M]).
-grad_u is summed per program into a private [programs, D] float32 row, then over programs by
+grad_u is summed per program (a run of rows) into a private [programs, D] float32 row, then over programs by
 torch: deterministic, no atomics. The S sources travel as a tuple of pointers (each its own dtype).
 """
 
