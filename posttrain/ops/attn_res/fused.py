@@ -7,6 +7,8 @@ never materialised, as in vLLM's kernel), the mix is accumulated source by sourc
 only the softmax weights and reciprocal RMS values ([S, ...] each) next to the sources it was given.
 With `compile_regions` on (`posttrain.model.fusion`), `mix_by_sources`, the same computation
 written for autograd, runs under torch.compile instead: inductor fuses it, forward and backward.
+Where Triton serves the tensors (CUDA, or TRITON_INTERPRET=1 in tests), `triton_mix` runs this
+node's passes as one kernel each, ahead of both: inductor's split of the mix re-reads the sources.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from posttrain.model.fusion import compiled, use_compiled
+from posttrain.ops.attn_res import triton_mix
 from posttrain.ops.attn_res.naive import upcast
 
 
@@ -93,6 +96,8 @@ def attn_res_mix(
     if len(sources) == 1:
         # One source: the softmax weight is exactly 1 (vLLM short-circuits the same way).
         return sources[0]
+    if triton_mix.available(sources, norm_weight, query):
+        return triton_mix.TritonAttnResMix.apply(norm_weight, query, float(eps), *sources)
     if use_compiled(compile_regions, sources[0]):
         return compiled(mix_by_sources)(tuple(sources), norm_weight, query, float(eps))
     return _AttnResMix.apply(norm_weight, query, float(eps), *sources)
