@@ -20,9 +20,9 @@ import argparse
 import torch
 from triton.testing import do_bench, do_bench_cudagraph
 
-from posttrain.model.fusion import compiled
 from posttrain.ops.attn_res.fused import _AttnResMix, mix_by_sources
 from posttrain.ops.attn_res.triton_mix import TritonAttnResMix
+from posttrain.ops.fusion import compiled
 
 
 def bench_sources(M: int, D: int, S: int) -> None:

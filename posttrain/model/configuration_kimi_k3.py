@@ -141,7 +141,7 @@ class KimiK3Config(PretrainedConfig):
         self.num_nextn_predict_layers = num_nextn_predict_layers
         self.attn_res_block_size = attn_res_block_size
         # Not a released key (the signature holds exactly vLLM's): how this process runs the
-        # elementwise regions (posttrain/model/fusion.py); None compiles CUDA training forwards.
+        # elementwise regions (posttrain/ops/fusion.py); None compiles CUDA training forwards.
         self.compile_regions = kwargs.pop("compile_regions", None)
         super().__init__(
             pad_token_id=pad_token_id,
@@ -189,7 +189,7 @@ class KimiK3Config(PretrainedConfig):
         if self.compile_regions not in (None, True, False):
             raise ValueError(
                 f"compile_regions={self.compile_regions!r}: must be true, false or null (null: "
-                "compile the elementwise regions of CUDA training forwards; see posttrain/model/fusion.py)"
+                "compile the elementwise regions of CUDA training forwards; see posttrain/ops/fusion.py)"
             )
         L = self.num_hidden_layers
         if L < 1:

@@ -16,8 +16,8 @@ from torch import nn
 
 from posttrain.model.cache import KimiK3Cache
 from posttrain.model.configuration_kimi_k3 import KimiK3Config
-from posttrain.model.fusion import region
 from posttrain.model.projections import stacked_projection, stacks_projections
+from posttrain.ops.fusion import region
 from posttrain.ops.kda import chunk_kda, fused_recurrent_kda, kda_gate
 
 # fla's l2norm epsilon (vLLM's kernels normalise q/k with use_qk_l2norm_in_kernel=True).
@@ -78,7 +78,7 @@ def conv_qkv(
     num_heads: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The short conv, SiLU and q/k l2norm of KDA's fused q|k|v projection [B, T, 3 H K]: one
-    elementwise region (`posttrain.model.fusion`). Returns (q, k, v [B, T, H, K], new conv_state)."""
+    elementwise region (`posttrain.ops.fusion`). Returns (q, k, v [B, T, H, K], new conv_state)."""
     B, T, C = qkv.shape
     y, new_state = causal_short_conv(qkv, conv_weight, conv_state, pos_in_doc)
     q, k, v = F.silu(y).view(B, T, 3, num_heads, C // (3 * num_heads)).unbind(2)

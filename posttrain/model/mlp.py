@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from posttrain.model.configuration_kimi_k3 import KimiK3Config
-from posttrain.model.fusion import region
+from posttrain.ops.fusion import region
 from posttrain.ops.situ import situ_glu
 
 
@@ -29,7 +29,7 @@ def rms_norm(
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32, returned in the input dtype (weight initialised to 1).
 
-    `compile_regions` is the config key of `posttrain.model.fusion`. `feeds_matmuls` marks a norm
+    `compile_regions` is the config key of `posttrain.ops.fusion`. `feeds_matmuls` marks a norm
     whose output only enters matmuls: under autocast it is returned in the autocast dtype, the
     values autocast would cast it to anyway, so the float32 output and the per-matmul casts of
     it (six for a KDA layer's input) are never written.

@@ -1,4 +1,4 @@
-"""The compiled elementwise regions (`compile_regions`, posttrain/model/fusion.py) against their
+"""The compiled elementwise regions (`compile_regions`, posttrain/ops/fusion.py) against their
 eager twins on the CPU (inductor compiles for the CPU too): forward values and gradients of each
 region on odd shapes, and a whole tiny K3's loss and gradients with padding."""
 
@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from posttrain.model import KimiK3Config, KimiK3ForCausalLM
-from posttrain.model.fusion import compiled, use_compiled
 from posttrain.model.kda import conv_qkv, gated_rms_norm
 from posttrain.model.mlp import rms_norm
 from posttrain.ops.attn_res import attn_res_mix, naive_attn_res
 from posttrain.ops.attn_res.fused import mix_by_sources
+from posttrain.ops.fusion import compiled, use_compiled
 from posttrain.ops.kda import kda_gate
 
 

@@ -14,8 +14,6 @@ import sys
 import pytest
 import torch
 
-import posttrain.model  # noqa: F401  (first: posttrain.ops.attn_res alone hits an import cycle through it)
-
 F32, BF16 = torch.float32, torch.bfloat16
 # (leading shape, D, source dtypes, param dtype, widest chunk of D): chunks of 16 over D = 60 and of
 # 512 over D = 1500 run the kernels' multi-chunk loops with a masked tail.
@@ -69,7 +67,6 @@ def check(lead, D, dtypes, param_dtype, device: str, fast=None) -> dict[str, flo
 INTERPRETED = """
 import json, sys, time, torch
 sys.path.insert(0, sys.argv[1])
-import posttrain.model  # noqa: F401
 from posttrain.ops.attn_res import attn_res_mix, triton_mix
 from tests.ops.test_attn_res_triton import CASES, check
 x = torch.zeros(1)
@@ -116,9 +113,9 @@ def test_triton_mix_matches_spec_on_gpu(case):
 def test_triton_mix_matches_torch_twins_at_bench_shape():
     """M = 16384, D = 2048, S = 5 (a float32 embedding, bf16 block sums): the Triton node against the
     compiled region (`mix_by_sources` under torch.compile) and the eager `_AttnResMix`."""
-    from posttrain.model.fusion import compiled
     from posttrain.ops.attn_res.fused import _AttnResMix, mix_by_sources
     from posttrain.ops.attn_res.triton_mix import TritonAttnResMix
+    from posttrain.ops.fusion import compiled
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     M, D = 16384, 2048

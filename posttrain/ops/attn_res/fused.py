@@ -5,7 +5,7 @@ copy per sublayer for the backward pass: 2 L of them over the model, which undoe
 that blocking buys. Here the scores come from `(x . (w * q)) * rsqrt(mean(x^2) + eps)` (the RMSNorm is
 never materialised, as in vLLM's kernel), the mix is accumulated source by source, and backward keeps
 only the softmax weights and reciprocal RMS values ([S, ...] each) next to the sources it was given.
-With `compile_regions` on (`posttrain.model.fusion`), `mix_by_sources`, the same computation
+With `compile_regions` on (`posttrain.ops.fusion`), `mix_by_sources`, the same computation
 written for autograd, runs under torch.compile instead: inductor fuses it, forward and backward.
 Where Triton serves the tensors (CUDA, or TRITON_INTERPRET=1 in tests), `triton_mix` runs this
 node's passes as one kernel each, ahead of both: inductor's split of the mix re-reads the sources.
@@ -17,9 +17,9 @@ from collections.abc import Sequence
 
 import torch
 
-from posttrain.model.fusion import compiled, use_compiled
 from posttrain.ops.attn_res import triton_mix
 from posttrain.ops.attn_res.naive import upcast
+from posttrain.ops.fusion import compiled, use_compiled
 
 
 class _AttnResMix(torch.autograd.Function):
@@ -88,7 +88,7 @@ def attn_res_mix(
     Args:
         sources: S tensors [..., D] (embedding, completed blocks, current running sum last).
         norm_weight: [D] RMSNorm weight; query: [D] scoring vector; eps: RMSNorm epsilon.
-        compile_regions: the config key of `posttrain.model.fusion` (compiled `mix_by_sources`).
+        compile_regions: the config key of `posttrain.ops.fusion` (compiled `mix_by_sources`).
 
     Returns:
         [..., D] in the dtype of the last source.
