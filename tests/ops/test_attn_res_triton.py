@@ -6,13 +6,10 @@ which also compare it with the compiled and eager torch twins at a benchmark sha
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+
+from tests.ops.interpreted import run_interpreted
 
 F32, BF16 = torch.float32, torch.bfloat16
 # (leading shape, D, source dtypes, param dtype, widest chunk of D): chunks of 16 over D = 60 and of
@@ -83,14 +80,7 @@ print(json.dumps({"errors": errors, "seconds": time.perf_counter() - start}))
 
 
 def test_triton_mix_matches_spec_interpreted():
-    pytest.importorskip("triton")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", INTERPRETED, root], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = run_interpreted(INTERPRETED)
     assert len(result["errors"]) == len(CASES) + 1
 
 

@@ -5,15 +5,11 @@ CI runs them without a GPU) and on a GPU (`gpu` tests)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from posttrain.ops.expert_rows import combine_rows, gather_rows, naive_combine_rows, naive_gather_rows
+from tests.ops.interpreted import run_interpreted
 
 SHAPES = [(13, 3, 40), (1, 1, 8), (29, 2, 1500), (7, 4, 17)]  # (N tokens, k choices, D width)
 
@@ -96,14 +92,7 @@ print(json.dumps([check(N, k, D, torch.float32, "cpu", 1e-5) for N, k, D in SHAP
 
 
 def test_triton_kernels_match_spec_interpreted():
-    pytest.importorskip("triton")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", INTERPRETED, root], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    errors = json.loads(done.stdout.strip().splitlines()[-1])
+    errors = run_interpreted(INTERPRETED)
     assert len(errors) == len(SHAPES) and all(max(e.values()) < 1e-5 for e in errors)
 
 
