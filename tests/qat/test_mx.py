@@ -341,3 +341,18 @@ def test_unpack_of_pack_equals_fake_quant(dtype, rule):
 def test_unpack_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match=r"blocks \(4, 16\) and scales \(4, 2\)"):
         unpack_mxfp4(torch.zeros(4, 16, dtype=torch.uint8), torch.zeros(4, 2, dtype=torch.uint8))
+
+
+def test_e4m3_rounding_by_cast_equals_the_bit_rounding():
+    """`_round_to_e4m3` (torch's float8_e4m3fn cast after saturating) against the spec's integer
+    rounding, bit for bit: every bf16 bit pattern with six low-bit tails (ties, just above and below
+    them) and 500k random float32 bit patterns, signed zeros, subnormals and huge values included."""
+    from posttrain.qat.mx import ELEMENT_FORMATS, _round_to_e4m3, _round_to_element
+
+    high = torch.arange(0, 1 << 16, dtype=torch.int64) << 16
+    tails = [high | low for low in (0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF)]
+    random = torch.randint(-(2**31), 2**31 - 1, (500_000,), generator=torch.Generator().manual_seed(0))
+    v = torch.cat([*tails, random]).to(torch.int32).view(torch.float32)
+    v = v[torch.isfinite(v)]
+    want = _round_to_element(v, ELEMENT_FORMATS["mxfp8_e4m3"])
+    assert torch.equal(_round_to_e4m3(v).view(torch.int32), want.view(torch.int32))
