@@ -62,8 +62,11 @@ def causal_short_conv(
     past = x.new_zeros(B, W - 1, C) if conv_state is None else conv_state.transpose(1, 2).to(x.dtype)
     full = torch.cat([past, x], dim=1)  # [B, W-1+T, C]
     y = torch.zeros_like(x)
+    # Tap j as a contiguous row: broadcasting the strided column weight[:, j] took the slow path
+    # of the elementwise kernel (2.7x the time on the CPU).
+    taps = weight.to(x.dtype).t().contiguous()
     for j in range(W):
-        tap = full[:, j : j + T] * weight[:, j].to(x.dtype)
+        tap = full[:, j : j + T] * taps[j]
         if pos_in_doc is not None:
             tap = tap * (pos_in_doc >= W - 1 - j).to(x.dtype)[None, :, None]
         y = y + tap
