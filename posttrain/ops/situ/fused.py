@@ -15,6 +15,13 @@ from posttrain.ops.situ import triton_glu
 from posttrain.ops.situ.naive import upcast
 
 
+def _values(g: torch.Tensor, u: torch.Tensor, beta: float, linear_beta: float | None):
+    """Forward values of both branches, the same arithmetic as `_branches` without the
+    derivatives (on the CPU each is a pass over the widest activations)."""
+    a = beta * torch.tanh(g / beta) * torch.sigmoid(g)
+    return a, u if linear_beta is None else linear_beta * torch.tanh(u / linear_beta)
+
+
 def _branches(g: torch.Tensor, u: torch.Tensor, beta: float, linear_beta: float | None):
     """Forward values and derivatives of both branches (in the upcast dtype)."""
     t = torch.tanh(g / beta)
@@ -35,7 +42,7 @@ class _SituGLU(torch.autograd.Function):
         ctx.beta, ctx.linear_beta = beta, linear_beta
         if triton_glu.triton_available(gate) and up.dtype == gate.dtype:
             return triton_glu.situ_glu_forward(gate, up, beta, linear_beta)
-        a, _, b, _ = _branches(upcast(gate), upcast(up), beta, linear_beta)
+        a, b = _values(upcast(gate), upcast(up), beta, linear_beta)
         return (a * b).to(gate.dtype)
 
     @staticmethod
