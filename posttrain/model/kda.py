@@ -131,11 +131,12 @@ class KimiK3DeltaAttention(nn.Module):
         self.o_proj = nn.Linear(P, D, bias=False)
 
     def _input_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """(q|k|v [.., 3P], output gate [.., P], f_a [.., K], beta logits [.., H]) of x, from one
-        stacked GEMM where the projections allow it (`posttrain.model.projections`)."""
+        """(q|k|v [.., 3P], output gate [.., P], f_a [.., K], beta logits [.., H]) of x: one stacked
+        GEMM in CUDA training forwards where the projections allow it (`posttrain.model.projections`),
+        else one call per module."""
         gate_proj = self.g_proj if self.use_full_rank_gate else self.g_a_proj
         layers = (self.q_proj, self.k_proj, self.v_proj, gate_proj, self.f_a_proj, self.b_proj)
-        out = stacked_projection(x, layers)
+        out = stacked_projection(x, layers) if stacks_projections(x) else None
         if out is None:
             q, k, v, gate, f_a, beta_logits = (m(x) for m in layers)
             qkv = torch.cat([q, k, v], dim=-1)
@@ -146,9 +147,6 @@ class KimiK3DeltaAttention(nn.Module):
         if not self.use_full_rank_gate:
             gate = self.g_b_proj(gate)
         return qkv, gate, f_a, beta_logits
-
-    def _output_gate(self, x: torch.Tensor) -> torch.Tensor:
-        return self.g_proj(x) if self.use_full_rank_gate else self.g_b_proj(self.g_a_proj(x))
 
     def forward(
         self,
@@ -166,11 +164,7 @@ class KimiK3DeltaAttention(nn.Module):
         """
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
-        if stacks_projections(x):
-            qkv, gate, f_a, beta_logits = self._input_projections(x)
-        else:
-            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-            gate, f_a, beta_logits = self._output_gate(x), self.f_a_proj(x), self.b_proj(x)
+        qkv, gate, f_a, beta_logits = self._input_projections(x)
         if token_mask is not None:
             qkv = qkv * token_mask[..., None].to(qkv.dtype)
         conv_weight = torch.cat([c.weight[:, 0] for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])

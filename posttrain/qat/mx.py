@@ -139,13 +139,13 @@ def _round_to_element(v: torch.Tensor, elem: ElementFormat) -> torch.Tensor:
     return torch.copysign(rounded.clamp(max=elem.max_normal), v)
 
 
-def _round_to_e4m3(v: torch.Tensor) -> torch.Tensor:
-    """`_round_to_element(v, E4M3)` by torch's float8_e4m3fn cast (round-to-nearest-even,
-    subnormals) after saturating at +-448: three ops instead of about fifteen, which is most of an
-    MXFP8 activation fake-quant's time on a small CPU tensor. Bit-identical for every float32
-    (tests/qat/test_mx.py checks every bf16 bit pattern with several low-bit tails and random
+def _round_to_e4m3(v: torch.Tensor, elem: ElementFormat) -> torch.Tensor:
+    """`_round_to_element(v, elem)` for E4M3 by torch's float8_e4m3fn cast (round-to-nearest-even,
+    subnormals) after saturating at +-max_normal (448): three ops instead of about fifteen, which is
+    most of an MXFP8 activation fake-quant's time on a small CPU tensor. Bit-identical for every
+    float32 (tests/qat/test_mx.py checks every bf16 bit pattern with several low-bit tails and random
     float32 bit patterns, signed zeros and subnormals included)."""
-    return v.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(torch.float32)
+    return v.clamp(-elem.max_normal, elem.max_normal).to(torch.float8_e4m3fn).to(torch.float32)
 
 
 def _quantize_blocks(
@@ -163,7 +163,7 @@ def _quantize_blocks(
     finite = torch.isfinite(amax)
     s = _scale_exponents(amax, elem, scale_rule)
     scaled = blocks * _pow2(-s)
-    elements = _round_to_e4m3(scaled) if fmt == "mxfp8_e4m3" else _round_to_element(scaled, elem)
+    elements = _round_to_e4m3(scaled, elem) if fmt == "mxfp8_e4m3" else _round_to_element(scaled, elem)
     return elements, s, finite
 
 

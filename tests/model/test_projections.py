@@ -43,7 +43,8 @@ def test_cpu_does_not_stack_and_wrapped_layers_are_refused():
 
 
 @pytest.mark.parametrize("full_rank_gate", [True, False])
-def test_kda_stacked_projections_equal_the_modules(tiny_config, full_rank_gate):
+def test_kda_stacked_projections_equal_the_modules(tiny_config, monkeypatch, full_rank_gate):
+    monkeypatch.setattr("posttrain.model.kda.stacks_projections", lambda t: True)
     tiny_config.linear_attn_config = dict(tiny_config.linear_attn_config, use_full_rank_gate=full_rank_gate)
     layer = seeded(KimiK3DeltaAttention(tiny_config, 0).double())
     x = torch.randn(2, 5, tiny_config.hidden_size, dtype=torch.float64)

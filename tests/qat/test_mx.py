@@ -354,5 +354,6 @@ def test_e4m3_rounding_by_cast_equals_the_bit_rounding():
     random = torch.randint(-(2**31), 2**31 - 1, (500_000,), generator=torch.Generator().manual_seed(0))
     v = torch.cat([*tails, random]).to(torch.int32).view(torch.float32)
     v = v[torch.isfinite(v)]
-    want = _round_to_element(v, ELEMENT_FORMATS["mxfp8_e4m3"])
-    assert torch.equal(_round_to_e4m3(v).view(torch.int32), want.view(torch.int32))
+    e4m3 = ELEMENT_FORMATS["mxfp8_e4m3"]
+    want = _round_to_element(v, e4m3)
+    assert torch.equal(_round_to_e4m3(v, e4m3).view(torch.int32), want.view(torch.int32))
