@@ -15,10 +15,11 @@ torch: deterministic, no atomics. The S sources travel as a tuple of pointers (e
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Sequence
 
 import torch
+
+from posttrain.ops.triton_support import triton_serves
 
 try:  # Triton ships with CUDA builds of torch, not always with the CPU build
     import triton
@@ -28,7 +29,6 @@ except ImportError:
 
 # Widest chunk of D a program holds per source (a module setting so tests can force several chunks).
 MAX_BLOCK_D = 2048
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 if triton is not None:
 
@@ -122,16 +122,9 @@ if triton is not None:
 
 
 def available(sources: Sequence[torch.Tensor], *params: torch.Tensor) -> bool:
-    """The kernels serve CUDA tensors of 16/32-bit floats (CPU ones too under TRITON_INTERPRET=1,
-    the tests' CPU mode); float64 and tracing under torch.compile keep the torch paths."""
-    tensors = (*sources, *params)
-    on_device = sources[0].is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-    return (
-        triton is not None
-        and on_device
-        and not torch.compiler.is_compiling()
-        and all(t.dtype in _FLOATS for t in tensors)
-    )
+    """The kernels take these tensors (`posttrain.ops.triton_support`); tracing under
+    torch.compile keeps the torch paths."""
+    return triton_serves(*sources, *params) and not torch.compiler.is_compiling()
 
 
 def _tiles(D: int, S: int) -> tuple[int, int]:

@@ -7,9 +7,9 @@ accumulating in float32. Tested against the torch twin in `fused.py` and the spe
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from posttrain.ops.triton_support import triton_serves
 
 try:  # Triton ships with CUDA builds of torch, not always with the CPU build
     import triton
@@ -63,10 +63,8 @@ if triton is not None:
 
 
 def available(t: torch.Tensor) -> bool:
-    """Triton kernels serve CUDA tensors of 16/32-bit floats (CPU ones too under TRITON_INTERPRET=1,
-    the tests' CPU mode); float64 keeps the torch twin."""
-    on_device = t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-    return triton is not None and on_device and t.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    """The kernels take `t` (`posttrain.ops.triton_support`)."""
+    return triton_serves(t)
 
 
 def _block(D: int) -> int:
