@@ -19,6 +19,7 @@ from posttrain.model.configuration_kimi_k3 import KimiK3Config
 from posttrain.model.projections import stacked_projection, stacks_projections
 from posttrain.ops.fusion import region
 from posttrain.ops.kda import chunk_kda, fused_recurrent_kda, kda_gate
+from posttrain.ops.kda.fla_layer import fla_kda_core, fla_layer_available
 
 # fla's l2norm epsilon (vLLM's kernels normalise q/k with use_qk_l2norm_in_kernel=True).
 L2NORM_EPS = 1e-6
@@ -130,6 +131,14 @@ class KimiK3DeltaAttention(nn.Module):
         self.o_norm = _GatedRMSNorm(K, compile_regions=config.compile_regions)
         self.o_proj = nn.Linear(P, D, bias=False)
 
+    def fuse_on_fla(
+        self, x: torch.Tensor, token_mask: torch.Tensor | None, cache: KimiK3Cache | None
+    ) -> bool:
+        """Whether this forward runs its conv, l2norm, gate and recurrence in fla's fused kernels
+        (`posttrain.ops.kda.fla_layer`): CUDA training forwards without padding or a cache, when fla
+        is installed."""
+        return token_mask is None and cache is None and torch.is_grad_enabled() and fla_layer_available(x)
+
     def _input_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(q|k|v [.., 3P], output gate [.., P], f_a [.., K], beta logits [.., H]) of x: one stacked
         GEMM in CUDA training forwards where the projections allow it (`posttrain.model.projections`),
@@ -168,6 +177,21 @@ class KimiK3DeltaAttention(nn.Module):
         if token_mask is not None:
             qkv = qkv * token_mask[..., None].to(qkv.dtype)
         conv_weight = torch.cat([c.weight[:, 0] for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])
+        if self.fuse_on_fla(x, token_mask, cache):
+            f = self.f_b_proj(f_a)
+            o = fla_kda_core(
+                qkv,
+                conv_weight,
+                f,
+                beta_logits,
+                self.A_log,
+                self.dt_bias,
+                H,
+                self.gate_lower_bound,
+                cu_seqlens,
+            )
+            o = self.o_norm(o, gate.view(B, T, H, K))
+            return self.o_proj(o.reshape(B, T, H * K))
         pos_in_doc = None if cu_seqlens is None else document_positions(cu_seqlens, T)[1]
         conv_state = None if cache is None else cache.conv_states[self.layer_idx]
         q, k, v, new_conv_state = region(conv_qkv, self.compile_regions, qkv)(
