@@ -132,12 +132,26 @@ class KimiK3DeltaAttention(nn.Module):
         self.o_proj = nn.Linear(P, D, bias=False)
 
     def fuse_on_fla(
-        self, x: torch.Tensor, token_mask: torch.Tensor | None, cache: KimiK3Cache | None
+        self,
+        x: torch.Tensor,
+        token_mask: torch.Tensor | None,
+        cu_seqlens: torch.Tensor | None,
+        cache: KimiK3Cache | None,
     ) -> bool:
         """Whether this forward runs its conv, l2norm, gate and recurrence in fla's fused kernels
-        (`posttrain.ops.kda.fla_layer`): CUDA training forwards without padding or a cache, when fla
-        is installed."""
-        return token_mask is None and cache is None and torch.is_grad_enabled() and fla_layer_available(x)
+        (`posttrain.ops.kda.fla_layer`): CUDA training forwards under bf16 autocast, without padding,
+        packing or a cache, when fla is installed. Only that configuration has been checked against
+        the unfused path on a GPU; packed rows (fla's varlen kernels) and float32 compute keep the
+        unfused path until theirs are (tests/model/test_kda_fla_layer.py)."""
+        return (
+            token_mask is None
+            and cu_seqlens is None
+            and cache is None
+            and torch.is_grad_enabled()
+            and torch.is_autocast_enabled("cuda")
+            and torch.get_autocast_dtype("cuda") == torch.bfloat16
+            and fla_layer_available(x)
+        )
 
     def _input_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(q|k|v [.., 3P], output gate [.., P], f_a [.., K], beta logits [.., H]) of x: one stacked
@@ -177,7 +191,7 @@ class KimiK3DeltaAttention(nn.Module):
         if token_mask is not None:
             qkv = qkv * token_mask[..., None].to(qkv.dtype)
         conv_weight = torch.cat([c.weight[:, 0] for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])
-        if self.fuse_on_fla(x, token_mask, cache):
+        if self.fuse_on_fla(x, token_mask, cu_seqlens, cache):
             f = self.f_b_proj(f_a)
             o = fla_kda_core(
                 qkv,
@@ -188,7 +202,6 @@ class KimiK3DeltaAttention(nn.Module):
                 self.dt_bias,
                 H,
                 self.gate_lower_bound,
-                cu_seqlens,
             )
             o = self.o_norm(o, gate.view(B, T, H, K))
             return self.o_proj(o.reshape(B, T, H * K))

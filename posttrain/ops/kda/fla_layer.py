@@ -45,16 +45,15 @@ def fla_kda_core(
     dt_bias: torch.Tensor,
     num_heads: int,
     lower_bound: float,
-    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The recurrence output of one KDA layer without a cache or padding.
+    """The recurrence output of one KDA layer without a cache, padding or packing (fla's varlen
+    kernels are not yet checked against the unfused path on a GPU).
 
     Args:
         qkv: [B, T, 3 H K] the q|k|v projections. conv_weight: [3 H K, W] their depthwise taps.
         f: [B, T, H K] the forget projection (before dt_bias and the gate).
         beta_logits: [B, T, H] b_proj's output (before the sigmoid).
         A_log: [H]; dt_bias: [H K]; lower_bound: the gate's floor (K3: -5; fla's safe range [-5, 0)).
-        cu_seqlens: [N+1] document boundaries of a packed row (B == 1), or None.
 
     Returns:
         o: [B, T, H, K] in qkv's dtype.
@@ -64,7 +63,7 @@ def fla_kda_core(
         raise ValueError(f"fla's bounded gate needs -5 <= lower_bound < 0, got {lower_bound}")
     B, T, C = qkv.shape
     K = C // (3 * num_heads)
-    y, _ = causal_conv1d(qkv, weight=conv_weight.to(qkv.dtype), activation="silu", cu_seqlens=cu_seqlens)
+    y, _ = causal_conv1d(qkv, weight=conv_weight.to(qkv.dtype), activation="silu")
     q, k, v = y.view(B, T, 3, num_heads, K).unbind(2)
     o, _ = chunk_kda(
         q,
@@ -79,6 +78,5 @@ def fla_kda_core(
         lower_bound=lower_bound,
         A_log=A_log,
         dt_bias=dt_bias,
-        cu_seqlens=cu_seqlens,
     )
     return o.to(qkv.dtype)
