@@ -26,18 +26,27 @@ from posttrain.trainers.common import TrainState
 
 
 def target_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float = 1.0) -> torch.Tensor:
-    """[B, T - 1] log pi(token t | tokens[:t]) at `temperature`, with gradient: the forward's
-    log-softmax gathered at each target token (the rows' images merged, as the engine prefilled)."""
+    """[B, T - 1] log pi(token t | tokens[:t]) at `temperature` of every generated target, with
+    gradient (the rows' images merged, as the engine prefilled); 0 where no row has a generated
+    target yet. Only the trailing columns from the first generated target of any row are projected
+    to the vocabulary (`logits_to_keep`): with left padding the prompts end before them, and their
+    logits (most of a short-answer batch's positions; [B, T, vocab] in float32 at K3's 163k
+    vocabulary) would only be masked out."""
     device = next(model.parameters()).device
     ids = batch.input_ids.to(device)
+    generated = TokenBatch.targets(batch.generated).bool().any(0).nonzero()
+    width = ids.shape[1] - 1
+    first = min(int(generated[0]), width - 1) if len(generated) else width - 1  # >= 1 column kept
     logits = model(
         input_ids=ids,
         attention_mask=batch.attention_mask.to(device),
         position_ids=batch.position_ids.to(device),
+        logits_to_keep=width - first + 1,  # positions first..T-1; the last one predicts nothing
         **media_inputs(model, batch.images),
     ).logits.float()
     logp = torch.log_softmax(logits[:, :-1] / temperature, dim=-1)
-    return logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    logp = logp.gather(-1, ids[:, first + 1 :, None]).squeeze(-1)
+    return torch.nn.functional.pad(logp, (first, 0))
 
 
 def micro_batch_loss(

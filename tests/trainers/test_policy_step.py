@@ -70,6 +70,45 @@ def test_a_padded_micro_batch_gives_each_trajectory_its_own_loss_and_gradient():
         torch.testing.assert_close(batched[name], grad, rtol=1e-4, atol=1e-6)
 
 
+def test_target_logprobs_project_only_the_columns_with_generated_targets():
+    """The trainer's log-probs equal a forward over every position's logits, bit for bit, from the
+    first column where any row has a generated target (rows whose answers start at different
+    columns, a tool result between two turns), are 0 before it, give the same gradients up to
+    float32 rounding, and the model was asked for the logits of those trailing columns only."""
+    model = tiny_k3(0).train()
+    samples = [
+        trajectory("a", list(range(3, 30)), [([40, 41, 42], True), ([50, 51], False), ([43, 44], True)]),
+        trajectory("b", list(range(5, 13)), [([60, 61, 62, 63, 64, 65], True)]),
+        trajectory("c", list(range(7, 40)), [([70], True)]),
+    ]
+    batch = TokenBatch.of(samples, pad_id=0)
+    mask = TokenBatch.targets(batch.generated).bool()
+    kept = []
+    forward = model.forward
+
+    def spy(*args, **kwargs):
+        kept.append(kwargs.get("logits_to_keep", 0))
+        return forward(*args, **kwargs)
+
+    model.forward = spy
+    weights = torch.linspace(-1.0, 1.0, mask.shape[1])
+    logp = target_logprobs(model, batch, 0.7)
+    (logp * mask * weights).sum().backward()
+    trained = grads(model)
+    model.forward = forward
+    ids = batch.input_ids
+    logits = model(input_ids=ids, attention_mask=batch.attention_mask).logits.float()
+    full = torch.log_softmax(logits[:, :-1] / 0.7, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    (full * mask * weights).sum().backward()
+    reference = grads(model)
+    first = int(mask.any(0).nonzero()[0])
+    assert kept == [ids.shape[1] - first] and 0 < first
+    assert torch.equal(logp[:, first:], full[:, first:]) and bool((logp[:, :first] == 0).all())
+    assert trained.keys() == reference.keys()
+    for name, grad in reference.items():
+        torch.testing.assert_close(trained[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
 def test_visual_rows_of_different_lengths_keep_their_own_images_in_a_micro_batch(tmp_path):
     """Issue #22 suspected the images of a batch's rows being attached to other rows' media runs
     (the forward fills `<|media_pad|>` positions in row-major order). Drawn visual prompts with
