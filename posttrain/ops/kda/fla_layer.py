@@ -18,22 +18,21 @@ from collections.abc import Callable
 
 import torch
 
-from posttrain.ops.kda.chunk import GATE_LOWER_BOUND
+from posttrain.ops.kda.chunk import GATE_LOWER_BOUND, _fla_chunk_kda
 
 
 @functools.cache
-def _fla_kernels() -> tuple[Callable, Callable] | None:
+def _fla_causal_conv1d() -> Callable | None:
     try:
         from fla.modules.causal_conv1d import causal_conv1d
-        from fla.ops.kda import chunk_kda
     except ImportError:
         return None
-    return causal_conv1d, chunk_kda
+    return causal_conv1d
 
 
 def fla_layer_available(x: torch.Tensor) -> bool:
     """fla's fused kernels can take this input (a CUDA tensor, fla installed)."""
-    return x.is_cuda and _fla_kernels() is not None
+    return x.is_cuda and _fla_chunk_kda() is not None and _fla_causal_conv1d() is not None
 
 
 def fla_kda_core(
@@ -58,7 +57,7 @@ def fla_kda_core(
     Returns:
         o: [B, T, H, K] in qkv's dtype.
     """
-    causal_conv1d, chunk_kda = _fla_kernels()
+    causal_conv1d, chunk_kda = _fla_causal_conv1d(), _fla_chunk_kda()
     if not GATE_LOWER_BOUND <= lower_bound < 0:
         raise ValueError(f"fla's bounded gate needs -5 <= lower_bound < 0, got {lower_bound}")
     B, T, C = qkv.shape
