@@ -36,7 +36,7 @@ def target_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: floa
     ids = batch.input_ids.to(device)
     generated = TokenBatch.targets(batch.generated).bool().any(0).nonzero()
     width = ids.shape[1] - 1
-    first = min(int(generated[0]), width - 1) if len(generated) else width - 1  # >= 1 column kept
+    first = int(generated[0]) if len(generated) else width - 1  # >= 1 column kept
     logits = model(
         input_ids=ids,
         attention_mask=batch.attention_mask.to(device),
