@@ -34,7 +34,7 @@ from orchestration.rundir import (
     read_progress,
     stage_dir,
 )
-from posttrain.checkpoint import latest_checkpoint_step
+from posttrain.checkpoint import CHECKPOINTS_DIR, latest_checkpoint_step
 from posttrain.config.errors import ConfigError
 
 STATUS_STYLE = {
@@ -132,7 +132,7 @@ def status_table(run_dir: Path) -> Table:
         if status == "running" and not is_running(directory):
             status = "pending"
         progress = read_progress(directory) or {}
-        step = progress.get("step", latest_checkpoint_step(directory / "checkpoints"))
+        step = progress.get("step", latest_checkpoint_step(directory / CHECKPOINTS_DIR))
         shown = f"{step}/{progress.get('total') or '?'}" if step is not None else ""
         seconds = manifest.get("run_seconds")
         detail = (

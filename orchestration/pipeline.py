@@ -62,6 +62,7 @@ class Stage:
     matrix: dict[str, Any]
     body: dict[str, Any]
     description: str = ""
+    keep_checkpoints: int = 3
     config_hash: str = ""
     registered: bool = False
 
@@ -372,6 +373,7 @@ def _validate(
         matrix=inst.matrix,
         body=body,
         description=header.description,
+        keep_checkpoints=header.keep_checkpoints,
         registered=registered,
     )
     stage.config_hash = config_hash(stage)
@@ -453,8 +455,8 @@ def _shift(located: dict[Any, Any]) -> dict[Any, Any]:
 
 def config_hash(stage: Stage) -> str:
     """What decides a stage's result: kind, body, seed, model (a preset's or model dir's content),
-    qat, matrix values and needs. Resources, plug-in paths and the description do not, so moving a run to a
-    bigger machine does not invalidate it."""
+    qat, matrix values and needs. Resources, plug-in paths, the description and how many checkpoints
+    are kept do not, so moving a run to a bigger machine does not invalidate it."""
     model: Any = stage.model
     if stage.model and not stage.model_is_input:
         path = Path(stage.model)

@@ -6,7 +6,7 @@ Layout (docs/orchestration.md):
   DIR/<stage>/stage.json         the validated stage the worker runs
   DIR/<stage>/stage.log          the worker's stdout/stderr (tracebacks land here)
   DIR/<stage>/progress.json      last reported step, for progress bars across processes/hosts
-  DIR/<stage>/checkpoints/       step-N/ dirs and the `latest` pointer
+  DIR/<stage>/checkpoints/       step-N/ dirs and the `latest` pointer, removed when the stage is done
   DIR/<stage>/metrics.jsonl, DIR/<stage>/tensorboard/
   DIR/<stage>/model/             final model, renamed into place when the stage finishes
 
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestration.pipeline import Pipeline, Stage
-from posttrain.checkpoint import latest_checkpoint_step
+from posttrain.checkpoint import CHECKPOINTS_DIR, latest_checkpoint_step
 from posttrain.files import atomic_write_text
 
 MANIFEST = "manifest.json"
@@ -146,7 +146,7 @@ def stage_state(pipeline: Pipeline, run_dir: Path, stage: Stage, unfinished: lis
     if manifest.get("status") == "done":
         return _done_or_stale(pipeline, run_dir, stage, manifest, unfinished)
     same = manifest.get("config_hash") == stage.config_hash
-    resume = latest_checkpoint_step(directory / "checkpoints") if same else None
+    resume = latest_checkpoint_step(directory / CHECKPOINTS_DIR) if same else None
     status = "failed" if manifest.get("status") == "failed" else "pending"
     reason = manifest.get("error", "") if status == "failed" else "interrupted"
     if not same:

@@ -40,6 +40,7 @@ from orchestration.rundir import (
     verify_inputs,
     write_manifest,
 )
+from posttrain.checkpoint import CHECKPOINTS_DIR
 from posttrain.files import fsync_dir, fsync_file, hash_tree, remove_tree
 from posttrain.metrics import MetricsLogger
 from posttrain.registry import import_plugin, load_plugins
@@ -171,6 +172,10 @@ def _run_locked(
             finished=finished, run_seconds=manifest["run_seconds"] + finished - started, warnings=warnings
         )
         write_manifest(directory, manifest)
+        if manifest["status"] == "done":
+            # A done stage is never resumed (a changed config or input starts it over), so its
+            # checkpoints (at 3.5B parameters 42 GB each) only fill the disk the next stage needs.
+            remove_tree(directory / CHECKPOINTS_DIR)
 
 
 def _context(
@@ -211,6 +216,7 @@ def _context(
         log=log,
         progress_sink=_ProgressFile(directory / PROGRESS),
         on_restore=restored,
+        keep_checkpoints=stage.keep_checkpoints,
     )
 
 

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
 LOG = logging.getLogger("posttrain.checkpoint")
 MANIFEST = "checkpoint.json"
+CHECKPOINTS_DIR = "checkpoints"  # a stage's checkpoints: DIR/<stage>/checkpoints
 POINTER = "latest"
 
 
@@ -126,6 +127,10 @@ def _check_plain(value: Any, where: str) -> None:
 class CheckpointManager:
     """Atomic save / verified load of training state under `directory`, keeping the last `keep`.
 
+    keep: 0 writes no checkpoint at all (`save` returns None): the stage cannot resume and a rerun
+      starts it over. For a machine whose disk cannot hold one (a 3.5B-parameter stage's weights
+      and AdamW moments are 42 GB), not for a run that may be interrupted.
+
     metrics: the stage's MetricsLogger. Each checkpoint records how many metric records had been
       logged when it was saved, and `load` cuts metrics.jsonl back to that (to nothing when there
       is no checkpoint), so a resumed stage's metrics equal an uninterrupted run's. Log a step's
@@ -141,8 +146,8 @@ class CheckpointManager:
         metrics: MetricsLogger | None = None,
         on_restore: Callable[[int], None] | None = None,
     ) -> None:
-        if keep < 1:
-            raise ValueError(f"keep must be >= 1, got {keep}")
+        if keep < 0:
+            raise ValueError(f"keep must be >= 0, got {keep}")
         self.directory = Path(directory)
         self.keep = keep
         self.log = log or LOG
@@ -178,8 +183,9 @@ class CheckpointManager:
         samples: Mapping[str, Iterable[Sample]] | None = None,
         rng: bool = True,
         write_files: Callable[[Path], None] | None = None,
-    ) -> Path:
-        """Write checkpoint `step` atomically and point `latest` at it.
+    ) -> Path | None:
+        """Write checkpoint `step` atomically and point `latest` at it (nothing, None, when
+        `keep` is 0).
 
         model / optimizer / scheduler: one object or a mapping name -> object (several models).
           Models are saved with safetensors (shared tensors handled), optimizers and schedulers as
@@ -196,6 +202,8 @@ class CheckpointManager:
 
         if step < 0:
             raise ValueError(f"checkpoint step must be >= 0, got {step}")
+        if self.keep == 0:
+            return None
         if extra is not None:
             _check_plain(dict(extra), "")
         tmp = self.directory / f".tmp-step-{step}-{os.getpid()}-{uuid.uuid4().hex[:8]}"

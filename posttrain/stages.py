@@ -30,7 +30,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from posttrain.checkpoint import CheckpointManager
+from posttrain.checkpoint import CHECKPOINTS_DIR, CheckpointManager
 from posttrain.config.stage_file import models_in
 from posttrain.metrics import MetricsLogger
 from posttrain.registry import Registry
@@ -62,8 +62,8 @@ class StageContext:
       when `run` returns, the orchestrator fsyncs it, hashes it and renames it to
       DIR/<stage_id>/model atomically. It must not be empty.
     metrics: MetricsLogger for metrics.jsonl + TensorBoard: `ctx.metrics.log(step, loss=...)`.
-    checkpoints: CheckpointManager under DIR/<stage_id>/checkpoints (keeps the last 3; set
-      `ctx.checkpoints.keep` to change it). Its `load` also cuts metrics.jsonl back to what had
+    checkpoints: CheckpointManager under DIR/<stage_id>/checkpoints (keeps the stage file's
+      `keep_checkpoints`, 3 unless set; 0 writes none). Its `load` also cuts metrics.jsonl back to what had
       been logged when the restored checkpoint was saved, so log a step's metrics before saving.
     log: logger writing to DIR/run.log (prefixed with the stage id) and the stage's stage.log.
     """
@@ -111,11 +111,12 @@ def build_context(
     log: logging.Logger,
     progress_sink: Callable[[int, int | None, dict[str, Any]], None],
     on_restore: Callable[[int], None] | None = None,
+    keep_checkpoints: int = 3,
 ) -> StageContext:
     """The StageContext a stage kind runs on, built one way for orchestration.runner and for
     posttrain.testing.StageRunner: the body validated by the kind's config class, `qat` by
     posttrain.qat.QATConfig, python/numpy/torch seeded with `seed`, checkpoints under
-    stage_dir/checkpoints (the last 3 kept) that cut `metrics` back on restore."""
+    stage_dir/checkpoints (the last `keep_checkpoints` kept) that cut `metrics` back on restore."""
     import numpy as np
     import torch
 
@@ -141,7 +142,11 @@ def build_context(
         output_dir=output_dir,
         metrics=metrics,
         checkpoints=CheckpointManager(
-            stage_dir / "checkpoints", keep=3, log=log, metrics=metrics, on_restore=on_restore
+            stage_dir / CHECKPOINTS_DIR,
+            keep=keep_checkpoints,
+            log=log,
+            metrics=metrics,
+            on_restore=on_restore,
         ),
         log=log,
         progress_sink=progress_sink,

@@ -53,6 +53,12 @@ class StageHeader(BaseModel):
     seed: int = 0
     resources: Resources = Field(default_factory=Resources)
     qat: dict[str, Any] | None = None
+    keep_checkpoints: int = Field(
+        3,
+        ge=0,
+        description="resume checkpoints the stage keeps while it runs (its newest N; 0 writes none, so an "
+        "interrupted stage starts over); a done stage's are removed once its model is published",
+    )
     plugins: list[str] = Field(
         default_factory=list, description="modules or .py files (relative to this file) to import"
     )

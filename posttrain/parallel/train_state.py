@@ -224,9 +224,12 @@ class ShardedTrainState(TrainState):
     def _layout(self) -> dict[str, int]:
         return {"world": dist.get_world_size(), "expert_parallel": self.parallel.expert_parallel}
 
-    def save_checkpoint(self, step: int, extra: dict[str, Any] | None = None) -> Path:
-        """A collective: every rank writes its shards, rank 0 commits the checkpoint."""
+    def save_checkpoint(self, step: int, extra: dict[str, Any] | None = None) -> Path | None:
+        """A collective: every rank writes its shards, rank 0 commits the checkpoint (none, on every
+        rank, when the stage keeps no checkpoints)."""
         manager = self.ctx.checkpoints
+        if manager.keep == 0:
+            return None
         staging = manager.directory / f".shards-step-{step}"
         if dist.get_rank() == 0:
             remove_tree(staging)  # left by a kill during an earlier attempt at this step

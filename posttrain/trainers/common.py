@@ -484,7 +484,7 @@ class TrainState:
             metrics.update(update())
         return metrics
 
-    def save_checkpoint(self, step: int, extra: dict[str, Any] | None = None) -> Path:
+    def save_checkpoint(self, step: int, extra: dict[str, Any] | None = None) -> Path | None:
         return self.ctx.checkpoints.save(
             step, model=self.unwrapped, optimizer=self.optimizer, scheduler=self.scheduler, extra=extra or {}
         )

@@ -106,6 +106,16 @@ def test_keeps_the_last_k_and_points_latest_at_the_newest(tmp_path: Path) -> Non
     assert manager.load(model=model).extra == {"step": 5}
 
 
+def test_keep_zero_writes_nothing_and_a_load_starts_from_scratch(tmp_path: Path) -> None:
+    model, _, _ = make_state(0)
+    manager = CheckpointManager(tmp_path, keep=0)
+    assert manager.save(3, model=model, extra={"step": 3}) is None
+    assert manager.steps() == [] and manager.latest_step() is None
+    assert manager.load(model=model) is None
+    with pytest.raises(ValueError, match="keep must be >= 0"):
+        CheckpointManager(tmp_path, keep=-1)
+
+
 def test_damaged_checkpoint_falls_back_to_the_previous_one_with_a_warning(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -80,3 +80,21 @@ def test_kill_9_at_random_moments_then_rerun_is_bit_identical(write, tmp_path: P
     expected = (reference / "train" / "model" / "model.safetensors").read_bytes()
     assert (resumed / "train" / "model" / "model.safetensors").read_bytes() == expected, events
     assert metrics(resumed) == metrics(reference), "every step logged once, with the same loss"
+    assert not (resumed / "train" / "checkpoints").exists(), "a done stage's checkpoints are removed"
+
+
+def test_a_stage_that_keeps_no_checkpoints_starts_over_after_a_kill(write, tmp_path: Path) -> None:
+    # Long enough (a few seconds) that the throttled progress reports see it mid-run: with no
+    # checkpoint they are the only sign of the step reached.
+    stage = write("train.yaml", STAGE.replace("steps: 100", "steps: 3000") + "keep_checkpoints: 0\n")
+    reference, killed = tmp_path / "reference", tmp_path / "killed"
+    finish(start_cli("run", stage, "--run-dir", reference, cwd=tmp_path))
+    event = kill_when(stage, killed, 600, 0.0)
+    assert not any((killed / "train" / "checkpoints").glob("step-*")), event
+    finish(start_cli("run", stage, "--run-dir", killed, cwd=tmp_path))
+
+    log = (killed / "run.log").read_text()
+    assert "resumes from checkpoint step" not in log and "attempt 2" in log, event
+    expected = (reference / "train" / "model" / "model.safetensors").read_bytes()
+    assert (killed / "train" / "model" / "model.safetensors").read_bytes() == expected
+    assert metrics(killed) == metrics(reference), "the restart's metrics replace the killed attempt's"
