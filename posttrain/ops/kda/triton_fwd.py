@@ -156,20 +156,22 @@ if triton is not None:
         else:
             S = tl.zeros([BK, BV], tl.float32)
 
-        for t in tl.range(0, tl.cdiv(eos - bos, 16), num_stages=NUM_STAGES):
-            tok = bos + t * 16 + rows
-            row_ok = tok < eos
-            at_k = ((tok * H + h) * K)[:, None] + kcols[None, :]
-            at_v = ((tok * H + h) * V)[:, None] + vcols[None, :]
+        # Addresses as a scalar 64-bit base per tile plus loop-invariant 32-bit offsets within it:
+        # a 64-bit address per element would cost registers the state needs.
+        off_k = rows[:, None] * (H * K) + kcols[None, :]
+        off_v = rows[:, None] * (H * V) + vcols[None, :]
+        off_a = rows[:, None] * (H * 16) + rows[None, :]
+        L = eos - bos
+        for t in tl.range(0, tl.cdiv(L, 16), num_stages=NUM_STAGES):
+            first = (bos + t * 16) * H + h  # the tile's first token, as a row of [tokens * H, ...]
+            row_ok = rows < L - t * 16
             mask_k = row_ok[:, None] & k_ok[None, :]
             mask_v = row_ok[:, None] & v_ok[None, :]
-            w = tl.load(w_ptr + at_k, mask=mask_k, other=0.0).to(op)
-            qd = tl.load(qd_ptr + at_k, mask=mask_k, other=0.0).to(op)
-            kd = tl.load(kd_ptr + at_k, mask=mask_k, other=0.0).to(op)
-            u = tl.load(u_ptr + at_v, mask=mask_v, other=0.0).to(tl.float32)
-            a_qk = tl.load(
-                aqk_ptr + (tok * H + h)[:, None] * 16 + rows[None, :], mask=row_ok[:, None], other=0.0
-            )
+            w = tl.load(w_ptr + first * K + off_k, mask=mask_k, other=0.0).to(op)
+            qd = tl.load(qd_ptr + first * K + off_k, mask=mask_k, other=0.0).to(op)
+            kd = tl.load(kd_ptr + first * K + off_k, mask=mask_k, other=0.0).to(op)
+            u = tl.load(u_ptr + first * V + off_v, mask=mask_v, other=0.0).to(tl.float32)
+            a_qk = tl.load(aqk_ptr + first * 16 + off_a, mask=row_ok[:, None], other=0.0)
             decay = tl.load(decay_ptr + ((first_tile + t) * H + h) * K + kcols, mask=k_ok, other=0.0)
 
             S_op = S.to(dt).to(op)
@@ -177,7 +179,7 @@ if triton is not None:
             delta_op = delta.to(dt).to(op)
             o = tl.dot(qd, S_op, input_precision=PRECISION)
             o = tl.dot(a_qk.to(dt).to(op), delta_op, o, input_precision=PRECISION)
-            tl.store(o_ptr + at_v, o.to(o_ptr.dtype.element_ty), mask=mask_v)
+            tl.store(o_ptr + first * V + off_v, o.to(o_ptr.dtype.element_ty), mask=mask_v)
             S = tl.dot(tl.trans(kd), delta_op, S * decay[:, None], input_precision=PRECISION)
 
         if STORE_HT:
