@@ -30,7 +30,9 @@ float32 (`input_precision`).
 
 from __future__ import annotations
 
+import functools
 import itertools
+from dataclasses import dataclass
 
 import torch
 
@@ -238,45 +240,97 @@ def triton_chunk_kda(
             return o, None
         return o, (h0.clone() if h0 is not None else torch.zeros(N, H, K, V, device=device))
 
-    # Every call is a packed row: B rows of T tokens are B documents of one row of B * T tokens.
-    bounds = [b * T for b in range(B + 1)] if cu_seqlens is None else cu_seqlens.tolist()
+    bounds = tuple(b * T for b in range(B + 1)) if cu_seqlens is None else tuple(cu_seqlens.tolist())
+    tiles = tile_tables(bounds, device)
+    terms = intra_terms(q, k, v, g, beta, scale, tiles)
+    o = torch.empty(B, T, H, V, dtype=v.dtype, device=device)
+    ht = torch.empty(N, H, K, V, dtype=torch.float32, device=device) if output_final_state else None
+    BV = block_v or min(32, max(16, triton.next_power_of_2(V)))
+    _scan_kernel[(triton.cdiv(V, BV), N, H)](
+        terms.w, terms.u, terms.qd, terms.kd, terms.aqk, terms.decay, tiles.bounds, tiles.first_tile,
+        h0 if h0 is not None else o, o, ht if ht is not None else o, H, K, V,
+        BK=_block_k(K), BV=BV, PRECISION=terms.precision, HAS_H0=h0 is not None,
+        STORE_HT=ht is not None, NUM_STAGES=num_stages or 2, UPCAST=not q.is_cuda,
+        num_warps=num_warps or 4,
+    )  # fmt: skip
+    return o, ht
+
+
+@dataclass(frozen=True)
+class TileTables:
+    """int32 device tables of one packed row: each tile's [start, end) token, each document's
+    [bos, eos) (`bounds`, N + 1) and first tile. Documents start on a tile boundary."""
+
+    start: torch.Tensor
+    end: torch.Tensor
+    bounds: torch.Tensor
+    first_tile: torch.Tensor
+
+
+@functools.lru_cache(maxsize=64)
+def tile_tables(bounds: tuple[int, ...], device: torch.device) -> TileTables:
+    """Cached per layout: building them is a host loop and a host-to-device copy, which would
+    otherwise wait for the GPU's queue on every call of a fixed-shape prefill."""
     starts: list[int] = []
     ends: list[int] = []
-    first_tile: list[int] = []  # each document's first tile
+    first_tile: list[int] = []
     for bos, eos in itertools.pairwise(bounds):
         first_tile.append(len(starts))
         starts.extend(range(bos, eos, TILE))
         ends.extend(min(s + TILE, eos) for s in range(bos, eos, TILE))
-    num_tiles = len(starts)
-    ints = dict(dtype=torch.int32, device=device)
-    tile_start, tile_end = torch.tensor(starts, **ints), torch.tensor(ends, **ints)
-    bounds_t, first_tile_t = torch.tensor(bounds, **ints), torch.tensor(first_tile, **ints)
+    return TileTables(
+        *(torch.tensor(x, dtype=torch.int32, device=device) for x in (starts, ends, bounds, first_tile))
+    )
 
+
+@dataclass(frozen=True)
+class IntraTerms:
+    """`_intra_kernel`'s results: w, q exp(G) scale, k exp(G_C - G) [B, T, H, K] and u [B, T, H, V]
+    in the scan's operand dtype; A_qk rows [B, T, H, 16] and tile decays [tiles, H, K] in float32."""
+
+    w: torch.Tensor
+    qd: torch.Tensor
+    kd: torch.Tensor
+    u: torch.Tensor
+    aqk: torch.Tensor
+    decay: torch.Tensor
+    precision: str  # the scan's tl.dot input_precision
+
+
+def intra_terms(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    tiles: TileTables,
+) -> IntraTerms:
+    """Every tile's state-independent terms (step 1 of the module docstring); its own function so
+    the bench can time it apart from the scan."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    device = q.device
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     # Operand dtype of the scan's matmuls: 16-bit inputs keep 16-bit operands (fp32 accumulation).
     work = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32
-    # fp32 inputs get IEEE fp32 products (not TF32's 10-bit mantissa); for 16-bit operands the
-    # setting is moot.
-    precision = "ieee" if work == torch.float32 or not q.is_cuda else "tf32"
     w = torch.empty(B, T, H, K, dtype=work, device=device)
     qd, kd = torch.empty_like(w), torch.empty_like(w)
     u = torch.empty(B, T, H, V, dtype=work, device=device)
     aqk = torch.empty(B, T, H, TILE, dtype=torch.float32, device=device)
+    num_tiles = tiles.start.numel()
     decay = torch.empty(num_tiles, H, K, dtype=torch.float32, device=device)
-    o = torch.empty(B, T, H, V, dtype=v.dtype, device=device)
-    ht = torch.empty(N, H, K, V, dtype=torch.float32, device=device) if output_final_state else None
+    if num_tiles:
+        _intra_kernel[(num_tiles, H)](
+            q, k, v, g, beta, tiles.start, tiles.end, w, u, qd, kd, aqk, decay, scale, H, K, V,
+            BK=min(_block_k(K), 64), BV=min(max(16, triton.next_power_of_2(V)), 64),
+            SHIFT=SHIFT, MAX_DECAY=MAX_TILE_LOG_DECAY, num_warps=4,
+        )  # fmt: skip
+    # fp32 inputs get IEEE fp32 products in the scan (not TF32's 10-bit mantissa); for 16-bit
+    # operands the setting is moot.
+    precision = "ieee" if work == torch.float32 or not q.is_cuda else "tf32"
+    return IntraTerms(w, qd, kd, u, aqk, decay, precision)
 
-    BK = max(16, triton.next_power_of_2(K))
-    _intra_kernel[(num_tiles, H)](
-        q, k, v, g, beta, tile_start, tile_end, w, u, qd, kd, aqk, decay, scale, H, K, V,
-        BK=min(BK, 64), BV=min(max(16, triton.next_power_of_2(V)), 64),
-        SHIFT=SHIFT, MAX_DECAY=MAX_TILE_LOG_DECAY, num_warps=4,
-    )  # fmt: skip
-    BV = block_v or min(32, max(16, triton.next_power_of_2(V)))
-    _scan_kernel[(triton.cdiv(V, BV), N, H)](
-        w, u, qd, kd, aqk, decay, bounds_t, first_tile_t, h0 if h0 is not None else o, o,
-        ht if ht is not None else o, H, K, V,
-        BK=BK, BV=BV, PRECISION=precision, HAS_H0=h0 is not None, STORE_HT=ht is not None,
-        NUM_STAGES=num_stages or 2, UPCAST=not q.is_cuda, num_warps=num_warps or 4,
-    )  # fmt: skip
-    return o, ht
+
+def _block_k(K: int) -> int:
+    return max(16, triton.next_power_of_2(K))
