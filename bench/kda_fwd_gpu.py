@@ -25,8 +25,10 @@ from posttrain.ops.kda.triton_fwd import intra_terms, tile_tables, triton_chunk_
 
 START = time.perf_counter()
 SWEEP = [  # (block_v, num_warps, num_stages) of the scan kernel
-    (bv, warps, stages) for bv in (16, 32, 64) for warps in (4, 8) for stages in (1, 2, 3)
-] + [(128, 8, 1), (128, 8, 2)]
+    (bv, warps, stages)
+    for bv, warps in ((16, 1), (16, 2), (16, 4), (32, 2), (32, 4), (32, 8), (64, 4), (64, 8), (128, 8))
+    for stages in (1, 2, 3)
+]
 
 
 def make_inputs(args: argparse.Namespace) -> dict:

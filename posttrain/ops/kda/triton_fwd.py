@@ -15,7 +15,7 @@ exp(G_i - G_j) = exp(G_i + c) * exp(-G_j - c), c = 40 (see `chunk.MAX_CHUNK_LOG_
    the causal query-key tile A_qk = scale <q_i exp(G_i - G_j), k_j>; q exp(G) scale, k exp(G_C - G)
    and the tile's decay exp(G_C). Per-token results keep the inputs' token layout.
 2. `_scan_kernel`, one program per (sequence, head, V-block), walks the sequence's tiles in order
-   keeping S [K, BV] in float32 registers:
+   keeping S [K, BV] (transposed) in float32 registers:
        delta = u - w S;   o = (q exp(G) scale) S + A_qk delta;   S = exp(G_C) S + (k exp(G_C - G))^T delta
    and writes o and the final state; no per-tile state is stored.
 
@@ -134,6 +134,11 @@ if triton is not None:
         BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
         HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, NUM_STAGES: tl.constexpr, UPCAST: tl.constexpr,
     ):  # fmt: skip
+        """Carries the transposed state S^T [BV, BK], so the recurrence runs accumulator ->
+        left operand of the next product: delta^T = u^T - S^T w^T, S^T <- S^T exp(G_C) + delta^T kd.
+        An accumulator feeds a left operand in registers; the tile's loaded terms (w, q, k, A_qk)
+        are the right operands, staged through shared memory by the loop's pipelining, so nothing
+        on the sequential chain waits on shared memory."""
         vb = tl.program_id(0)
         n = tl.program_id(1).to(tl.int64)
         h = tl.program_id(2)
@@ -151,41 +156,42 @@ if triton is not None:
         dt = w_ptr.dtype.element_ty
         op = tl.float32 if UPCAST else dt
 
-        state_at = ((n * H + h) * K + kcols)[:, None] * V + vcols[None, :]
-        state_mask = k_ok[:, None] & v_ok[None, :]
+        state_at = (n * H + h) * K * V + kcols[None, :] * V + vcols[:, None]  # S^T[v, k] = S[k, v]
+        state_mask = v_ok[:, None] & k_ok[None, :]
         if HAS_H0:
-            S = tl.load(h0_ptr + state_at, mask=state_mask, other=0.0).to(tl.float32)
+            S_t = tl.load(h0_ptr + state_at, mask=state_mask, other=0.0).to(tl.float32)
         else:
-            S = tl.zeros([BK, BV], tl.float32)
+            S_t = tl.zeros([BV, BK], tl.float32)
 
         # Addresses as a scalar 64-bit base per tile plus loop-invariant 32-bit offsets within it:
         # a 64-bit address per element would cost registers the state needs.
-        off_k = rows[:, None] * (H * K) + kcols[None, :]
-        off_v = rows[:, None] * (H * V) + vcols[None, :]
-        off_a = rows[:, None] * (H * 16) + rows[None, :]
+        off_kt = kcols[:, None] + rows[None, :] * (H * K)  # [BK, 16]: w^T, (q exp(G))^T
+        off_k = rows[:, None] * (H * K) + kcols[None, :]  # [16, BK]: k exp(G_C - G)
+        off_vt = vcols[:, None] + rows[None, :] * (H * V)  # [BV, 16]: u^T, o^T
+        off_at = rows[:, None] + rows[None, :] * (H * 16)  # [16, 16]: A_qk^T
         L = eos - bos
         for t in tl.range(0, tl.cdiv(L, 16), num_stages=NUM_STAGES):
             first = (bos + t * 16) * H + h  # the tile's first token, as a row of [tokens * H, ...]
             row_ok = rows < L - t * 16
-            mask_k = row_ok[:, None] & k_ok[None, :]
-            mask_v = row_ok[:, None] & v_ok[None, :]
-            w = tl.load(w_ptr + first * K + off_k, mask=mask_k, other=0.0).to(op)
-            qd = tl.load(qd_ptr + first * K + off_k, mask=mask_k, other=0.0).to(op)
-            kd = tl.load(kd_ptr + first * K + off_k, mask=mask_k, other=0.0).to(op)
-            u = tl.load(u_ptr + first * V + off_v, mask=mask_v, other=0.0).to(tl.float32)
-            a_qk = tl.load(aqk_ptr + first * 16 + off_a, mask=row_ok[:, None], other=0.0)
+            mask_kt = k_ok[:, None] & row_ok[None, :]
+            mask_vt = v_ok[:, None] & row_ok[None, :]
+            w_t = tl.load(w_ptr + first * K + off_kt, mask=mask_kt, other=0.0).to(op)
+            qd_t = tl.load(qd_ptr + first * K + off_kt, mask=mask_kt, other=0.0).to(op)
+            kd = tl.load(kd_ptr + first * K + off_k, mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(op)
+            u_t = tl.load(u_ptr + first * V + off_vt, mask=mask_vt, other=0.0).to(tl.float32)
+            a_qk_t = tl.load(aqk_ptr + first * 16 + off_at, mask=row_ok[None, :], other=0.0)
             decay = tl.load(decay_ptr + ((first_tile + t) * H + h) * K + kcols, mask=k_ok, other=0.0)
 
-            S_op = S.to(dt).to(op)
-            delta = u - tl.dot(w, S_op, input_precision=PRECISION)
-            delta_op = delta.to(dt).to(op)
-            o = tl.dot(qd, S_op, input_precision=PRECISION)
-            o = tl.dot(a_qk.to(dt).to(op), delta_op, o, input_precision=PRECISION)
-            tl.store(o_ptr + first * V + off_v, o.to(o_ptr.dtype.element_ty), mask=mask_v)
-            S = tl.dot(tl.trans(kd), delta_op, S * decay[:, None], input_precision=PRECISION)
+            S_op = S_t.to(dt).to(op)
+            delta_t = u_t - tl.dot(S_op, w_t, input_precision=PRECISION)
+            delta_op = delta_t.to(dt).to(op)
+            o_t = tl.dot(S_op, qd_t, input_precision=PRECISION)
+            o_t = tl.dot(delta_op, a_qk_t.to(dt).to(op), o_t, input_precision=PRECISION)
+            tl.store(o_ptr + first * V + off_vt, o_t.to(o_ptr.dtype.element_ty), mask=mask_vt)
+            S_t = tl.dot(delta_op, kd, S_t * decay[None, :], input_precision=PRECISION)
 
         if STORE_HT:
-            tl.store(ht_ptr + state_at, S, mask=state_mask)
+            tl.store(ht_ptr + state_at, S_t, mask=state_mask)
 
 
 def triton_chunk_kda(
@@ -245,7 +251,7 @@ def triton_chunk_kda(
     terms = intra_terms(q, k, v, g, beta, scale, tiles)
     o = torch.empty(B, T, H, V, dtype=v.dtype, device=device)
     ht = torch.empty(N, H, K, V, dtype=torch.float32, device=device) if output_final_state else None
-    BV = block_v or min(32, max(16, triton.next_power_of_2(V)))
+    BV = block_v or _default_block_v(V)
     _scan_kernel[(triton.cdiv(V, BV), N, H)](
         terms.w, terms.u, terms.qd, terms.kd, terms.aqk, terms.decay, tiles.bounds, tiles.first_tile,
         h0 if h0 is not None else o, o, ht if ht is not None else o, H, K, V,
@@ -330,6 +336,14 @@ def intra_terms(
     # operands the setting is moot.
     precision = "ieee" if work == torch.float32 or not q.is_cuda else "tf32"
     return IntraTerms(w, qd, kd, u, aqk, decay, precision)
+
+
+def _default_block_v(V: int) -> int:
+    # 64 (from the sm90 compile, not yet timed): at K = 128 the scan's products become Hopper
+    # warp-group MMAs with the state split over the 4 warps by rows, and at ~230 registers a thread
+    # two programs fit an SM, so B=1 H=96's 192 programs run in one wave; at 32, 384 programs of
+    # ~180 registers would need two. `bench/kda_fwd_gpu.py --sweep` measures the alternatives.
+    return min(64, max(16, triton.next_power_of_2(V)))
 
 
 def _block_k(K: int) -> int:
