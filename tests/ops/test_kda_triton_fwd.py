@@ -35,7 +35,7 @@ class Case:
 
 CASES = [
     Case(2, 37, 2, 20, 16, F32),
-    Case(1, 50, 3, 32, 60, BF16, bounds=(0, 1, 17, 40, 50)),  # V = 60: two V blocks, masked tail
+    Case(1, 50, 3, 32, 60, BF16, bounds=(0, 1, 17, 40, 50), block_v=32),  # two V blocks, masked tail
     Case(1, 37, 2, 60, 20, F32, bounds=(0, 0, 20, 37)),  # an empty document keeps its state
     Case(2, 50, 3, 16, 32, BF16, initial_state=False, block_v=16),
     Case(1, 19, 2, 20, 36, F16),

@@ -329,7 +329,8 @@ def intra_terms(
     if num_tiles:
         _intra_kernel[(num_tiles, H)](
             q, k, v, g, beta, tiles.start, tiles.end, w, u, qd, kd, aqk, decay, scale, H, K, V,
-            BK=min(_block_k(K), 64), BV=min(max(16, triton.next_power_of_2(V)), 64),
+            # 32 x 64 blocks: at 64 x 64 the IEEE-fp32 products need 255 registers and spill (sm90).
+            BK=min(_block_k(K), 32), BV=min(max(16, triton.next_power_of_2(V)), 64),
             SHIFT=SHIFT, MAX_DECAY=MAX_TILE_LOG_DECAY, num_warps=4,
         )  # fmt: skip
     # fp32 inputs get IEEE fp32 products in the scan (not TF32's 10-bit mantissa); for 16-bit
