@@ -251,7 +251,7 @@ def triton_chunk_kda(
     terms = intra_terms(q, k, v, g, beta, scale, tiles)
     o = torch.empty(B, T, H, V, dtype=v.dtype, device=device)
     ht = torch.empty(N, H, K, V, dtype=torch.float32, device=device) if output_final_state else None
-    BV = block_v or _default_block_v(V)
+    BV = block_v or _default_block_v(V, terms.w.dtype)
     _scan_kernel[(triton.cdiv(V, BV), N, H)](
         terms.w, terms.u, terms.qd, terms.kd, terms.aqk, terms.decay, tiles.bounds, tiles.first_tile,
         h0 if h0 is not None else o, o, ht if ht is not None else o, H, K, V,
@@ -339,12 +339,15 @@ def intra_terms(
     return IntraTerms(w, qd, kd, u, aqk, decay, precision)
 
 
-def _default_block_v(V: int) -> int:
-    # 64 (from the sm90 compile, not yet timed): at K = 128 the scan's products become Hopper
-    # warp-group MMAs with the state split over the 4 warps by rows, and at ~230 registers a thread
-    # two programs fit an SM, so B=1 H=96's 192 programs run in one wave; at 32, 384 programs of
-    # ~180 registers would need two. `bench/kda_fwd_gpu.py --sweep` measures the alternatives.
-    return min(64, max(16, triton.next_power_of_2(V)))
+def _default_block_v(V: int, operand_dtype: torch.dtype) -> int:
+    """From sm90 compiles (register counts), not yet timed; `bench/kda_fwd_gpu.py --sweep` times the
+    alternatives. 16-bit operands: 64, where at K = 128 the scan's products become Hopper warp-group
+    MMAs with the state split over the 4 warps by rows, and at ~230 registers a thread two programs
+    fit an SM, so B=1 H=96's 192 programs run in one wave (at 32, 384 programs of ~180 registers
+    would need two). float32 operands (IEEE products, a correctness path, not tuned): 16, the
+    block that spills least."""
+    widest = 16 if operand_dtype == torch.float32 else 64
+    return min(widest, max(16, triton.next_power_of_2(V)))
 
 
 def _block_k(K: int) -> int:
