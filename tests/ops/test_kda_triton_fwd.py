@@ -17,6 +17,11 @@ import torch.nn.functional as F
 from posttrain.ops.kda import chunk_kda, kda_gate, naive_recurrent_kda
 from tests.ops.interpreted import run_interpreted
 
+try:  # Triton ships with CUDA builds of torch, not always with the CPU build
+    import triton
+except ImportError:
+    triton = None
+
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 
 
@@ -157,6 +162,62 @@ def test_unknown_backend_lists_triton():
         chunk_kda(**inputs, backend="cuda")
 
 
+def compile_for_sm90(kernel, types: dict[str, str], constants: dict, num_warps: int) -> bytes:
+    """The kernel's sm90 cubin, built without a GPU (Triton's compiler and its bundled ptxas).
+    Integer arguments K, V, H and every pointer are marked 16-divisible, as the launcher marks them
+    for K = V = 128, H = 96 and torch's aligned allocations."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {name: types.get(name, "constexpr") for name in kernel.arg_names}
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, name in enumerate(kernel.arg_names)
+        if signature[name].startswith("*") or name in ("H", "K", "V")
+    }
+    source = ASTSource(
+        fn=kernel,
+        signature=signature,
+        constexprs={(kernel.arg_names.index(name),): value for name, value in constants.items()},
+        attrs=attrs,
+    )
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+    return compiled.asm["cubin"]
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="interpreted kernels do not compile")
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION is unset")
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_kernels_compile_for_sm90(dtype):
+    """The interpreter runs what the GPU compiler might reject (layouts, dot shapes, precisions):
+    both kernels, at K = V = 128 with the wrapper's default blocks, must compile for an H100/H200."""
+    pytest.importorskip("triton")
+    from posttrain.ops.kda import triton_fwd
+
+    def ptr(t: str) -> str:
+        return "*" + t
+
+    work = ptr(dtype)
+    intra_types = dict(
+        q_ptr=work, k_ptr=work, v_ptr=work, g_ptr=ptr("fp32"), beta_ptr=work,
+        tile_start_ptr=ptr("i32"), tile_end_ptr=ptr("i32"), w_ptr=work, u_ptr=work, qd_ptr=work,
+        kd_ptr=work, aqk_ptr=ptr("fp32"), decay_ptr=ptr("fp32"), scale="fp32", H="i32", K="i32", V="i32",
+    )  # fmt: skip
+    scan_types = dict(
+        w_ptr=work, u_ptr=work, qd_ptr=work, kd_ptr=work, aqk_ptr=ptr("fp32"), decay_ptr=ptr("fp32"),
+        bounds_ptr=ptr("i32"), first_tile_ptr=ptr("i32"), h0_ptr=ptr("fp32"), o_ptr=work,
+        ht_ptr=ptr("fp32"), H="i32", K="i32", V="i32",
+    )  # fmt: skip
+    operand = F32 if dtype == "fp32" else BF16
+    intra = dict(BK=32, BV=64, SHIFT=triton_fwd.SHIFT, MAX_DECAY=triton_fwd.MAX_TILE_LOG_DECAY)
+    scan = dict(
+        BK=128, BV=triton_fwd._default_block_v(128, operand), PRECISION="ieee" if dtype == "fp32" else "tf32",
+        HAS_H0=True, STORE_HT=True, NUM_STAGES=2, UPCAST=False,
+    )  # fmt: skip
+    assert compile_for_sm90(triton_fwd._intra_kernel, intra_types, intra, num_warps=4)
+    assert compile_for_sm90(triton_fwd._scan_kernel, scan_types, scan, num_warps=4)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("case", CASES, ids=str)
@@ -172,7 +233,8 @@ def test_triton_forward_matches_spec_on_gpu(case):
         Case(2, 300, 4, 128, 128, BF16),
         Case(1, 400, 4, 128, 128, BF16, bounds=(0, 100, 117, 400)),
         Case(1, 333, 3, 128, 128, F32, bounds=(0, 1, 200, 333)),
-        Case(1, 200, 2, 128, 128, BF16, block_v=64),
+        Case(1, 200, 2, 128, 128, BF16, block_v=32),
+        Case(1, 200, 2, 128, 128, BF16, block_v=128),
     ],
     ids=str,
 )
