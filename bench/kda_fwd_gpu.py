@@ -1,8 +1,8 @@
 """On a CUDA GPU: our forward-only Triton KDA (`chunk_kda(backend="triton")`) against fla's chunk_kda
 forward, both under torch.no_grad(), at K3's head shape (B=1, T=8192, H=96, K=V=128, bf16 inputs,
-float32 gate and state). Prints each one's milliseconds (our intra-tile kernel and scan apart),
-fla_ms / ours_ms, peak memory, and the max abs / relative error of ours against fla's output and
-final state. Asserts nothing.
+float32 gate and state). Prints each one's milliseconds (our intra-tile kernel and scan apart, and
+ours with precise=True), fla_ms / ours_ms, peak memory, and the max abs / relative error of ours
+against fla's output and final state. Asserts nothing.
 
 Usage: python bench/kda_fwd_gpu.py [--T 8192 --H 96 --K 128 --V 128 --docs 1 --iters 20]
        python bench/kda_fwd_gpu.py --sweep    (also times a few scan block sizes / warps / stages)
@@ -138,9 +138,14 @@ def main() -> None:
         f"peak {peak_mib(ours):.0f} MiB"
     )
 
+    precise = ours(precise=True)
+    precise_ms = time_ms(lambda: ours(precise=True), args.warmup, args.iters)
+    log(f"ours precise=True (fp32 state / delta operands, TF32 products): {precise_ms:.3f} ms")
+
     fla_ms = None
     if _fla_chunk_kda() is None:
         print("fla not importable (pip install flash-linear-attention): only ours was timed")
+        log(f"ours vs ours precise=True: {errors(out, precise)}")
     else:
         try:
 
@@ -152,8 +157,9 @@ def main() -> None:
             log("fla compiled")
             fla_ms = time_ms(fla, args.warmup, args.iters)
             log(f"fla:  {fla_ms:.3f} ms, peak {peak_mib(fla):.0f} MiB")
-            log(f"fla_ms / ours_ms = {fla_ms / ours_ms:.2f}")
+            log(f"fla_ms / ours_ms = {fla_ms / ours_ms:.2f} (precise=True: {fla_ms / precise_ms:.2f})")
             log(f"ours vs fla: {errors(out, ref)}")
+            log(f"ours precise=True vs fla: {errors(precise, ref)}")
         except Exception:  # a bench reports what failed and carries on
             traceback.print_exc()
 

@@ -36,6 +36,7 @@ class Case:
     bounds: tuple[int, ...] | None = None  # cu_seqlens of packed documents (B == 1)
     initial_state: bool = True
     block_v: int | None = None  # the scan kernel's V block; None: the default
+    precise: bool = False  # the scan's state and delta as float32 operands
 
 
 CASES = [
@@ -44,6 +45,7 @@ CASES = [
     Case(1, 37, 2, 60, 20, F32, bounds=(0, 0, 20, 37)),  # an empty document keeps its state
     Case(2, 50, 3, 16, 32, BF16, initial_state=False, block_v=16),
     Case(1, 19, 2, 20, 36, F16),
+    Case(1, 50, 2, 32, 60, BF16, bounds=(0, 13, 50), precise=True),
 ]
 
 
@@ -104,7 +106,9 @@ def check(case: Case, device: str, through_chunk_kda: bool = False) -> dict[str,
         if through_chunk_kda:
             o, state = chunk_kda(**inputs, output_final_state=True, backend="triton")
         else:
-            o, state = triton_chunk_kda(**inputs, output_final_state=True, block_v=case.block_v)
+            o, state = triton_chunk_kda(
+                **inputs, output_final_state=True, block_v=case.block_v, precise=case.precise
+            )
     want_o, want_state = naive_reference({n: t.cpu() if t is not None else None for n, t in inputs.items()})
     assert o.dtype == case.dtype and o.shape == want_o.shape
     assert state.dtype == F32 and state.shape == want_state.shape
@@ -235,6 +239,7 @@ def test_triton_forward_matches_spec_on_gpu(case):
         Case(1, 333, 3, 128, 128, F32, bounds=(0, 1, 200, 333)),
         Case(1, 200, 2, 128, 128, BF16, block_v=32),
         Case(1, 200, 2, 128, 128, BF16, block_v=128),
+        Case(1, 300, 2, 128, 128, BF16, bounds=(0, 150, 300), precise=True),
     ],
     ids=str,
 )

@@ -133,6 +133,7 @@ if triton is not None:
         h0_ptr, o_ptr, ht_ptr, H, K, V,
         BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
         HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, NUM_STAGES: tl.constexpr, UPCAST: tl.constexpr,
+        PRECISE: tl.constexpr,
     ):  # fmt: skip
         """Carries the transposed state S^T [BV, BK], so the recurrence runs accumulator ->
         left operand of the next product: delta^T = u^T - S^T w^T, S^T <- S^T exp(G_C) + delta^T kd.
@@ -152,9 +153,12 @@ if triton is not None:
         v_ok = vcols < V
         # The matmul operand dtype: the inputs' 16-bit dtype, or fp32. Triton's interpreter
         # multiplies 16-bit operands wrongly (Triton 3.9), so there (UPCAST) operands are rounded to
-        # dt and then widened: the same values the GPU's fp32-accumulating MMA multiplies.
+        # dt and then widened: the same values the GPU's fp32-accumulating MMA multiplies. PRECISE
+        # keeps S, delta and A_qk in fp32 (TF32 products on the GPU) for 16-bit inputs: about half
+        # the error of rounding them to 16 bits each tile.
         dt = w_ptr.dtype.element_ty
-        op = tl.float32 if UPCAST else dt
+        op = tl.float32 if UPCAST or PRECISE else dt
+        rnd = tl.float32 if PRECISE else dt  # what S, delta and A_qk are rounded to as operands
 
         state_at = (n * H + h) * K * V + kcols[None, :] * V + vcols[:, None]  # S^T[v, k] = S[k, v]
         state_mask = v_ok[:, None] & k_ok[None, :]
@@ -182,11 +186,11 @@ if triton is not None:
             a_qk_t = tl.load(aqk_ptr + first * 16 + off_at, mask=row_ok[None, :], other=0.0)
             decay = tl.load(decay_ptr + ((first_tile + t) * H + h) * K + kcols, mask=k_ok, other=0.0)
 
-            S_op = S_t.to(dt).to(op)
+            S_op = S_t.to(rnd).to(op)
             delta_t = u_t - tl.dot(S_op, w_t, input_precision=PRECISION)
-            delta_op = delta_t.to(dt).to(op)
+            delta_op = delta_t.to(rnd).to(op)
             o_t = tl.dot(S_op, qd_t, input_precision=PRECISION)
-            o_t = tl.dot(delta_op, a_qk_t.to(dt).to(op), o_t, input_precision=PRECISION)
+            o_t = tl.dot(delta_op, a_qk_t.to(rnd).to(op), o_t, input_precision=PRECISION)
             tl.store(o_ptr + first * V + off_vt, o_t.to(o_ptr.dtype.element_ty), mask=mask_vt)
             S_t = tl.dot(delta_op, kd, S_t * decay[None, :], input_precision=PRECISION)
 
@@ -207,12 +211,15 @@ def triton_chunk_kda(
     block_v: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    precise: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Forward-only `chunk_kda` (same arguments, layout and results) on our Triton kernels.
 
     g must keep each 16-token tile's cumulative log-decay >= -80 (K3's gate, g >= -5, always does);
     tiles beyond that come out NaN. block_v, num_warps and num_stages tune the scan kernel
-    (`bench/kda_fwd_gpu.py --sweep`); the defaults suit K = V = 128 on an H200.
+    (`bench/kda_fwd_gpu.py --sweep`); the defaults are chosen for K = V = 128 on an H200. precise
+    (16-bit inputs): the scan's state, delta and A_qk enter its products as float32 (TF32 on the
+    GPU) instead of being rounded to the inputs' dtype each tile.
 
     Raises RuntimeError when gradients are required (there is no backward) or when Triton cannot
     run here (CUDA tensors, or CPU ones under TRITON_INTERPRET=1).
@@ -256,7 +263,7 @@ def triton_chunk_kda(
         terms.w, terms.u, terms.qd, terms.kd, terms.aqk, terms.decay, tiles.bounds, tiles.first_tile,
         h0 if h0 is not None else o, o, ht if ht is not None else o, H, K, V,
         BK=_block_k(K), BV=BV, PRECISION=terms.precision, HAS_H0=h0 is not None,
-        STORE_HT=ht is not None, NUM_STAGES=num_stages or 2, UPCAST=not q.is_cuda,
+        STORE_HT=ht is not None, NUM_STAGES=num_stages or 2, UPCAST=not q.is_cuda, PRECISE=precise,
         num_warps=num_warps or 4,
     )  # fmt: skip
     return o, ht
