@@ -3,7 +3,7 @@
 Why it exists: rollouts and teacher prefill only need o and the final state, never gradients, yet
 fla's `chunk_kda` forward keeps what training needs (the state entering every chunk, written to
 memory and read back by a separate output kernel). Here the state of a (sequence, head, V-block)
-never leaves registers, and the only dependency is `posttrain` itself (no flash-linear-attention).
+never leaves registers, and nothing beyond Triton is needed (no flash-linear-attention).
 
 The math is `chunk.py`'s WY / UT form on 16-token tiles, which K3's bounded gate (g >= -5 per
 token, so a tile's cumulative log-decay G stays in [-80, 0]) lets us build densely with the split
@@ -23,9 +23,10 @@ A tile whose cumulative log-decay goes below -80 (a gate steeper than K3's bound
 split; `_intra_kernel` then writes NaN for that tile instead of a silently wrong number, since
 checking g on the host would cost a device sync per call.
 
-Products are float32 accumulations; for 16-bit inputs the matmul operands of the scan (w, q and k
-factors, u, and S cast per tile) are in the inputs' dtype, as in fla; for float32 inputs they stay
-float32 (`input_precision`).
+Products accumulate in float32. The intra-tile products are IEEE float32. For 16-bit inputs the
+scan's matmul operands (w, the q and k factors, u, and S, delta, A_qk rounded each tile) are in
+the inputs' dtype, as in fla; `precise=True` keeps S, delta and A_qk in float32 (TF32 products).
+For float32 inputs everything stays IEEE float32 (a correctness path, not tuned).
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ if triton is not None:
             G = tl.cumsum(tl.load(g_ptr + at, mask=mask, other=0.0).to(tl.float32), 0)
             worst = tl.minimum(worst, tl.min(G, 0))
             k_out = k * tl.exp(-G - SHIFT)
-            # Always IEEE float32 here: the e^+-40 factors cancel only in exact-enough products.
+            # IEEE float32, not TF32: A feeds the inverse and so every output of the tile.
             a_kk += tl.dot(k * tl.exp(G + SHIFT), tl.trans(k_out), input_precision="ieee")
             a_qk += tl.dot(q * tl.exp(G + SHIFT), tl.trans(k_out), input_precision="ieee")
         i = rows[:, None]
@@ -137,9 +138,11 @@ if triton is not None:
     ):  # fmt: skip
         """Carries the transposed state S^T [BV, BK], so the recurrence runs accumulator ->
         left operand of the next product: delta^T = u^T - S^T w^T, S^T <- S^T exp(G_C) + delta^T kd.
-        An accumulator feeds a left operand in registers; the tile's loaded terms (w, q, k, A_qk)
-        are the right operands, staged through shared memory by the loop's pipelining, so nothing
-        on the sequential chain waits on shared memory."""
+        An accumulator can feed a left operand in registers, while the tile's loaded terms (w, q, k,
+        A_qk) are right operands that the loop's pipelining stages in shared memory. In the sm90
+        compile at BV = 64, 4 warps (Hopper warp-group MMAs, warps split by rows) the whole
+        S -> delta -> S chain stays in registers; narrower blocks (mma.sync, warps split by
+        columns) route S and delta through shared memory each tile."""
         vb = tl.program_id(0)
         n = tl.program_id(1).to(tl.int64)
         h = tl.program_id(2)
