@@ -128,6 +128,11 @@ errors.append(check(Case(1, 23, 2, 16, 20, torch.float32), "cpu", through_chunk_
 # No final state asked: none returned; T = 0: the initial state passes through.
 inputs = make_inputs(CASES[0], "cpu")
 assert triton_chunk_kda(**inputs)[1] is None
+# Leaves that require grad are fine under no_grad / inference_mode (a policy's rollout).
+with torch.no_grad():
+    o_no_grad = triton_chunk_kda(**{n: t.requires_grad_() if n == "q" else t for n, t in inputs.items()})[0]
+with torch.inference_mode():
+    assert torch.equal(triton_chunk_kda(**make_inputs(CASES[0], "cpu"))[0], o_no_grad)
 empty = make_inputs(Case(2, 0, 2, 16, 16, torch.float32), "cpu")
 o, state = triton_chunk_kda(**empty, output_final_state=True)
 assert o.shape == (2, 0, 2, 16) and torch.equal(state, empty["initial_state"])
