@@ -60,8 +60,11 @@ if triton is not None:
         scale, H, K, V,
         BK: tl.constexpr, BV: tl.constexpr, SHIFT: tl.constexpr, MAX_DECAY: tl.constexpr,
     ):  # fmt: skip
-        tile = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1)
+        # Heads vary fastest: the programs in flight then read one contiguous run of tokens x heads
+        # (and one grid axis has room for any number of tiles).
+        pid = tl.program_id(0).to(tl.int64)
+        tile = pid // H
+        h = pid % H
         start = tl.load(tile_start_ptr + tile).to(tl.int64)
         end = tl.load(tile_end_ptr + tile).to(tl.int64)
         rows = tl.arange(0, 16)
@@ -337,7 +340,7 @@ def intra_terms(
     num_tiles = tiles.start.numel()
     decay = torch.empty(num_tiles, H, K, dtype=torch.float32, device=device)
     if num_tiles:
-        _intra_kernel[(num_tiles, H)](
+        _intra_kernel[(num_tiles * H,)](
             q, k, v, g, beta, tiles.start, tiles.end, w, u, qd, kd, aqk, decay, scale, H, K, V,
             # 32 x 64 blocks: at 64 x 64 the IEEE-fp32 products need 255 registers and spill (sm90).
             BK=min(_block_k(K), 32), BV=min(max(16, triton.next_power_of_2(V)), 64),
