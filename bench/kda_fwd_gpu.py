@@ -12,6 +12,7 @@ Needs CUDA; fla optional (pip install flash-linear-attention): without it only o
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 import traceback
 from collections.abc import Callable
@@ -136,6 +137,18 @@ def main() -> None:
     log(
         f"ours: {ours_ms:.3f} ms (intra-tile kernel {intra_ms:.3f} ms, scan ~{ours_ms - intra_ms:.3f} ms), "
         f"peak {peak_mib(ours):.0f} MiB"
+    )
+    # Is the intra-tile kernel at the memory roof, and what does one sequential tile step of the
+    # scan cost? (Its programs may run in more than one wave: see the sweep's block sizes.)
+    tokens = args.B * args.T * args.H
+    size = inputs["q"].element_size()
+    read = tokens * (2 * args.K * size + args.V * size + 4 * args.K + size)  # q, k, v, g (fp32), beta
+    written = tokens * ((3 * args.K + args.V) * size + 16 * 4)  # w, q and k factors, u; A_qk rows
+    steps = max(b - a for a, b in itertools.pairwise(bounds)) / 16
+    moved = read + written
+    log(
+        f"intra-tile kernel moves {moved / 1e9:.2f} GB: {moved / intra_ms / 1e6:.0f} GB/s; "
+        f"scan: {(ours_ms - intra_ms) * 1e3 / steps:.2f} us per tile step ({steps:.0f} steps)"
     )
 
     precise = ours(precise=True)
