@@ -1,9 +1,10 @@
 """Our forward-only Triton KDA (`posttrain.ops.kda.triton_fwd`, `chunk_kda(backend="triton")`) against
 the spec `naive_recurrent_kda`: odd T, several heads, K != V and neither a multiple of 16, packed
 documents (one of length 1, one empty, one exactly a tile), initial and final states, float32 and
-16-bit inputs, gates at K3's -5 bound. Under Triton's interpreter (a subprocess with
-TRITON_INTERPRET=1, so CI runs the kernels without a GPU) and on a GPU (`gpu` tests, which add
-K = V = 128 in bf16 against the naive spec and the torch chunk path)."""
+16-bit inputs, gates at K3's -5 bound, NaN (not a wrong number) past the tiles' -80 range. Under
+Triton's interpreter (a subprocess with TRITON_INTERPRET=1, so CI runs the kernels without a GPU),
+compiled for sm90 on the CPU (the GPU compiler rejects what the interpreter may accept), and on a
+GPU (`gpu` tests, which add K = V = 128 against the naive spec and the torch chunk path)."""
 
 from __future__ import annotations
 
