@@ -14,7 +14,8 @@ hand-written backward (`_StateScan`). Everything else is dense batched matmuls o
 differentiated by torch autograd.
 
 On CUDA with flash-linear-attention installed, `backend="auto"` hands the call to fla's Triton
-kernel instead (same layout and semantics; see `_fla_chunk_kda`).
+kernel instead (same layout and semantics; see `_fla_chunk_kda`). `backend="triton"` runs our own
+forward-only kernels (`triton_fwd`), for rollouts and teacher prefill.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def chunk_kda(
     output_final_state: bool = False,
     cu_seqlens: torch.LongTensor | None = None,
     chunk_size: int = 16,
-    backend: Literal["auto", "torch", "fla"] = "auto",
+    backend: Literal["auto", "torch", "fla", "triton"] = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunkwise KDA, equal to `naive_recurrent_kda` up to float rounding, for any T.
 
@@ -67,15 +68,22 @@ def chunk_kda(
         cu_seqlens: LongTensor [N+1] of document boundaries in a packed row (B == 1); the state
             restarts from initial_state[n] (or zeros) at each document.
         chunk_size: tokens per tile of the torch path; capped so a tile's cumulative log-decay
-            stays >= -80 (16 for K3's gate).
-        backend: "auto" (fla's kernel for CUDA inputs when fla imports, else torch), "torch", "fla".
+            stays >= -80 (16 for K3's gate). The triton backend always uses 16.
+        backend: "auto" (fla's kernel for CUDA inputs when fla imports, else torch), "torch", "fla",
+            or "triton": our forward-only kernels (`triton_fwd`), for rollouts and prefill under
+            torch.no_grad(); CUDA inputs (or TRITON_INTERPRET=1), g >= -5.
 
     Returns:
         o: [B, T, H, V] in v's dtype; final_state: [N, H, K, V] float32, or None.
     """
     N = check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
-    if backend not in ("auto", "torch", "fla"):
-        raise ValueError(f"chunk_kda: backend must be 'auto', 'torch' or 'fla', got {backend!r}")
+    if backend not in ("auto", "torch", "fla", "triton"):
+        raise ValueError(f"chunk_kda: backend must be 'auto', 'torch', 'fla' or 'triton', got {backend!r}")
+    if backend == "triton":
+        # Imported on use: it imports Triton, which the torch and fla paths do not need here.
+        from posttrain.ops.kda.triton_fwd import triton_chunk_kda
+
+        return triton_chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
     fla_kernel = _fla_chunk_kda() if backend != "torch" and q.is_cuda else None
     if backend == "fla" and fla_kernel is None:
         raise ImportError(

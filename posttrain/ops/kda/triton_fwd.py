@@ -1,0 +1,367 @@
+"""KDA's chunked forward as our own two Triton kernels: inference only (rollouts, teacher prefill).
+
+Why it exists: rollouts and teacher prefill only need o and the final state, never gradients, yet
+fla's `chunk_kda` forward keeps what training needs (the state entering every chunk, written to
+memory and read back by a separate output kernel). Here the state of a (sequence, head, V-block)
+never leaves registers, and nothing beyond Triton is needed (no flash-linear-attention).
+
+The math is `chunk.py`'s WY / UT form on 16-token tiles, which K3's bounded gate (g >= -5 per
+token, so a tile's cumulative log-decay G stays in [-80, 0]) lets us build densely with the split
+exp(G_i - G_j) = exp(G_i + c) * exp(-G_j - c), c = 40 (see `chunk.MAX_CHUNK_LOG_DECAY`):
+
+1. `_intra_kernel`, one program per (tile, head), everything that does not depend on the state:
+   A_kk (strictly lower, scaled by beta) and its unit-triangular inverse X = (I + A_kk)^-1 by forward
+   substitution on the 16 x 16 tile; u = X beta v and w = X (beta k exp(G)), so delta = u - w S0;
+   the causal query-key tile A_qk = scale <q_i exp(G_i - G_j), k_j>; q exp(G) scale, k exp(G_C - G)
+   and the tile's decay exp(G_C). Per-token results keep the inputs' token layout.
+2. `_scan_kernel`, one program per (sequence, head, V-block), walks the sequence's tiles in order
+   keeping S [K, BV] (transposed) in float32 registers:
+       delta = u - w S;   o = (q exp(G) scale) S + A_qk delta;   S = exp(G_C) S + (k exp(G_C - G))^T delta
+   and writes o and the final state; no per-tile state is stored.
+
+A tile whose cumulative log-decay goes below -80 (a gate steeper than K3's bound) would overflow the
+split; `_intra_kernel` then writes NaN for that tile instead of a silently wrong number, since
+checking g on the host would cost a device sync per call.
+
+Products accumulate in float32. The intra-tile products are IEEE float32. For 16-bit inputs the
+scan's matmul operands (w, the q and k factors, u, and S, delta, A_qk rounded each tile) are in
+the inputs' dtype, as in fla; `precise=True` keeps S, delta and A_qk in float32 (TF32 products).
+For float32 inputs everything stays IEEE float32 (a correctness path, not tuned).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from posttrain.ops.kda.inputs import check_kda_inputs
+from posttrain.ops.triton_support import triton_serves
+
+try:  # Triton ships with CUDA builds of torch, not always with the CPU build
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+TILE = 16  # tokens per tile: the smallest tl.dot side, and 16 * 5 = 80 fits the exp split.
+SHIFT = 40.0  # c in exp(G_i + c) * exp(-G_j - c): centres G in [-80, 0] on 0.
+MAX_TILE_LOG_DECAY = 80.0
+MAX_K = 256  # the scan keeps all K rows of its state block in registers
+
+if triton is not None:
+
+    @triton.jit
+    def _intra_kernel(
+        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, tile_start_ptr, tile_end_ptr,
+        w_ptr, u_ptr, qd_ptr, kd_ptr, aqk_ptr, decay_ptr,
+        scale, H, K, V,
+        BK: tl.constexpr, BV: tl.constexpr, SHIFT: tl.constexpr, MAX_DECAY: tl.constexpr,
+    ):  # fmt: skip
+        # Heads vary fastest: the programs in flight then read one contiguous run of tokens x heads
+        # (and one grid axis has room for any number of tiles).
+        pid = tl.program_id(0).to(tl.int64)
+        tile = pid // H
+        h = pid % H
+        start = tl.load(tile_start_ptr + tile).to(tl.int64)
+        end = tl.load(tile_end_ptr + tile).to(tl.int64)
+        rows = tl.arange(0, 16)
+        tok = start + rows
+        row_ok = tok < end
+        # Padded rows read k = v = g = beta = 0: they write nothing and leave the tile's decay alone.
+        beta = tl.load(beta_ptr + tok * H + h, mask=row_ok, other=0.0).to(tl.float32)
+        row_k = (tok * H + h) * K
+        row_v = (tok * H + h) * V
+
+        # Pass 1 over K: the two 16 x 16 tiles, accumulated over blocks of channels.
+        a_kk = tl.zeros([16, 16], tl.float32)
+        a_qk = tl.zeros([16, 16], tl.float32)
+        worst = tl.zeros([BK], tl.float32)  # the most negative G per channel slot
+        for k0 in range(0, K, BK):
+            cols = k0 + tl.arange(0, BK)
+            mask = row_ok[:, None] & (cols < K)[None, :]
+            at = row_k[:, None] + cols[None, :]
+            k = tl.load(k_ptr + at, mask=mask, other=0.0).to(tl.float32)
+            q = tl.load(q_ptr + at, mask=mask, other=0.0).to(tl.float32)
+            G = tl.cumsum(tl.load(g_ptr + at, mask=mask, other=0.0).to(tl.float32), 0)
+            worst = tl.minimum(worst, tl.min(G, 0))
+            k_out = k * tl.exp(-G - SHIFT)
+            # IEEE float32, not TF32: A feeds the inverse and so every output of the tile.
+            a_kk += tl.dot(k * tl.exp(G + SHIFT), tl.trans(k_out), input_precision="ieee")
+            a_qk += tl.dot(q * tl.exp(G + SHIFT), tl.trans(k_out), input_precision="ieee")
+        i = rows[:, None]
+        j = rows[None, :]
+        a_kk = tl.where(i > j, beta[:, None] * a_kk, 0.0)
+        a_qk = tl.where(i >= j, scale * a_qk, 0.0)
+
+        # X = (I + A)^-1 row by row: X_i = e_i - sum_{j<i} A_ij X_j (rows >= i of X are still 0).
+        x = tl.zeros([16, 16], tl.float32)
+        for r in tl.static_range(16):
+            a_r = tl.sum(tl.where(i == r, a_kk, 0.0), 0)  # row r of A, indexed by column
+            x_r = tl.where(rows == r, 1.0, 0.0) - tl.sum(a_r[:, None] * x, 0)
+            x = tl.where(i == r, x_r[None, :], x)
+        # A tile steeper than the split allows: NaN rather than an overflowed, plausible result.
+        x += tl.where(tl.min(worst, 0) < -MAX_DECAY, float("nan"), 0.0)
+
+        tl.store(aqk_ptr + (tok * H + h)[:, None] * 16 + j, a_qk, mask=row_ok[:, None])
+        # Pass 2 over K: w, the decayed q and k, the tile's decay.
+        for k0 in range(0, K, BK):
+            cols = k0 + tl.arange(0, BK)
+            mask = row_ok[:, None] & (cols < K)[None, :]
+            at = row_k[:, None] + cols[None, :]
+            k = tl.load(k_ptr + at, mask=mask, other=0.0).to(tl.float32)
+            q = tl.load(q_ptr + at, mask=mask, other=0.0).to(tl.float32)
+            G = tl.cumsum(tl.load(g_ptr + at, mask=mask, other=0.0).to(tl.float32), 0)
+            G_last = tl.sum(tl.where(i == 15, G, 0.0), 0)  # padded rows add g = 0
+            decay = tl.exp(G)
+            w = tl.dot(x, beta[:, None] * k * decay, input_precision="ieee")
+            tl.store(w_ptr + at, w.to(w_ptr.dtype.element_ty), mask=mask)
+            tl.store(qd_ptr + at, (scale * q * decay).to(qd_ptr.dtype.element_ty), mask=mask)
+            kd = k * tl.exp(G_last[None, :] - G)
+            tl.store(kd_ptr + at, kd.to(kd_ptr.dtype.element_ty), mask=mask)
+            tl.store(decay_ptr + (tile * H + h) * K + cols, tl.exp(G_last), mask=cols < K)
+        # u per block of V.
+        for v0 in range(0, V, BV):
+            cols = v0 + tl.arange(0, BV)
+            mask = row_ok[:, None] & (cols < V)[None, :]
+            at = row_v[:, None] + cols[None, :]
+            v = tl.load(v_ptr + at, mask=mask, other=0.0).to(tl.float32)
+            u = tl.dot(x, beta[:, None] * v, input_precision="ieee")
+            tl.store(u_ptr + at, u.to(u_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _scan_kernel(
+        w_ptr, u_ptr, qd_ptr, kd_ptr, aqk_ptr, decay_ptr, bounds_ptr, first_tile_ptr,
+        h0_ptr, o_ptr, ht_ptr, H, K, V,
+        BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
+        HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, NUM_STAGES: tl.constexpr, UPCAST: tl.constexpr,
+        PRECISE: tl.constexpr,
+    ):  # fmt: skip
+        """Carries the transposed state S^T [BV, BK], so the recurrence runs accumulator ->
+        left operand of the next product: delta^T = u^T - S^T w^T, S^T <- S^T exp(G_C) + delta^T kd.
+        An accumulator can feed a left operand in registers, while the tile's loaded terms (w, q, k,
+        A_qk) are right operands that the loop's pipelining stages in shared memory. In the sm90
+        compile at BV = 64, 4 warps (Hopper warp-group MMAs, warps split by rows) the whole
+        S -> delta -> S chain stays in registers; narrower blocks (mma.sync, warps split by
+        columns) route S and delta through shared memory each tile."""
+        vb = tl.program_id(0)
+        n = tl.program_id(1).to(tl.int64)
+        h = tl.program_id(2)
+        bos = tl.load(bounds_ptr + n).to(tl.int64)
+        eos = tl.load(bounds_ptr + n + 1).to(tl.int64)
+        first_tile = tl.load(first_tile_ptr + n).to(tl.int64)
+        rows = tl.arange(0, 16)
+        kcols = tl.arange(0, BK)
+        vcols = vb * BV + tl.arange(0, BV)
+        k_ok = kcols < K
+        v_ok = vcols < V
+        # The matmul operand dtype: the inputs' 16-bit dtype, or fp32. Triton's interpreter
+        # multiplies 16-bit operands wrongly (Triton 3.9), so there (UPCAST) operands are rounded to
+        # dt and then widened: the same values the GPU's fp32-accumulating MMA multiplies. PRECISE
+        # keeps S, delta and A_qk in fp32 (TF32 products on the GPU) for 16-bit inputs: about half
+        # the error of rounding them to 16 bits each tile.
+        dt = w_ptr.dtype.element_ty
+        op = tl.float32 if UPCAST or PRECISE else dt
+        rnd = tl.float32 if PRECISE else dt  # what S, delta and A_qk are rounded to as operands
+
+        state_at = (n * H + h) * K * V + kcols[None, :] * V + vcols[:, None]  # S^T[v, k] = S[k, v]
+        state_mask = v_ok[:, None] & k_ok[None, :]
+        if HAS_H0:
+            S_t = tl.load(h0_ptr + state_at, mask=state_mask, other=0.0).to(tl.float32)
+        else:
+            S_t = tl.zeros([BV, BK], tl.float32)
+
+        # Addresses as a scalar 64-bit base per tile plus loop-invariant 32-bit offsets within it:
+        # a 64-bit address per element would cost registers the state needs.
+        off_kt = kcols[:, None] + rows[None, :] * (H * K)  # [BK, 16]: w^T, (q exp(G))^T
+        off_k = rows[:, None] * (H * K) + kcols[None, :]  # [16, BK]: k exp(G_C - G)
+        off_vt = vcols[:, None] + rows[None, :] * (H * V)  # [BV, 16]: u^T, o^T
+        off_at = rows[:, None] + rows[None, :] * (H * 16)  # [16, 16]: A_qk^T
+        L = eos - bos
+        for t in tl.range(0, tl.cdiv(L, 16), num_stages=NUM_STAGES):
+            first = (bos + t * 16) * H + h  # the tile's first token, as a row of [tokens * H, ...]
+            row_ok = rows < L - t * 16
+            mask_kt = k_ok[:, None] & row_ok[None, :]
+            mask_vt = v_ok[:, None] & row_ok[None, :]
+            w_t = tl.load(w_ptr + first * K + off_kt, mask=mask_kt, other=0.0).to(op)
+            qd_t = tl.load(qd_ptr + first * K + off_kt, mask=mask_kt, other=0.0).to(op)
+            kd = tl.load(kd_ptr + first * K + off_k, mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(op)
+            u_t = tl.load(u_ptr + first * V + off_vt, mask=mask_vt, other=0.0).to(tl.float32)
+            a_qk_t = tl.load(aqk_ptr + first * 16 + off_at, mask=row_ok[None, :], other=0.0)
+            decay = tl.load(decay_ptr + ((first_tile + t) * H + h) * K + kcols, mask=k_ok, other=0.0)
+
+            S_op = S_t.to(rnd).to(op)
+            delta_t = u_t - tl.dot(S_op, w_t, input_precision=PRECISION)
+            delta_op = delta_t.to(rnd).to(op)
+            o_t = tl.dot(S_op, qd_t, input_precision=PRECISION)
+            o_t = tl.dot(delta_op, a_qk_t.to(rnd).to(op), o_t, input_precision=PRECISION)
+            tl.store(o_ptr + first * V + off_vt, o_t.to(o_ptr.dtype.element_ty), mask=mask_vt)
+            S_t = tl.dot(delta_op, kd, S_t * decay[None, :], input_precision=PRECISION)
+
+        if STORE_HT:
+            tl.store(ht_ptr + state_at, S_t, mask=state_mask)
+
+
+def triton_chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    block_v: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    precise: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Forward-only `chunk_kda` (same arguments, layout and results) on our Triton kernels.
+
+    g must keep each 16-token tile's cumulative log-decay >= -80 (K3's gate, g >= -5, always does);
+    tiles beyond that come out NaN. block_v, num_warps and num_stages tune the scan kernel
+    (`bench/kda_fwd_gpu.py --sweep`); the defaults are chosen for K = V = 128 on an H200. precise
+    (16-bit inputs): the scan's state, delta and A_qk enter its products as float32 (TF32 on the
+    GPU) instead of being rounded to the inputs' dtype each tile.
+
+    Raises RuntimeError when gradients are required (there is no backward) or when Triton cannot
+    run here (CUDA tensors, or CPU ones under TRITON_INTERPRET=1).
+    """
+    N = check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    tensors = [q, k, v, g, beta] + ([] if initial_state is None else [initial_state])
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        raise RuntimeError(
+            "chunk_kda(backend='triton') is forward-only (no backward): call it under torch.no_grad() "
+            "or torch.inference_mode(), or use backend='fla' / 'torch' to train"
+        )
+    if not triton_serves(*tensors):
+        raise RuntimeError(
+            "chunk_kda(backend='triton') needs Triton and CUDA tensors of float32/bfloat16/float16 "
+            "(or CPU tensors under TRITON_INTERPRET=1); got "
+            f"{q.device} {', '.join(sorted({str(t.dtype) for t in tensors}))}"
+            + ("" if triton is not None else ", and triton is not installed")
+        )
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if K > MAX_K:
+        raise ValueError(
+            f"chunk_kda(backend='triton'): K={K} is above the {MAX_K} the scan holds in registers"
+        )
+    scale = K**-0.5 if scale is None else scale
+    device = q.device
+    h0 = None if initial_state is None else initial_state.float().contiguous()
+    if T == 0 or B == 0:
+        o = v.new_zeros(B, T, H, V)
+        if not output_final_state:
+            return o, None
+        return o, (h0.clone() if h0 is not None else torch.zeros(N, H, K, V, device=device))
+
+    bounds = tuple(b * T for b in range(B + 1)) if cu_seqlens is None else tuple(cu_seqlens.tolist())
+    tiles = tile_tables(bounds, device)
+    terms = intra_terms(q, k, v, g, beta, scale, tiles)
+    o = torch.empty(B, T, H, V, dtype=v.dtype, device=device)
+    ht = torch.empty(N, H, K, V, dtype=torch.float32, device=device) if output_final_state else None
+    BV = block_v or _default_block_v(V, terms.w.dtype)
+    _scan_kernel[(triton.cdiv(V, BV), N, H)](
+        terms.w, terms.u, terms.qd, terms.kd, terms.aqk, terms.decay, tiles.bounds, tiles.first_tile,
+        h0 if h0 is not None else o, o, ht if ht is not None else o, H, K, V,
+        BK=_block_k(K), BV=BV, PRECISION=terms.precision, HAS_H0=h0 is not None,
+        STORE_HT=ht is not None, NUM_STAGES=num_stages or 2, UPCAST=not q.is_cuda, PRECISE=precise,
+        num_warps=num_warps or 4,
+    )  # fmt: skip
+    return o, ht
+
+
+@dataclass(frozen=True)
+class TileTables:
+    """int32 device tables of one packed row: each tile's [start, end) token, each document's
+    [bos, eos) (`bounds`, N + 1) and first tile. Documents start on a tile boundary."""
+
+    start: torch.Tensor
+    end: torch.Tensor
+    bounds: torch.Tensor
+    first_tile: torch.Tensor
+
+
+@functools.lru_cache(maxsize=64)
+def tile_tables(bounds: tuple[int, ...], device: torch.device) -> TileTables:
+    """Cached per layout: building them is a host loop and a host-to-device copy, which would
+    otherwise wait for the GPU's queue on every call of a fixed-shape prefill."""
+    starts: list[int] = []
+    ends: list[int] = []
+    first_tile: list[int] = []
+    for bos, eos in itertools.pairwise(bounds):
+        first_tile.append(len(starts))
+        starts.extend(range(bos, eos, TILE))
+        ends.extend(min(s + TILE, eos) for s in range(bos, eos, TILE))
+    return TileTables(
+        *(torch.tensor(x, dtype=torch.int32, device=device) for x in (starts, ends, bounds, first_tile))
+    )
+
+
+@dataclass(frozen=True)
+class IntraTerms:
+    """`_intra_kernel`'s results: w, q exp(G) scale, k exp(G_C - G) [B, T, H, K] and u [B, T, H, V]
+    in the scan's operand dtype; A_qk rows [B, T, H, 16] and tile decays [tiles, H, K] in float32."""
+
+    w: torch.Tensor
+    qd: torch.Tensor
+    kd: torch.Tensor
+    u: torch.Tensor
+    aqk: torch.Tensor
+    decay: torch.Tensor
+    precision: str  # the scan's tl.dot input_precision
+
+
+def intra_terms(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    tiles: TileTables,
+) -> IntraTerms:
+    """Every tile's state-independent terms (step 1 of the module docstring); its own function so
+    the bench can time it apart from the scan."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    device = q.device
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    # Operand dtype of the scan's matmuls: 16-bit inputs keep 16-bit operands (fp32 accumulation).
+    work = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32
+    w = torch.empty(B, T, H, K, dtype=work, device=device)
+    qd, kd = torch.empty_like(w), torch.empty_like(w)
+    u = torch.empty(B, T, H, V, dtype=work, device=device)
+    aqk = torch.empty(B, T, H, TILE, dtype=torch.float32, device=device)
+    num_tiles = tiles.start.numel()
+    decay = torch.empty(num_tiles, H, K, dtype=torch.float32, device=device)
+    if num_tiles:
+        _intra_kernel[(num_tiles * H,)](
+            q, k, v, g, beta, tiles.start, tiles.end, w, u, qd, kd, aqk, decay, scale, H, K, V,
+            # 32 x 64 blocks: at 64 x 64 the IEEE-fp32 products need 255 registers and spill (sm90).
+            BK=min(_block_k(K), 32), BV=min(max(16, triton.next_power_of_2(V)), 64),
+            SHIFT=SHIFT, MAX_DECAY=MAX_TILE_LOG_DECAY, num_warps=4,
+        )  # fmt: skip
+    # fp32 inputs get IEEE fp32 products in the scan (not TF32's 10-bit mantissa); for 16-bit
+    # operands the setting is moot.
+    precision = "ieee" if work == torch.float32 or not q.is_cuda else "tf32"
+    return IntraTerms(w, qd, kd, u, aqk, decay, precision)
+
+
+def _default_block_v(V: int, operand_dtype: torch.dtype) -> int:
+    """From sm90 compiles (register counts), not yet timed; `bench/kda_fwd_gpu.py --sweep` times the
+    alternatives. 16-bit operands: 64, where at K = 128 the scan's products become Hopper warp-group
+    MMAs with the state split over the 4 warps by rows, and at ~230 registers a thread two programs
+    fit an SM, so B=1 H=96's 192 programs run in one wave (at 32, 384 programs of ~180 registers
+    would need two). float32 operands (IEEE products, a correctness path, not tuned): 16, the
+    block that spills least."""
+    widest = 16 if operand_dtype == torch.float32 else 64
+    return min(widest, max(16, triton.next_power_of_2(V)))
+
+
+def _block_k(K: int) -> int:
+    return max(16, triton.next_power_of_2(K))

@@ -1,0 +1,262 @@
+"""Our forward-only Triton KDA (`posttrain.ops.kda.triton_fwd`, `chunk_kda(backend="triton")`) against
+the spec `naive_recurrent_kda`: odd T, several heads, K != V and neither a multiple of 16, packed
+documents (one of length 1, one empty, one exactly a tile), initial and final states, float32 and
+16-bit inputs, gates at K3's -5 bound, NaN (not a wrong number) past the tiles' -80 range. Under
+Triton's interpreter (a subprocess with TRITON_INTERPRET=1, so CI runs the kernels without a GPU),
+compiled for sm90 on the CPU (the GPU compiler rejects what the interpreter may accept), and on a
+GPU (`gpu` tests, which add K = V = 128 against the naive spec and the torch chunk path)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from posttrain.ops.kda import chunk_kda, kda_gate, naive_recurrent_kda
+from tests.ops.interpreted import run_interpreted
+
+try:  # Triton ships with CUDA builds of torch, not always with the CPU build
+    import triton
+except ImportError:
+    triton = None
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+
+
+@dataclass(frozen=True)
+class Case:
+    B: int
+    T: int
+    H: int
+    K: int
+    V: int
+    dtype: torch.dtype
+    bounds: tuple[int, ...] | None = None  # cu_seqlens of packed documents (B == 1)
+    initial_state: bool = True
+    block_v: int | None = None  # the scan kernel's V block; None: the default
+    precise: bool = False  # the scan's state and delta as float32 operands
+
+
+CASES = [
+    Case(2, 37, 2, 20, 16, F32),
+    Case(1, 50, 3, 32, 60, BF16, bounds=(0, 1, 17, 40, 50), block_v=32),  # two V blocks, masked tail
+    Case(1, 37, 2, 60, 20, F32, bounds=(0, 0, 20, 37)),  # an empty document keeps its state
+    Case(2, 50, 3, 16, 32, BF16, initial_state=False, block_v=16),
+    Case(1, 19, 2, 20, 36, F16),
+    Case(1, 50, 2, 32, 60, BF16, bounds=(0, 13, 50), precise=True),
+]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def make_inputs(case: Case, device: str, seed: int = 0) -> dict:
+    """Inputs on `device`; f is scaled so many gates sit near K3's bound, and every third token
+    is exactly at it."""
+    gen = torch.Generator().manual_seed(seed + case.T * 7 + case.K)
+    B, T, H, K, V = case.B, case.T, case.H, case.K, case.V
+    q = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    v = torch.randn(B, T, H, V, generator=gen)
+    f = 4 * torch.randn(B, T, H * K, generator=gen)
+    g = kda_gate(f, torch.randn(H, generator=gen), torch.randn(H * K, generator=gen))
+    g[:, ::3] = -5.0
+    beta = torch.rand(B, T, H, generator=gen)
+    N = B if case.bounds is None else len(case.bounds) - 1
+    h0 = torch.randn(N, H, K, V, generator=gen) if case.initial_state else None
+    inputs = dict(q=q.to(case.dtype), k=k.to(case.dtype), v=v.to(case.dtype), g=g, beta=beta.to(case.dtype))
+    inputs = {name: x.to(device) for name, x in inputs.items()}
+    inputs["initial_state"] = None if h0 is None else h0.to(device)
+    inputs["cu_seqlens"] = None if case.bounds is None else torch.tensor(case.bounds, device=device)
+    return inputs
+
+
+def naive_reference(inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The spec in float32 on the same (rounded) inputs, one call per document."""
+    x = {n: inputs[n].float() for n in ("q", "k", "v", "g", "beta")}
+    h0, cu = inputs["initial_state"], inputs["cu_seqlens"]
+    if cu is None:
+        return naive_recurrent_kda(**x, initial_state=h0, output_final_state=True)
+    outputs, states = [], []
+    for n, (bos, eos) in enumerate(zip(cu.tolist()[:-1], cu.tolist()[1:], strict=True)):
+        doc = {name: t[:, bos:eos] for name, t in x.items()}
+        o, state = naive_recurrent_kda(
+            **doc, initial_state=None if h0 is None else h0[n : n + 1], output_final_state=True
+        )
+        outputs.append(o)
+        states.append(state)
+    return torch.cat(outputs, 1), torch.cat(states, 0)
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    # 16-bit inputs: the scan's matmul operands (w, u, q and k factors, S, delta) are rounded to the
+    # inputs' dtype each tile, as in fla; on CPU that measured ~1e-2 (bf16), ~4e-4 (fp16).
+    return {F32: 1e-5, F16: 3e-3, BF16: 3e-2}[dtype]
+
+
+def check(case: Case, device: str, through_chunk_kda: bool = False) -> dict[str, float]:
+    """Output and final state against the spec; returns the relative errors."""
+    from posttrain.ops.kda.triton_fwd import triton_chunk_kda
+
+    inputs = make_inputs(case, device)
+    with torch.no_grad():
+        if through_chunk_kda:
+            o, state = chunk_kda(**inputs, output_final_state=True, backend="triton")
+        else:
+            o, state = triton_chunk_kda(
+                **inputs, output_final_state=True, block_v=case.block_v, precise=case.precise
+            )
+    want_o, want_state = naive_reference({n: t.cpu() if t is not None else None for n, t in inputs.items()})
+    assert o.dtype == case.dtype and o.shape == want_o.shape
+    assert state.dtype == F32 and state.shape == want_state.shape
+    errors = {"o": rel(o.cpu(), want_o), "state": rel(state.cpu(), want_state)}
+    assert max(errors.values()) < tolerance(case.dtype), (case, errors)
+    return errors
+
+
+INTERPRETED = """
+import json, sys, time, torch
+sys.path.insert(0, sys.argv[1])
+from posttrain.ops.kda.triton_fwd import triton_chunk_kda
+from tests.ops.test_kda_triton_fwd import CASES, Case, check, make_inputs
+start = time.perf_counter()
+errors = [check(case, "cpu") for case in CASES]
+errors.append(check(Case(1, 23, 2, 16, 20, torch.float32), "cpu", through_chunk_kda=True))
+# No final state asked: none returned; T = 0: the initial state passes through.
+inputs = make_inputs(CASES[0], "cpu")
+assert triton_chunk_kda(**inputs)[1] is None
+# Leaves that require grad are fine under no_grad / inference_mode (a policy's rollout).
+with torch.no_grad():
+    o_no_grad = triton_chunk_kda(**{n: t.requires_grad_() if n == "q" else t for n, t in inputs.items()})[0]
+with torch.inference_mode():
+    assert torch.equal(triton_chunk_kda(**make_inputs(CASES[0], "cpu"))[0], o_no_grad)
+empty = make_inputs(Case(2, 0, 2, 16, 16, torch.float32), "cpu")
+o, state = triton_chunk_kda(**empty, output_final_state=True)
+assert o.shape == (2, 0, 2, 16) and torch.equal(state, empty["initial_state"])
+# A tile decaying past the exp split's range (-80) comes out NaN, from that tile on, not wrong.
+steep = make_inputs(Case(1, 40, 1, 16, 16, torch.float32), "cpu")
+steep["g"][0, 20:26, 0, 3] = -20.0
+o, state = triton_chunk_kda(**steep, output_final_state=True)
+assert not o[0, :16].isnan().any() and o[0, 16:32].isnan().all() and state.isnan().all()
+print(json.dumps({"errors": errors, "seconds": time.perf_counter() - start}))
+"""
+
+
+def test_triton_forward_matches_spec_interpreted():
+    result = run_interpreted(INTERPRETED)
+    assert len(result["errors"]) == len(CASES) + 1
+
+
+def test_triton_backend_is_forward_only():
+    inputs = make_inputs(CASES[0], "cpu")
+    inputs["q"].requires_grad_(True)
+    with pytest.raises(RuntimeError, match="forward-only"):
+        chunk_kda(**inputs, backend="triton")
+
+
+def test_triton_backend_on_cpu_says_what_it_needs(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    inputs = make_inputs(CASES[0], "cpu")
+    with torch.no_grad(), pytest.raises(RuntimeError, match="CUDA tensors"):
+        chunk_kda(**inputs, backend="triton")
+    assert os.environ.get("TRITON_INTERPRET") is None
+
+
+def test_unknown_backend_lists_triton():
+    inputs = make_inputs(CASES[0], "cpu")
+    with pytest.raises(ValueError, match="'triton'"):
+        chunk_kda(**inputs, backend="cuda")
+
+
+def compile_for_sm90(kernel, types: dict[str, str], constants: dict, num_warps: int) -> bytes:
+    """The kernel's sm90 cubin, built without a GPU (Triton's compiler and its bundled ptxas).
+    Integer arguments K, V, H and every pointer are marked 16-divisible, as the launcher marks them
+    for K = V = 128, H = 96 and torch's aligned allocations."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {name: types.get(name, "constexpr") for name in kernel.arg_names}
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, name in enumerate(kernel.arg_names)
+        if signature[name].startswith("*") or name in ("H", "K", "V")
+    }
+    source = ASTSource(
+        fn=kernel,
+        signature=signature,
+        constexprs={(kernel.arg_names.index(name),): value for name, value in constants.items()},
+        attrs=attrs,
+    )
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+    return compiled.asm["cubin"]
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="interpreted kernels do not compile")
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION is unset")
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_kernels_compile_for_sm90(dtype):
+    """The interpreter runs what the GPU compiler might reject (layouts, dot shapes, precisions):
+    both kernels, at K = V = 128 with the wrapper's default blocks, must compile for an H100/H200."""
+    pytest.importorskip("triton")
+    from posttrain.ops.kda import triton_fwd
+
+    def ptr(t: str) -> str:
+        return "*" + t
+
+    work = ptr(dtype)
+    intra_types = dict(
+        q_ptr=work, k_ptr=work, v_ptr=work, g_ptr=ptr("fp32"), beta_ptr=work,
+        tile_start_ptr=ptr("i32"), tile_end_ptr=ptr("i32"), w_ptr=work, u_ptr=work, qd_ptr=work,
+        kd_ptr=work, aqk_ptr=ptr("fp32"), decay_ptr=ptr("fp32"), scale="fp32", H="i32", K="i32", V="i32",
+    )  # fmt: skip
+    scan_types = dict(
+        w_ptr=work, u_ptr=work, qd_ptr=work, kd_ptr=work, aqk_ptr=ptr("fp32"), decay_ptr=ptr("fp32"),
+        bounds_ptr=ptr("i32"), first_tile_ptr=ptr("i32"), h0_ptr=ptr("fp32"), o_ptr=work,
+        ht_ptr=ptr("fp32"), H="i32", K="i32", V="i32",
+    )  # fmt: skip
+    operand = F32 if dtype == "fp32" else BF16
+    intra = dict(BK=32, BV=64, SHIFT=triton_fwd.SHIFT, MAX_DECAY=triton_fwd.MAX_TILE_LOG_DECAY)
+    scan = dict(
+        BK=128, BV=triton_fwd._default_block_v(128, operand), PRECISION="ieee" if dtype == "fp32" else "tf32",
+        HAS_H0=True, STORE_HT=True, NUM_STAGES=2, UPCAST=False,
+    )  # fmt: skip
+    assert compile_for_sm90(triton_fwd._intra_kernel, intra_types, intra, num_warps=4)
+    assert compile_for_sm90(triton_fwd._scan_kernel, scan_types, scan, num_warps=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_triton_forward_matches_spec_on_gpu(case):
+    check(case, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(2, 300, 4, 128, 128, BF16),
+        Case(1, 400, 4, 128, 128, BF16, bounds=(0, 100, 117, 400)),
+        Case(1, 333, 3, 128, 128, F32, bounds=(0, 1, 200, 333)),
+        Case(1, 200, 2, 128, 128, BF16, block_v=32),
+        Case(1, 200, 2, 128, 128, BF16, block_v=128),
+        Case(1, 300, 2, 128, 128, BF16, bounds=(0, 150, 300), precise=True),
+    ],
+    ids=str,
+)
+def test_triton_forward_at_k3_head_size_on_gpu(case):
+    """K = V = 128 (K3's head): against the spec, and against the torch chunk path on the same
+    inputs (float32 arithmetic), through `chunk_kda(backend="triton")`."""
+    check(case, "cuda")
+    inputs = make_inputs(case, "cuda")
+    with torch.no_grad():
+        o, state = chunk_kda(**inputs, output_final_state=True, backend="triton")
+        f32 = {n: t.float() if n in ("q", "k", "v", "beta") else t for n, t in inputs.items()}
+        want_o, want_state = chunk_kda(**f32, output_final_state=True, backend="torch")
+    assert rel(o, want_o) < tolerance(case.dtype)
+    assert rel(state, want_state) < tolerance(case.dtype)
