@@ -443,15 +443,22 @@ class TrainState:
         return float(self.optimizer.param_groups[0]["lr"])
 
     def check_finite(self, loss: torch.Tensor, step: int, what: str = "loss", detail: str = "") -> None:
+        """Raise NonFiniteLossError when `loss` is NaN/inf here or on any other process: every
+        rank must stop at the same check, or the ones that go on wait in the backward's collectives
+        for the one that stopped (NCCL until its timeout; gloo fails them on a closed connection)."""
         value = float(loss.detach())
-        if not math.isfinite(value):
-            peak = self.optimizer.param_groups[0]["initial_lr"]
-            raise NonFiniteLossError(
-                f"stage {self.ctx.stage_id}: {what} is {value} at optimizer step {step}{detail}. "
-                f"Lower the learning rate (train.lr, now {peak:g}) or "
-                "increase warm-up (train.warmup_steps), and check the data of this step for broken rows; "
-                f"{self.resume_note()}."
-            )
+        bad_ranks = non_finite_ranks(math.isfinite(value), loss.device)
+        if math.isfinite(value) and not bad_ranks:
+            return
+        peak = self.optimizer.param_groups[0]["initial_lr"]
+        where = f"{value}" if not math.isfinite(value) else f"not finite on rank(s) {bad_ranks}"
+        raise NonFiniteLossError(
+            f"stage {self.ctx.stage_id}: {what} is {where} at optimizer step {step}"
+            f"{detail if not math.isfinite(value) else ''}. "
+            f"Lower the learning rate (train.lr, now {peak:g}) or "
+            "increase warm-up (train.warmup_steps), and check the data of this step for broken rows; "
+            f"{self.resume_note()}."
+        )
 
     def resume_note(self) -> str:
         """What a rerun of the failed stage starts from: its newest checkpoint, or nothing."""
@@ -498,6 +505,19 @@ class TrainState:
     def save_model(self, tokenizer: Any, output_dir: Path, stop_token_ids: list[int]) -> None:
         """The stage's final model (LoRA merged) to output_dir: `save_final_model`."""
         save_final_model(merged_model(self.unwrapped), tokenizer, output_dir, stop_token_ids)
+
+
+def non_finite_ranks(finite: bool, device: torch.device) -> list[int]:
+    """The ranks whose value was not finite, agreed by every process of the default group (one
+    all-reduce); [] in a single process."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [] if finite else [0]
+    flags = torch.zeros(dist.get_world_size(), device=device)
+    flags[dist.get_rank()] = 0.0 if finite else 1.0
+    dist.all_reduce(flags)
+    return [rank for rank, flag in enumerate(flags.tolist()) if flag]
 
 
 def base_without_peft(model: nn.Module) -> nn.Module:

@@ -6,8 +6,10 @@ same process group. Each run's context is built as `posttrain.testing.StageRunne
 (`stage_context`, also used for the one-process reference in the test's own process), except that
 the ranks after 0 log their metrics under `rank-{r}/` of the stage directory: the checkpoints and
 the output dir are shared, as on a cluster's shared storage. A run may stop at a step with
-`FakeCrash` (it stands in for a kill, right after that step's checkpoint); rank 0 writes each run's
-`run_stage` result to result-{i}.json (i: the run's index in the spec) next to the spec.
+`FakeCrash` (it stands in for a kill, right after that step's checkpoint), and one rank's losses may
+be made NaN from a step on (`nan_loss_fault`: "nan_loss_fault": [rank, step]); every rank writes
+each run's `run_stage` result to result-{i}.json (rank 0; i: the run's index in the spec) or
+result-{i}-rank{r}.json next to the spec.
 """
 
 from __future__ import annotations
@@ -74,16 +76,20 @@ def stage_context(
 
 
 def run_stage(ctx) -> dict[str, Any]:
-    """{"final": metrics or None, "crashed": message or None, "steps": the steps it ran}."""
+    """{"final": metrics or None, "crashed": message or None, "non_finite": NonFiniteLossError's
+    message or None, "steps": the steps it ran}."""
     import posttrain.trainers  # noqa: F401  (registers the sft kind)
     from posttrain.stages import STAGE_KINDS
     from posttrain.testing import FakeCrash
+    from posttrain.trainers.common import NonFiniteLossError
 
-    result: dict[str, Any] = {"final": None, "crashed": None, "steps": ctx.steps_run}
+    result: dict[str, Any] = {"final": None, "crashed": None, "non_finite": None, "steps": ctx.steps_run}
     try:
         result["final"] = dict(STAGE_KINDS.get("sft").run(ctx))
     except FakeCrash as crash:
         result["crashed"] = str(crash)
+    except NonFiniteLossError as error:
+        result["non_finite"] = str(error)
     finally:
         ctx.metrics.close()
     return result
@@ -119,6 +125,25 @@ def launch(spec: dict, nprocs: int, workdir: Path, timeout: float = 300) -> list
     return [json.loads((workdir / f"result-{i}.json").read_text()) for i in range(len(spec["runs"]))]
 
 
+def nan_loss_fault(from_step: int) -> None:
+    """Injected fault: this process's SFT losses are NaN from optimizer step `from_step` on (the
+    other ranks' stay finite), as when one rank's shard of the data or weights goes bad."""
+    import torch
+
+    import posttrain.trainers.sft as sft
+
+    real, calls = sft.sft_loss, {"n": 0}
+
+    def faulty(*args: Any, **kwargs: Any) -> Any:
+        out = real(*args, **kwargs)
+        if not torch.is_grad_enabled():  # an evaluation's loss, not a training step's
+            return out
+        calls["n"] += 1  # one packed row per step in these tests (grad_accum 1)
+        return out._replace(loss=out.loss * float("nan")) if calls["n"] >= from_step else out
+
+    sft.sft_loss = faulty
+
+
 def main() -> None:
     import torch
 
@@ -129,9 +154,12 @@ def main() -> None:
     for i, run in enumerate(spec["runs"]):
         run_dir = Path(run["run_dir"])
         crash_at, qat = run.get("crash_at"), run.get("qat", False)
+        fault = run.get("nan_loss_fault")
+        if fault is not None and fault[0] == rank:
+            nan_loss_fault(fault[1])
         result = run_stage(stage_context(run_dir, run["body"], rank=rank, crash_at=crash_at, qat=qat))
-        if rank == 0:
-            (Path(sys.argv[1]).parent / f"result-{i}.json").write_text(json.dumps(result))
+        name = f"result-{i}.json" if rank == 0 else f"result-{i}-rank{rank}.json"
+        (Path(sys.argv[1]).parent / name).write_text(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -195,6 +195,22 @@ def test_bf16_activation_checkpointing_and_qat_under_fsdp2(tmp_path, recipe) -> 
         torch.testing.assert_close(got[key], value, atol=5e-4, rtol=0, msg=key)
 
 
+def test_a_nan_loss_on_one_rank_stops_every_rank_at_that_step(tmp_path, recipe) -> None:
+    # Without the collective check the rank with the NaN raised alone and the other went on into the
+    # backward's collectives: here gloo failed it with a closed connection (seen); NCCL waits until
+    # its timeout. Now both stop at the same check, each with the error that names the fix.
+    name, data = recipe
+    sharded = body(name, 1, parallel={"expert_parallel": 2}, accelerate={"fsdp": {}})
+    runs = [{"run_dir": str(tmp_path / "nan"), "body": sharded, "nan_loss_fault": [1, 2]}]
+    (rank0,) = launch({"recipe": name, "data": data, "runs": runs}, 2, tmp_path, timeout=240)
+    rank1 = json.loads((tmp_path / "result-0-rank1.json").read_text())
+    assert rank0["final"] is None and rank1["final"] is None
+    assert rank0["steps"] == rank1["steps"] == [1], "both stopped at step 2, before its progress report"
+    assert "loss is not finite on rank(s) [1] at optimizer step 2" in rank0["non_finite"]
+    assert "loss is nan at optimizer step 2 (packed documents" in rank1["non_finite"]
+    assert all("train.lr" in r["non_finite"] and "a rerun" in r["non_finite"] for r in (rank0, rank1))
+
+
 def test_parallel_config_errors_name_the_key() -> None:
     with pytest.raises(ValidationError, match="parallel: trains the full model; remove lora"):
         SFTConfig.model_validate({"train": {"steps": 1}, "parallel": {}, "lora": {}})
