@@ -5,7 +5,11 @@ ours with precise=True), fla_ms / ours_ms, peak memory, and the max abs / relati
 against fla's output and final state. Asserts nothing.
 
 Usage: python bench/kda_fwd_gpu.py [--T 8192 --H 96 --K 128 --V 128 --docs 1 --iters 20]
-       python bench/kda_fwd_gpu.py --sweep    (also times a few scan block sizes / warps / stages)
+       python bench/kda_fwd_gpu.py --sweep    (also times the intra-tile kernel's variants, each
+            alone and in the whole forward with its error against fla, then a few scan block sizes
+            / warps / stages)
+       python bench/kda_fwd_gpu.py --intra-kernel blocked    (ours with another IntraConfig: also
+            --intra-heads, --intra-precision, --intra-inverse, --intra-warps)
 Needs CUDA; fla optional (pip install flash-linear-attention): without it only ours is timed.
 """
 
@@ -22,13 +26,22 @@ import torch.nn.functional as F
 
 from posttrain.ops.kda import chunk_kda, kda_gate
 from posttrain.ops.kda.chunk import _fla_chunk_kda
-from posttrain.ops.kda.triton_fwd import intra_terms, tile_tables, triton_chunk_kda
+from posttrain.ops.kda.triton_fwd import IntraConfig, intra_terms, tile_tables, triton_chunk_kda
 
 START = time.perf_counter()
 SWEEP = [  # (block_v, num_warps, num_stages) of the scan kernel
     (bv, warps, stages)
     for bv, warps in ((16, 1), (16, 2), (16, 4), (32, 2), (32, 4), (32, 8), (64, 4), (64, 8), (128, 8))
     for stages in (1, 2, 3)
+]
+INTRA_SWEEP = [  # IntraConfig variants of the intra-tile kernel
+    IntraConfig(kernel="blocked"),
+    *(
+        IntraConfig(heads=heads, precision=precision, num_warps=warps)
+        for precision in ("tf32x3", "tf32", "bf16", "ieee")
+        for heads, warps in ((1, 2), (1, 4), (1, 8), (2, 4), (2, 8), (4, 8))
+    ),
+    IntraConfig(inverse="substitution"),
 ]
 
 
@@ -104,8 +117,20 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--sweep", action="store_true", help="also time the scan configs in SWEEP")
+    parser.add_argument("--sweep", action="store_true", help="also time INTRA_SWEEP and SWEEP's configs")
+    default = IntraConfig()
+    parser.add_argument("--intra-kernel", default=default.kernel, choices=["dense", "blocked"])
+    parser.add_argument("--intra-heads", type=int, default=default.heads)
+    parser.add_argument(
+        "--intra-precision", default=default.precision, choices=["tf32x3", "tf32", "bf16", "ieee"]
+    )
+    parser.add_argument("--intra-inverse", default=default.inverse, choices=["doubling", "substitution"])
+    parser.add_argument("--intra-warps", type=int, default=default.num_warps)
     args = parser.parse_args()
+    intra = IntraConfig(
+        kernel=args.intra_kernel, heads=args.intra_heads, precision=args.intra_precision,
+        inverse=args.intra_inverse, num_warps=args.intra_warps,
+    )  # fmt: skip
     if not torch.cuda.is_available():
         raise SystemExit("bench/kda_fwd_gpu.py needs a CUDA GPU")
     import triton
@@ -113,13 +138,13 @@ def main() -> None:
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     print(
         f"B={args.B} T={args.T} H={args.H} K={args.K} V={args.V} {args.dtype} docs={args.docs}, "
-        f"mean of {args.iters} calls after {args.warmup} warmup",
+        f"mean of {args.iters} calls after {args.warmup} warmup; intra: {intra}",
         flush=True,
     )
     inputs = make_inputs(args)
 
     def ours(**config) -> tuple:
-        return triton_chunk_kda(**inputs, **config)
+        return triton_chunk_kda(**inputs, **{"intra": intra, **config})
 
     out = ours()  # compiles
     torch.cuda.synchronize()
@@ -133,7 +158,7 @@ def main() -> None:
     )
     tiles = tile_tables(bounds, inputs["q"].device)
     intra_args = [inputs[n] for n in ("q", "k", "v", "g", "beta")]
-    intra_ms = time_ms(lambda: intra_terms(*intra_args, scale, tiles), args.warmup, args.iters)
+    intra_ms = time_ms(lambda: intra_terms(*intra_args, scale, tiles, intra), args.warmup, args.iters)
     log(
         f"ours: {ours_ms:.3f} ms (intra-tile kernel {intra_ms:.3f} ms, scan ~{ours_ms - intra_ms:.3f} ms), "
         f"peak {peak_mib(ours):.0f} MiB"
@@ -177,6 +202,33 @@ def main() -> None:
             traceback.print_exc()
 
     if args.sweep:
+        # The intra-tile kernel's variants: alone (ms, GB/s), then in the whole forward (with the
+        # default scan), and the whole forward's error against fla (or, without fla, against ours
+        # with the configured intra kernel).
+        ref_out = ref if fla_ms is not None else out
+        best_intra = (intra_ms, str(intra))
+        for config in INTRA_SWEEP:
+            try:
+                intra_terms(*intra_args, scale, tiles, config)
+                ms = time_ms(
+                    lambda config=config: intra_terms(*intra_args, scale, tiles, config),
+                    args.warmup,
+                    args.iters,
+                )
+                whole = ours(intra=config)
+                whole_ms = time_ms(lambda config=config: ours(intra=config), args.warmup, args.iters)
+            except Exception as error:  # e.g. out of shared memory / registers for this config
+                log(f"intra sweep {config}: failed: {type(error).__name__}: {str(error)[:200]}")
+                continue
+            ratio = f", fla_ms / ours_ms = {fla_ms / whole_ms:.2f}" if fla_ms else ""
+            against = "fla" if fla_ms is not None else "ours"
+            log(
+                f"intra sweep {config}: intra {ms:.3f} ms ({moved / ms / 1e6:.0f} GB/s), "
+                f"whole {whole_ms:.3f} ms{ratio}; vs {against}: {errors(whole, ref_out)}"
+            )
+            best_intra = min(best_intra, (ms, str(config)))
+        log(f"best intra: {best_intra[1]} at {best_intra[0]:.3f} ms")
+
         best = (ours_ms, "default")
         for block_v, warps, stages in SWEEP:
             if block_v > max(16, triton.next_power_of_2(args.V)):

@@ -132,6 +132,115 @@ if triton is not None:
             tl.store(u_ptr + at, u.to(u_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _dense_dot(a, b, PRECISION: tl.constexpr, EMULATE: tl.constexpr):
+        """a @ b of float32 tensors (2D or 3D) with float32 accumulation. PRECISION: "ieee" (FMA
+        units), "tf32x3" (three TF32 tensor-core products: about float32's accuracy), "tf32" or
+        "bf16" (one tensor-core product on operands cut to 10 / 8 mantissa bits). EMULATE (the
+        interpreter, which ignores input_precision and multiplies 16-bit operands wrongly): cut the
+        operands as the GPU does, truncating to TF32 (the tensor core ignores the low 13 bits) and
+        rounding to bf16, then multiply in float32; "tf32x3" runs as float32."""
+        if PRECISION == "bf16":
+            if EMULATE:
+                return tl.dot(
+                    a.to(tl.bfloat16).to(tl.float32), b.to(tl.bfloat16).to(tl.float32), input_precision="ieee"
+                )
+            return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+        elif PRECISION == "tf32":
+            if EMULATE:
+                a = (a.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+                b = (b.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+                return tl.dot(a, b, input_precision="ieee")
+            return tl.dot(a, b, input_precision="tf32")
+        elif PRECISION == "tf32x3":
+            if EMULATE:
+                return tl.dot(a, b, input_precision="ieee")
+            return tl.dot(a, b, input_precision="tf32x3")
+        else:
+            return tl.dot(a, b, input_precision="ieee")
+
+    @triton.jit
+    def _dense_intra_kernel(
+        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, tile_start_ptr, tile_end_ptr,
+        w_ptr, u_ptr, qd_ptr, kd_ptr, aqk_ptr, decay_ptr,
+        scale, H, K, V,
+        NH: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SHIFT: tl.constexpr,
+        MAX_DECAY: tl.constexpr, PRECISION: tl.constexpr, INVERSE: tl.constexpr,
+        EMULATE: tl.constexpr,
+    ):  # fmt: skip
+        """`_intra_kernel`'s results, one program per (tile, NH heads) with all K channels at once:
+        every load of the tile is issued up front (no K loop, q / k / g read once), the products run
+        on tensor cores (PRECISION, see `_dense_dot`), and (I + A)^-1 comes from log2(16) = 4
+        doubling steps (INVERSE="doubling": (I - A)(I + A^2)(I + A^4)(I + A^8), exact since A is
+        strictly lower triangular, so A^16 = 0) instead of 16 dependent row steps ("substitution").
+        Tensors are [NH, 16, ...]: head, token, channel."""
+        pid = tl.program_id(0).to(tl.int64)
+        HB = tl.cdiv(H, NH)
+        tile = pid // HB
+        h0 = (pid % HB) * NH
+        start = tl.load(tile_start_ptr + tile).to(tl.int64)
+        end = tl.load(tile_end_ptr + tile).to(tl.int64)
+        rows = tl.arange(0, 16)
+        heads = tl.arange(0, NH)
+        kcols = tl.arange(0, BK)
+        vcols = tl.arange(0, BV)
+        row_ok = (rows[None, :] < end - start) & (h0 + heads < H)[:, None]  # [NH, 16]
+        # Offsets within the tile as int32 from one int64 base: token-major, then head, channel.
+        th = rows[None, :] * H + heads[:, None]  # [NH, 16]: row of [tokens * H, ...]
+        base = start * H + h0
+        k_mask = row_ok[:, :, None] & (kcols < K)[None, None, :]
+        at_k = th[:, :, None] * K + kcols[None, None, :]
+        v_mask = row_ok[:, :, None] & (vcols < V)[None, None, :]
+        at_v = th[:, :, None] * V + vcols[None, None, :]
+        # Every load of the tile up front; padded rows and channels read 0: they write nothing and
+        # leave the tile's decay alone.
+        beta = tl.load(beta_ptr + base + th, mask=row_ok, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + base * K + at_k, mask=k_mask, other=0.0).to(tl.float32)
+        q = tl.load(q_ptr + base * K + at_k, mask=k_mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + base * K + at_k, mask=k_mask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + base * V + at_v, mask=v_mask, other=0.0).to(tl.float32)
+        G = tl.cumsum(g, 1)
+        i = rows[None, :, None]
+        j = rows[None, None, :]
+        G_last = tl.sum(tl.where(i == 15, G, 0.0), 1)  # [NH, BK]; padded rows add g = 0
+        worst = tl.min(tl.min(G, 2), 1)  # [NH]: each head's most negative G in the tile
+
+        # The terms that need no inverse, stored first so q's registers free early.
+        decay = tl.exp(G)
+        tl.store(qd_ptr + base * K + at_k, (scale * q * decay).to(qd_ptr.dtype.element_ty), mask=k_mask)
+        kd = k * tl.exp(G_last[:, None, :] - G)
+        tl.store(kd_ptr + base * K + at_k, kd.to(kd_ptr.dtype.element_ty), mask=k_mask)
+        at_decay = (tile * H + h0 + heads[:, None]) * K + kcols[None, :]
+        tl.store(decay_ptr + at_decay, tl.exp(G_last), mask=(h0 + heads < H)[:, None] & (kcols < K)[None, :])
+
+        k_out = tl.trans(k * tl.exp(-G - SHIFT), (0, 2, 1))  # [NH, BK, 16]
+        a_kk = _dense_dot(k * tl.exp(G + SHIFT), k_out, PRECISION, EMULATE)
+        a_qk = _dense_dot(q * tl.exp(G + SHIFT), k_out, PRECISION, EMULATE)
+        a_kk = tl.where(i > j, beta[:, :, None] * a_kk, 0.0)
+        a_qk = tl.where(i >= j, scale * a_qk, 0.0)
+        tl.store(aqk_ptr + base * 16 + th[:, :, None] * 16 + j, a_qk, mask=row_ok[:, :, None])
+
+        # X = (I + A)^-1, in IEEE float32 whatever PRECISION (16 x 16 x 16 products: cheap).
+        if INVERSE == "doubling":
+            x = tl.where(i == j, 1.0, 0.0) - a_kk
+            power = a_kk
+            for _ in tl.static_range(3):
+                power = tl.dot(power, power, input_precision="ieee")
+                x += tl.dot(x, power, input_precision="ieee")
+        else:
+            x = tl.zeros([NH, 16, 16], tl.float32)
+            for r in tl.static_range(16):
+                a_r = tl.sum(tl.where(i == r, a_kk, 0.0), 1)  # [NH, 16]: row r of A by column
+                x_r = tl.where(rows[None, :] == r, 1.0, 0.0) - tl.sum(a_r[:, :, None] * x, 1)
+                x = tl.where(i == r, x_r[:, None, :], x)
+        # A tile steeper than the split allows: NaN rather than an overflowed, plausible result.
+        x += tl.where(worst[:, None, None] < -MAX_DECAY, float("nan"), 0.0)
+
+        w = _dense_dot(x, beta[:, :, None] * k * decay, PRECISION, EMULATE)
+        tl.store(w_ptr + base * K + at_k, w.to(w_ptr.dtype.element_ty), mask=k_mask)
+        u = _dense_dot(x, beta[:, :, None] * v, PRECISION, EMULATE)
+        tl.store(u_ptr + base * V + at_v, u.to(u_ptr.dtype.element_ty), mask=v_mask)
+
+    @triton.jit
     def _scan_kernel(
         w_ptr, u_ptr, qd_ptr, kd_ptr, aqk_ptr, decay_ptr, bounds_ptr, first_tile_ptr,
         h0_ptr, o_ptr, ht_ptr, H, K, V,
@@ -218,6 +327,7 @@ def triton_chunk_kda(
     num_warps: int | None = None,
     num_stages: int | None = None,
     precise: bool = False,
+    intra: IntraConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Forward-only `chunk_kda` (same arguments, layout and results) on our Triton kernels.
 
@@ -225,7 +335,8 @@ def triton_chunk_kda(
     tiles beyond that come out NaN. block_v, num_warps and num_stages tune the scan kernel
     (`bench/kda_fwd_gpu.py --sweep`); the defaults are chosen for K = V = 128 on an H200. precise
     (16-bit inputs): the scan's state, delta and A_qk enter its products as float32 (TF32 on the
-    GPU) instead of being rounded to the inputs' dtype each tile.
+    GPU) instead of being rounded to the inputs' dtype each tile. intra picks and tunes the
+    intra-tile kernel (`IntraConfig`; default `IntraConfig()`).
 
     Raises RuntimeError when gradients are required (there is no backward) or when Triton cannot
     run here (CUDA tensors, or CPU ones under TRITON_INTERPRET=1).
@@ -261,7 +372,7 @@ def triton_chunk_kda(
 
     bounds = tuple(b * T for b in range(B + 1)) if cu_seqlens is None else tuple(cu_seqlens.tolist())
     tiles = tile_tables(bounds, device)
-    terms = intra_terms(q, k, v, g, beta, scale, tiles)
+    terms = intra_terms(q, k, v, g, beta, scale, tiles, intra)
     o = torch.empty(B, T, H, V, dtype=v.dtype, device=device)
     ht = torch.empty(N, H, K, V, dtype=torch.float32, device=device) if output_final_state else None
     BV = block_v or _default_block_v(V, terms.w.dtype)
@@ -303,6 +414,44 @@ def tile_tables(bounds: tuple[int, ...], device: torch.device) -> TileTables:
 
 
 @dataclass(frozen=True)
+class IntraConfig:
+    """Which intra-tile kernel computes the scan's per-tile terms, and how; `bench/kda_fwd_gpu.py
+    --sweep` times the alternatives.
+
+    kernel: "dense" (`_dense_intra_kernel`: all K channels of a tile at once, tensor-core products,
+        the inverse by doubling) or "blocked" (`_intra_kernel`, the first version: 32-channel blocks
+        read twice, IEEE float32 products on the FMA units, the inverse row by row; 2.81 ms of
+        3.55 at B1 T8192 H96 K=V=128 bf16 on an H200).
+    heads: heads per "dense" program (a power of 2): more amortise the program's fixed latency
+        and issue more bytes per load, at more registers per thread.
+    precision: the "dense" kernel's A_kk, A_qk, w and u products for 16-bit inputs (float32 inputs
+        always get "ieee"): "tf32x3" (about float32's accuracy, on tensor cores), "ieee" (FMA
+        units), "tf32" or "bf16" (one tensor-core product on cut operands: less accurate, opt-in;
+        see the tests' measured errors).
+    inverse: "doubling" (4 dependent 16 x 16 products) or "substitution" (16 dependent row steps).
+    num_warps: warps per "dense" program.
+    """
+
+    kernel: str = "dense"
+    heads: int = 1
+    precision: str = "tf32x3"
+    inverse: str = "doubling"
+    num_warps: int = 4
+
+    def __post_init__(self) -> None:
+        if self.kernel not in ("dense", "blocked"):
+            raise ValueError(f"IntraConfig.kernel must be 'dense' or 'blocked', not {self.kernel!r}")
+        if self.precision not in ("ieee", "tf32x3", "tf32", "bf16"):
+            raise ValueError(
+                f"IntraConfig.precision: 'ieee', 'tf32x3', 'tf32' or 'bf16', not {self.precision!r}"
+            )
+        if self.inverse not in ("doubling", "substitution"):
+            raise ValueError(f"IntraConfig.inverse: 'doubling' or 'substitution', not {self.inverse!r}")
+        if self.heads < 1 or self.heads & (self.heads - 1):
+            raise ValueError(f"IntraConfig.heads must be a power of 2, not {self.heads}")
+
+
+@dataclass(frozen=True)
 class IntraTerms:
     """`_intra_kernel`'s results: w, q exp(G) scale, k exp(G_C - G) [B, T, H, K] and u [B, T, H, V]
     in the scan's operand dtype; A_qk rows [B, T, H, 16] and tile decays [tiles, H, K] in float32."""
@@ -324,9 +473,11 @@ def intra_terms(
     beta: torch.Tensor,
     scale: float,
     tiles: TileTables,
+    config: IntraConfig | None = None,
 ) -> IntraTerms:
     """Every tile's state-independent terms (step 1 of the module docstring); its own function so
     the bench can time it apart from the scan."""
+    config = config or IntraConfig()
     B, T, H, K = q.shape
     V = v.shape[-1]
     device = q.device
@@ -339,7 +490,17 @@ def intra_terms(
     aqk = torch.empty(B, T, H, TILE, dtype=torch.float32, device=device)
     num_tiles = tiles.start.numel()
     decay = torch.empty(num_tiles, H, K, dtype=torch.float32, device=device)
-    if num_tiles:
+    if num_tiles and config.kernel == "dense":
+        # fp32 inputs: IEEE products (a correctness path); 16-bit: the config's tensor-core mode.
+        precision = "ieee" if work == torch.float32 else config.precision
+        NH = min(config.heads, triton.next_power_of_2(H))
+        _dense_intra_kernel[(num_tiles * triton.cdiv(H, NH),)](
+            q, k, v, g, beta, tiles.start, tiles.end, w, u, qd, kd, aqk, decay, scale, H, K, V,
+            NH=NH, BK=_block_k(K), BV=max(16, triton.next_power_of_2(V)), SHIFT=SHIFT,
+            MAX_DECAY=MAX_TILE_LOG_DECAY, PRECISION=precision, INVERSE=config.inverse,
+            EMULATE=not q.is_cuda, num_warps=config.num_warps, num_stages=1,
+        )  # fmt: skip
+    elif num_tiles:
         _intra_kernel[(num_tiles * H,)](
             q, k, v, g, beta, tiles.start, tiles.end, w, u, qd, kd, aqk, decay, scale, H, K, V,
             # 32 x 64 blocks: at 64 x 64 the IEEE-fp32 products need 255 registers and spill (sm90).
