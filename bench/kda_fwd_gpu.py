@@ -5,11 +5,12 @@ ours with precise=True), fla_ms / ours_ms, peak memory, and the max abs / relati
 against fla's output and final state. Asserts nothing.
 
 Usage: python bench/kda_fwd_gpu.py [--T 8192 --H 96 --K 128 --V 128 --docs 1 --iters 20]
-       python bench/kda_fwd_gpu.py --sweep    (also times the intra-tile kernel's variants, each
-            alone and in the whole forward with its error against fla, then a few scan block sizes
-            / warps / stages)
+       python bench/kda_fwd_gpu.py --sweep [intra|scan]    (also times the intra-tile kernel's
+            variants (INTRA_SWEEP), each alone and in the whole forward with its error against fla,
+            and / or a few scan block sizes / warps / stages (SWEEP))
        python bench/kda_fwd_gpu.py --intra-kernel blocked    (ours with another IntraConfig: also
-            --intra-heads, --intra-precision, --intra-inverse, --intra-warps)
+            --intra-heads, --intra-precision, --intra-wu-precision, --intra-inverse,
+            --intra-warps, --intra-maxnreg)
 Needs CUDA; fla optional (pip install flash-linear-attention): without it only ours is timed.
 """
 
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 
 from posttrain.ops.kda import chunk_kda, kda_gate
 from posttrain.ops.kda.chunk import _fla_chunk_kda
-from posttrain.ops.kda.triton_fwd import IntraConfig, intra_terms, tile_tables, triton_chunk_kda
+from posttrain.ops.kda.triton_fwd import PRECISIONS, IntraConfig, intra_terms, tile_tables, triton_chunk_kda
 
 START = time.perf_counter()
 SWEEP = [  # (block_v, num_warps, num_stages) of the scan kernel
@@ -35,11 +36,20 @@ SWEEP = [  # (block_v, num_warps, num_stages) of the scan kernel
     for stages in (1, 2, 3)
 ]
 INTRA_SWEEP = [  # IntraConfig variants of the intra-tile kernel
-    IntraConfig(kernel="blocked"),
+    IntraConfig(kernel="blocked"),  # the first version (2.81 ms at the default shape on an H200)
     *(
         IntraConfig(heads=heads, precision=precision, num_warps=warps)
-        for precision in ("tf32x3", "tf32", "bf16", "ieee")
+        for precision in ("bf16x3", "tf32x3", "tf32", "bf16", "ieee")
         for heads, warps in ((1, 2), (1, 4), (1, 8), (2, 4), (2, 8), (4, 8))
+    ),
+    *(
+        IntraConfig(heads=heads, num_warps=warps, maxnreg=maxnreg)
+        for heads, warps in ((1, 4), (2, 8))
+        for maxnreg in (168, 128)
+    ),
+    *(
+        IntraConfig(precision=a, wu_precision=b)
+        for a, b in (("bf16x3", "tf32"), ("bf16x3", "bf16"), ("tf32x3", "tf32"), ("tf32", "bf16"))
     ),
     IntraConfig(inverse="substitution"),
 ]
@@ -117,19 +127,23 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--sweep", action="store_true", help="also time INTRA_SWEEP and SWEEP's configs")
+    parser.add_argument(
+        "--sweep", nargs="?", const="all", choices=["all", "intra", "scan"],
+        help="also time INTRA_SWEEP's (intra) and / or SWEEP's (scan) configs",
+    )  # fmt: skip
     default = IntraConfig()
     parser.add_argument("--intra-kernel", default=default.kernel, choices=["dense", "blocked"])
     parser.add_argument("--intra-heads", type=int, default=default.heads)
-    parser.add_argument(
-        "--intra-precision", default=default.precision, choices=["tf32x3", "tf32", "bf16", "ieee"]
-    )
+    parser.add_argument("--intra-precision", default=default.precision, choices=PRECISIONS)
+    parser.add_argument("--intra-wu-precision", default=None, choices=PRECISIONS)
+    parser.add_argument("--intra-maxnreg", type=int, default=default.maxnreg)
     parser.add_argument("--intra-inverse", default=default.inverse, choices=["doubling", "substitution"])
     parser.add_argument("--intra-warps", type=int, default=default.num_warps)
     args = parser.parse_args()
     intra = IntraConfig(
         kernel=args.intra_kernel, heads=args.intra_heads, precision=args.intra_precision,
-        inverse=args.intra_inverse, num_warps=args.intra_warps,
+        wu_precision=args.intra_wu_precision, inverse=args.intra_inverse, num_warps=args.intra_warps,
+        maxnreg=args.intra_maxnreg,
     )  # fmt: skip
     if not torch.cuda.is_available():
         raise SystemExit("bench/kda_fwd_gpu.py needs a CUDA GPU")
@@ -201,7 +215,7 @@ def main() -> None:
         except Exception:  # a bench reports what failed and carries on
             traceback.print_exc()
 
-    if args.sweep:
+    if args.sweep in ("all", "intra"):
         # The intra-tile kernel's variants: alone (ms, GB/s), then in the whole forward (with the
         # default scan), and the whole forward's error against fla (or, without fla, against ours
         # with the configured intra kernel).
@@ -229,6 +243,7 @@ def main() -> None:
             best_intra = min(best_intra, (ms, str(config)))
         log(f"best intra: {best_intra[1]} at {best_intra[0]:.3f} ms")
 
+    if args.sweep in ("all", "scan"):
         best = (ours_ms, "default")
         for block_v, warps, stages in SWEEP:
             if block_v > max(16, triton.next_power_of_2(args.V)):

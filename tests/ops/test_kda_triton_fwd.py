@@ -156,23 +156,33 @@ def test_triton_forward_matches_spec_interpreted():
 
 # The intra-tile kernel's variants (`IntraConfig`), each against the spec at the usual tolerances.
 # Measured o / final-state errors under the interpreter (which cuts TF32 operands by truncation, as
-# the tensor core reads them): the default ("dense", "tf32x3", emulated as float32) matches
-# "blocked" to 3 digits; "tf32" raises bf16 inputs' errors by 2-10% (e.g. o 9.53e-3 -> 9.76e-3,
+# the tensor core reads them): the default ("dense", "bf16x3") matches "blocked" (IEEE float32) to 3
+# digits for bf16 inputs (o 9.53e-3, 9.64e-3, 6.36e-3 against 9.53e-3, 9.60e-3, 6.33e-3; final
+# states equal) and fp16's o is 12% higher (4.0e-4 against 3.6e-4); "tf32x3" (emulated as float32)
+# matches "blocked"; "tf32" raises bf16 inputs' errors by 2-10% (e.g. o 9.53e-3 -> 9.76e-3,
 # 9.60e-3 -> 1.05e-2) and fp16's 3.4x (o 3.6e-4 -> 1.2e-3); "bf16" raises bf16 inputs' by 1.4-1.9x
 # (o 1.35e-2, 1.78e-2) and fp16's 24x (8.7e-3, over fp16's 3e-3 tolerance), so both are opt-in and
-# tested here on bf16 inputs only. float32 inputs always get IEEE products.
+# tested here on bf16 inputs only. wu_precision="bf16" (w and u alone) raises bf16 inputs' final-state
+# error 1.3-1.9x (3.9e-3 -> 6.6e-3 and 7.3e-3) and o's up to 1.3x; "tf32x3" + "tf32" w, u: o +1-3%.
+# float32 inputs always get IEEE products.
 VARIANT_CASES = [
     *(Case(**{**vars(case), "intra": IntraConfig(kernel="blocked")}) for case in CASES),
     Case(
         1, 50, 3, 32, 60, BF16, bounds=(0, 1, 17, 40, 50), intra=IntraConfig(heads=2)
     ),  # 3 heads: one masked
-    Case(2, 37, 3, 20, 16, F32, intra=IntraConfig(heads=4, num_warps=2)),
+    Case(2, 37, 3, 20, 16, F32, intra=IntraConfig(heads=4, num_warps=2, maxnreg=128)),
+    Case(1, 50, 2, 32, 60, BF16, bounds=(0, 13, 50), intra=IntraConfig(precision="tf32x3", heads=2)),
+    Case(1, 19, 2, 20, 36, F16, intra=IntraConfig(precision="tf32x3")),
     Case(1, 37, 2, 60, 20, F32, bounds=(0, 0, 20, 37), intra=IntraConfig(inverse="substitution")),
     Case(1, 19, 2, 20, 36, F16, intra=IntraConfig(precision="ieee", heads=2)),
     Case(1, 19, 2, 20, 36, F16, intra=IntraConfig(precision="tf32")),
     Case(1, 50, 3, 32, 60, BF16, bounds=(0, 1, 17, 40, 50), intra=IntraConfig(precision="tf32")),
     Case(2, 50, 3, 16, 32, BF16, initial_state=False, intra=IntraConfig(precision="bf16", heads=2)),
     Case(1, 50, 2, 32, 60, BF16, bounds=(0, 13, 50), intra=IntraConfig(precision="bf16")),
+    Case(1, 50, 3, 32, 60, BF16, bounds=(0, 1, 17, 40, 50), intra=IntraConfig(wu_precision="bf16")),
+    Case(
+        2, 50, 3, 16, 32, BF16, initial_state=False, intra=IntraConfig(precision="tf32", wu_precision="bf16")
+    ),
 ]
 
 INTERPRETED_VARIANTS = """
@@ -198,7 +208,8 @@ def test_intra_variants_match_spec_interpreted():
 
 
 def test_intra_config_rejects_unknown_choices():
-    for bad in (dict(kernel="fused"), dict(precision="fp16"), dict(inverse="newton"), dict(heads=3)):
+    bad_choices = dict(kernel="fused", precision="fp16", wu_precision="fp8", inverse="newton", heads=3)
+    for bad in ({name: value} for name, value in bad_choices.items()):
         with pytest.raises(ValueError, match="IntraConfig"):
             IntraConfig(**bad)
 
@@ -282,16 +293,21 @@ def test_kernels_compile_for_sm90(dtype):
         NH=default.heads, BK=128, BV=128, SHIFT=triton_fwd.SHIFT, MAX_DECAY=triton_fwd.MAX_TILE_LOG_DECAY,
         INVERSE=default.inverse, EMULATE=False,
     )  # fmt: skip
-    # The default precision, and for bf16 the opt-in ones (the sweep's other settings are not built).
-    for precision in ["ieee"] if dtype == "fp32" else [default.precision, "tf32", "bf16"]:
-        config = dict(dense, PRECISION=precision)
+    # The default precisions, and for bf16 opt-in ones (the sweep's other settings are not built).
+    pairs = (
+        [("ieee", "ieee")]
+        if dtype == "fp32"
+        else [(default.precision,) * 2, ("tf32x3",) * 2, ("tf32", "bf16"), ("bf16",) * 2]
+    )
+    for precision, wu_precision in pairs:
+        config = dict(dense, PRECISION=precision, WU_PRECISION=wu_precision)
         assert compile_for_sm90(triton_fwd._dense_intra_kernel, intra_types, config, default.num_warps)
     assert compile_for_sm90(triton_fwd._scan_kernel, scan_types, scan, num_warps=4)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("case", CASES + VARIANT_CASES, ids=str)
 def test_triton_forward_matches_spec_on_gpu(case):
     check(case, "cuda")
 
@@ -307,6 +323,10 @@ def test_triton_forward_matches_spec_on_gpu(case):
         Case(1, 200, 2, 128, 128, BF16, block_v=32),
         Case(1, 200, 2, 128, 128, BF16, block_v=128),
         Case(1, 300, 2, 128, 128, BF16, bounds=(0, 150, 300), precise=True),
+        Case(2, 300, 4, 128, 128, BF16, intra=IntraConfig(kernel="blocked")),
+        Case(1, 400, 3, 128, 128, BF16, bounds=(0, 100, 117, 400), intra=IntraConfig(heads=2, num_warps=8)),
+        Case(1, 300, 4, 128, 128, BF16, intra=IntraConfig(precision="tf32x3", maxnreg=168)),
+        Case(1, 333, 3, 128, 128, F32, bounds=(0, 1, 200, 333), intra=IntraConfig(heads=2, maxnreg=128)),
     ],
     ids=str,
 )

@@ -9,21 +9,26 @@ The math is `chunk.py`'s WY / UT form on 16-token tiles, which K3's bounded gate
 token, so a tile's cumulative log-decay G stays in [-80, 0]) lets us build densely with the split
 exp(G_i - G_j) = exp(G_i + c) * exp(-G_j - c), c = 40 (see `chunk.MAX_CHUNK_LOG_DECAY`):
 
-1. `_intra_kernel`, one program per (tile, head), everything that does not depend on the state:
-   A_kk (strictly lower, scaled by beta) and its unit-triangular inverse X = (I + A_kk)^-1 by forward
-   substitution on the 16 x 16 tile; u = X beta v and w = X (beta k exp(G)), so delta = u - w S0;
-   the causal query-key tile A_qk = scale <q_i exp(G_i - G_j), k_j>; q exp(G) scale, k exp(G_C - G)
-   and the tile's decay exp(G_C). Per-token results keep the inputs' token layout.
+1. `_dense_intra_kernel` (or the first version, `_intra_kernel`: `IntraConfig`), one program per
+   (tile, head), everything that does not depend on the state:
+   A_kk (strictly lower, scaled by beta) and its unit-triangular inverse X = (I + A_kk)^-1 on the
+   16 x 16 tile (by doubling, or forward substitution); u = X beta v and w = X (beta k exp(G)), so
+   delta = u - w S0; the causal query-key tile A_qk = scale <q_i exp(G_i - G_j), k_j>; q exp(G)
+   scale, k exp(G_C - G) and the tile's decay exp(G_C). Per-token results keep the inputs' token
+   layout.
 2. `_scan_kernel`, one program per (sequence, head, V-block), walks the sequence's tiles in order
    keeping S [K, BV] (transposed) in float32 registers:
        delta = u - w S;   o = (q exp(G) scale) S + A_qk delta;   S = exp(G_C) S + (k exp(G_C - G))^T delta
    and writes o and the final state; no per-tile state is stored.
 
 A tile whose cumulative log-decay goes below -80 (a gate steeper than K3's bound) would overflow the
-split; `_intra_kernel` then writes NaN for that tile instead of a silently wrong number, since
+split; the intra kernel then writes NaN for that tile instead of a silently wrong number, since
 checking g on the host would cost a device sync per call.
 
-Products accumulate in float32. The intra-tile products are IEEE float32. For 16-bit inputs the
+Products accumulate in float32. The intra-tile products are IEEE float32 for float32 inputs and, by
+default, "bf16x3" for 16-bit inputs (three bf16 tensor-core products of split operands: a 16-bit
+mantissa); `IntraConfig` offers others (`tf32`, `bf16`: cheaper, less accurate, opt-in, their errors
+in the tests). For 16-bit inputs the
 scan's matmul operands (w, the q and k factors, u, and S, delta, A_qk rounded each tile) are in
 the inputs' dtype, as in fla; `precise=True` keeps S, delta and A_qk in float32 (TF32 products).
 For float32 inputs everything stays IEEE float32 (a correctness path, not tuned).
@@ -50,6 +55,7 @@ TILE = 16  # tokens per tile: the smallest tl.dot side, and 16 * 5 = 80 fits the
 SHIFT = 40.0  # c in exp(G_i + c) * exp(-G_j - c): centres G in [-80, 0] on 0.
 MAX_TILE_LOG_DECAY = 80.0
 MAX_K = 256  # the scan keeps all K rows of its state block in registers
+PRECISIONS = ("ieee", "tf32x3", "bf16x3", "tf32", "bf16")  # the dense intra kernel's products (`IntraConfig`)
 
 if triton is not None:
 
@@ -134,12 +140,32 @@ if triton is not None:
     @triton.jit
     def _dense_dot(a, b, PRECISION: tl.constexpr, EMULATE: tl.constexpr):
         """a @ b of float32 tensors (2D or 3D) with float32 accumulation. PRECISION: "ieee" (FMA
-        units), "tf32x3" (three TF32 tensor-core products: about float32's accuracy), "tf32" or
-        "bf16" (one tensor-core product on operands cut to 10 / 8 mantissa bits). EMULATE (the
+        units), "bf16x3" (a = a_hi + a_lo, both bf16, likewise b: a_hi b_hi + a_hi b_lo + a_lo b_hi
+        on tensor cores, 16 mantissa bits), "tf32x3" (Triton's same split into TF32 parts: about
+        float32's accuracy), "tf32" or "bf16" (one tensor-core product on operands cut to 10 / 8
+        mantissa bits). EMULATE (the
         interpreter, which ignores input_precision and multiplies 16-bit operands wrongly): cut the
         operands as the GPU does, truncating to TF32 (the tensor core ignores the low 13 bits) and
         rounding to bf16, then multiply in float32; "tf32x3" runs as float32."""
-        if PRECISION == "bf16":
+        if PRECISION == "bf16x3":
+            a_hi = a.to(tl.bfloat16)
+            b_hi = b.to(tl.bfloat16)
+            a_lo = (a - a_hi.to(tl.float32)).to(tl.bfloat16)
+            b_lo = (b - b_hi.to(tl.float32)).to(tl.bfloat16)
+            if EMULATE:
+                a_hi, b_hi, a_lo, b_lo = (
+                    a_hi.to(tl.float32),
+                    b_hi.to(tl.float32),
+                    a_lo.to(tl.float32),
+                    b_lo.to(tl.float32),
+                )
+                acc = tl.dot(a_hi, b_lo, input_precision="ieee")
+                acc = tl.dot(a_lo, b_hi, acc, input_precision="ieee")
+                return tl.dot(a_hi, b_hi, acc, input_precision="ieee")
+            acc = tl.dot(a_hi, b_lo)
+            acc = tl.dot(a_lo, b_hi, acc)
+            return tl.dot(a_hi, b_hi, acc)
+        elif PRECISION == "bf16":
             if EMULATE:
                 return tl.dot(
                     a.to(tl.bfloat16).to(tl.float32), b.to(tl.bfloat16).to(tl.float32), input_precision="ieee"
@@ -164,8 +190,8 @@ if triton is not None:
         w_ptr, u_ptr, qd_ptr, kd_ptr, aqk_ptr, decay_ptr,
         scale, H, K, V,
         NH: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SHIFT: tl.constexpr,
-        MAX_DECAY: tl.constexpr, PRECISION: tl.constexpr, INVERSE: tl.constexpr,
-        EMULATE: tl.constexpr,
+        MAX_DECAY: tl.constexpr, PRECISION: tl.constexpr, WU_PRECISION: tl.constexpr,
+        INVERSE: tl.constexpr, EMULATE: tl.constexpr,
     ):  # fmt: skip
         """`_intra_kernel`'s results, one program per (tile, NH heads) with all K channels at once:
         every load of the tile is issued up front (no K loop, q / k / g read once), the products run
@@ -235,9 +261,9 @@ if triton is not None:
         # A tile steeper than the split allows: NaN rather than an overflowed, plausible result.
         x += tl.where(worst[:, None, None] < -MAX_DECAY, float("nan"), 0.0)
 
-        w = _dense_dot(x, beta[:, :, None] * k * decay, PRECISION, EMULATE)
+        w = _dense_dot(x, beta[:, :, None] * k * decay, WU_PRECISION, EMULATE)
         tl.store(w_ptr + base * K + at_k, w.to(w_ptr.dtype.element_ty), mask=k_mask)
-        u = _dense_dot(x, beta[:, :, None] * v, PRECISION, EMULATE)
+        u = _dense_dot(x, beta[:, :, None] * v, WU_PRECISION, EMULATE)
         tl.store(u_ptr + base * V + at_v, u.to(u_ptr.dtype.element_ty), mask=v_mask)
 
     @triton.jit
@@ -425,25 +451,37 @@ class IntraConfig:
     heads: heads per "dense" program (a power of 2): more amortise the program's fixed latency
         and issue more bytes per load, at more registers per thread.
     precision: the "dense" kernel's A_kk, A_qk, w and u products for 16-bit inputs (float32 inputs
-        always get "ieee"): "tf32x3" (about float32's accuracy, on tensor cores), "ieee" (FMA
-        units), "tf32" or "bf16" (one tensor-core product on cut operands: less accurate, opt-in;
-        see the tests' measured errors).
+        always get "ieee"), all with float32 accumulation: "bf16x3" (each operand split into two
+        bf16 parts, three tensor-core products: a 16-bit mantissa; errors as "ieee"'s to 3 digits for
+        bf16 inputs, +12% for fp16, all tested), "tf32x3" (the same with TF32 parts, about float32's
+        accuracy, at more registers: 254 a thread in the sm90 compile against bf16x3's 179),
+        "ieee" (FMA units), "tf32" or "bf16" (one tensor-core product on cut operands: less
+        accurate, opt-in; see the tests' measured errors).
+    wu_precision: the same choice for the w and u products alone (None: precision's). Their results
+        are rounded to the inputs' 16-bit dtype anyway, so cut operands cost less there; precision
+        "bf16" costs accuracy (see the tests), "tf32" little.
     inverse: "doubling" (4 dependent 16 x 16 products) or "substitution" (16 dependent row steps).
     num_warps: warps per "dense" program.
+    maxnreg: caps the "dense" kernel's registers a thread (None: the compiler's choice). At 4 warps
+        an SM holds 2 programs above 168 registers, 3 up to 168 and 4 up to 128; the sm90 compile
+        of the default spills 40 bytes a thread at 168 and 168 bytes at 128.
     """
 
     kernel: str = "dense"
     heads: int = 1
-    precision: str = "tf32x3"
+    precision: str = "bf16x3"
+    wu_precision: str | None = None
     inverse: str = "doubling"
     num_warps: int = 4
+    maxnreg: int | None = None
 
     def __post_init__(self) -> None:
         if self.kernel not in ("dense", "blocked"):
             raise ValueError(f"IntraConfig.kernel must be 'dense' or 'blocked', not {self.kernel!r}")
-        if self.precision not in ("ieee", "tf32x3", "tf32", "bf16"):
+        if self.precision not in PRECISIONS or self.wu_precision not in (None, *PRECISIONS):
             raise ValueError(
-                f"IntraConfig.precision: 'ieee', 'tf32x3', 'tf32' or 'bf16', not {self.precision!r}"
+                f"IntraConfig.precision / wu_precision: one of {PRECISIONS}, not "
+                f"{self.precision!r} / {self.wu_precision!r}"
             )
         if self.inverse not in ("doubling", "substitution"):
             raise ValueError(f"IntraConfig.inverse: 'doubling' or 'substitution', not {self.inverse!r}")
@@ -493,12 +531,14 @@ def intra_terms(
     if num_tiles and config.kernel == "dense":
         # fp32 inputs: IEEE products (a correctness path); 16-bit: the config's tensor-core mode.
         precision = "ieee" if work == torch.float32 else config.precision
+        wu_precision = "ieee" if work == torch.float32 else config.wu_precision or config.precision
         NH = min(config.heads, triton.next_power_of_2(H))
         _dense_intra_kernel[(num_tiles * triton.cdiv(H, NH),)](
             q, k, v, g, beta, tiles.start, tiles.end, w, u, qd, kd, aqk, decay, scale, H, K, V,
             NH=NH, BK=_block_k(K), BV=max(16, triton.next_power_of_2(V)), SHIFT=SHIFT,
-            MAX_DECAY=MAX_TILE_LOG_DECAY, PRECISION=precision, INVERSE=config.inverse,
-            EMULATE=not q.is_cuda, num_warps=config.num_warps, num_stages=1,
+            MAX_DECAY=MAX_TILE_LOG_DECAY, PRECISION=precision, WU_PRECISION=wu_precision,
+            INVERSE=config.inverse, EMULATE=not q.is_cuda, num_warps=config.num_warps, num_stages=1,
+            **({} if config.maxnreg is None else {"maxnreg": config.maxnreg}),
         )  # fmt: skip
     elif num_tiles:
         _intra_kernel[(num_tiles * H,)](
