@@ -9,7 +9,7 @@ Usage: python bench/kda_fwd_gpu.py [--T 8192 --H 96 --K 128 --V 128 --docs 1 --i
             variants (INTRA_SWEEP), each alone and in the whole forward with its error against fla,
             and / or a few scan block sizes / warps / stages (SWEEP))
        python bench/kda_fwd_gpu.py --intra-kernel blocked    (ours with another IntraConfig: also
-            --intra-heads, --intra-precision, --intra-wu-precision, --intra-inverse,
+            --intra-heads, --intra-tiles, --intra-precision, --intra-wu-precision, --intra-inverse,
             --intra-warps, --intra-maxnreg)
 Needs CUDA; fla optional (pip install flash-linear-attention): without it only ours is timed.
 """
@@ -46,6 +46,12 @@ INTRA_SWEEP = [  # IntraConfig variants of the intra-tile kernel
         IntraConfig(heads=heads, num_warps=warps, maxnreg=maxnreg)
         for heads, warps in ((1, 4), (2, 8))
         for maxnreg in (168, 128)
+    ),
+    *(
+        IntraConfig(precision=precision, tiles=tiles, maxnreg=maxnreg)
+        for precision in ("bf16x3", "bf16")
+        for tiles in (2, 4, 8)
+        for maxnreg in (None, 168)
     ),
     *(
         IntraConfig(precision=a, wu_precision=b)
@@ -134,6 +140,7 @@ def main() -> None:
     default = IntraConfig()
     parser.add_argument("--intra-kernel", default=default.kernel, choices=["dense", "blocked"])
     parser.add_argument("--intra-heads", type=int, default=default.heads)
+    parser.add_argument("--intra-tiles", type=int, default=default.tiles)
     parser.add_argument("--intra-precision", default=default.precision, choices=PRECISIONS)
     parser.add_argument("--intra-wu-precision", default=None, choices=PRECISIONS)
     parser.add_argument("--intra-maxnreg", type=int, default=default.maxnreg)
@@ -141,9 +148,9 @@ def main() -> None:
     parser.add_argument("--intra-warps", type=int, default=default.num_warps)
     args = parser.parse_args()
     intra = IntraConfig(
-        kernel=args.intra_kernel, heads=args.intra_heads, precision=args.intra_precision,
-        wu_precision=args.intra_wu_precision, inverse=args.intra_inverse, num_warps=args.intra_warps,
-        maxnreg=args.intra_maxnreg,
+        kernel=args.intra_kernel, heads=args.intra_heads, tiles=args.intra_tiles,
+        precision=args.intra_precision, wu_precision=args.intra_wu_precision, inverse=args.intra_inverse,
+        num_warps=args.intra_warps, maxnreg=args.intra_maxnreg,
     )  # fmt: skip
     if not torch.cuda.is_available():
         raise SystemExit("bench/kda_fwd_gpu.py needs a CUDA GPU")

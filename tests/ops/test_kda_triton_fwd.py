@@ -171,6 +171,11 @@ VARIANT_CASES = [
         1, 50, 3, 32, 60, BF16, bounds=(0, 1, 17, 40, 50), intra=IntraConfig(heads=2)
     ),  # 3 heads: one masked
     Case(2, 37, 3, 20, 16, F32, intra=IntraConfig(heads=4, num_warps=2, maxnreg=128)),
+    Case(
+        1, 50, 3, 32, 60, BF16, bounds=(0, 1, 17, 40, 50), intra=IntraConfig(tiles=2)
+    ),  # 5 tiles: 3 programs
+    Case(2, 37, 2, 20, 16, F32, intra=IntraConfig(tiles=4, heads=2)),
+    Case(1, 50, 2, 32, 60, BF16, bounds=(0, 13, 50), intra=IntraConfig(tiles=8, precision="bf16")),
     Case(1, 50, 2, 32, 60, BF16, bounds=(0, 13, 50), intra=IntraConfig(precision="tf32x3", heads=2)),
     Case(1, 19, 2, 20, 36, F16, intra=IntraConfig(precision="tf32x3")),
     Case(1, 37, 2, 60, 20, F32, bounds=(0, 0, 20, 37), intra=IntraConfig(inverse="substitution")),
@@ -274,7 +279,8 @@ def test_kernels_compile_for_sm90(dtype):
     intra_types = dict(
         q_ptr=work, k_ptr=work, v_ptr=work, g_ptr=ptr("fp32"), beta_ptr=work,
         tile_start_ptr=ptr("i32"), tile_end_ptr=ptr("i32"), w_ptr=work, u_ptr=work, qd_ptr=work,
-        kd_ptr=work, aqk_ptr=ptr("fp32"), decay_ptr=ptr("fp32"), scale="fp32", H="i32", K="i32", V="i32",
+        kd_ptr=work, aqk_ptr=ptr("fp32"), decay_ptr=ptr("fp32"), scale="fp32", num_tiles="i32", H="i32",
+        K="i32", V="i32",
     )  # fmt: skip
     scan_types = dict(
         w_ptr=work, u_ptr=work, qd_ptr=work, kd_ptr=work, aqk_ptr=ptr("fp32"), decay_ptr=ptr("fp32"),
@@ -290,8 +296,8 @@ def test_kernels_compile_for_sm90(dtype):
     assert compile_for_sm90(triton_fwd._intra_kernel, intra_types, intra, num_warps=4)
     default = triton_fwd.IntraConfig()
     dense = dict(
-        NH=default.heads, BK=128, BV=128, SHIFT=triton_fwd.SHIFT, MAX_DECAY=triton_fwd.MAX_TILE_LOG_DECAY,
-        INVERSE=default.inverse, EMULATE=False,
+        NH=default.heads, TILES=default.tiles, BK=128, BV=128, SHIFT=triton_fwd.SHIFT,
+        MAX_DECAY=triton_fwd.MAX_TILE_LOG_DECAY, INVERSE=default.inverse, EMULATE=False,
     )  # fmt: skip
     # The default precisions, and for bf16 opt-in ones (the sweep's other settings are not built).
     pairs = (
@@ -301,6 +307,9 @@ def test_kernels_compile_for_sm90(dtype):
     )
     for precision, wu_precision in pairs:
         config = dict(dense, PRECISION=precision, WU_PRECISION=wu_precision)
+        assert compile_for_sm90(triton_fwd._dense_intra_kernel, intra_types, config, default.num_warps)
+    if dtype == "bf16":  # several tiles a program, each loading the next
+        config = dict(dense, TILES=4, PRECISION=default.precision, WU_PRECISION=default.precision)
         assert compile_for_sm90(triton_fwd._dense_intra_kernel, intra_types, config, default.num_warps)
     assert compile_for_sm90(triton_fwd._scan_kernel, scan_types, scan, num_warps=4)
 

@@ -185,26 +185,14 @@ if triton is not None:
             return tl.dot(a, b, input_precision="ieee")
 
     @triton.jit
-    def _dense_intra_kernel(
-        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, tile_start_ptr, tile_end_ptr,
-        w_ptr, u_ptr, qd_ptr, kd_ptr, aqk_ptr, decay_ptr,
-        scale, H, K, V,
-        NH: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SHIFT: tl.constexpr,
-        MAX_DECAY: tl.constexpr, PRECISION: tl.constexpr, WU_PRECISION: tl.constexpr,
-        INVERSE: tl.constexpr, EMULATE: tl.constexpr,
+    def _dense_load(
+        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, tile_start_ptr, tile_end_ptr, tile, ok, h0, H, K, V,
+        NH: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     ):  # fmt: skip
-        """`_intra_kernel`'s results, one program per (tile, NH heads) with all K channels at once:
-        every load of the tile is issued up front (no K loop, q / k / g read once), the products run
-        on tensor cores (PRECISION, see `_dense_dot`), and (I + A)^-1 comes from log2(16) = 4
-        doubling steps (INVERSE="doubling": (I - A)(I + A^2)(I + A^4)(I + A^8), exact since A is
-        strictly lower triangular, so A^16 = 0) instead of 16 dependent row steps ("substitution").
-        Tensors are [NH, 16, ...]: head, token, channel."""
-        pid = tl.program_id(0).to(tl.int64)
-        HB = tl.cdiv(H, NH)
-        tile = pid // HB
-        h0 = (pid % HB) * NH
+        """Tile `tile`'s bounds and inputs for heads h0 .. h0 + NH, in the inputs' dtypes; with `ok`
+        false a tile of no rows (end = start), whose masked loads move nothing."""
         start = tl.load(tile_start_ptr + tile).to(tl.int64)
-        end = tl.load(tile_end_ptr + tile).to(tl.int64)
+        end = tl.where(ok, tl.load(tile_end_ptr + tile).to(tl.int64), start)
         rows = tl.arange(0, 16)
         heads = tl.arange(0, NH)
         kcols = tl.arange(0, BK)
@@ -217,54 +205,106 @@ if triton is not None:
         at_k = th[:, :, None] * K + kcols[None, None, :]
         v_mask = row_ok[:, :, None] & (vcols < V)[None, None, :]
         at_v = th[:, :, None] * V + vcols[None, None, :]
-        # Every load of the tile up front; padded rows and channels read 0: they write nothing and
-        # leave the tile's decay alone.
-        beta = tl.load(beta_ptr + base + th, mask=row_ok, other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + base * K + at_k, mask=k_mask, other=0.0).to(tl.float32)
-        q = tl.load(q_ptr + base * K + at_k, mask=k_mask, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + base * K + at_k, mask=k_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + base * V + at_v, mask=v_mask, other=0.0).to(tl.float32)
-        G = tl.cumsum(g, 1)
+        # Padded rows and channels read 0: they write nothing and leave the tile's decay alone.
+        beta = tl.load(beta_ptr + base + th, mask=row_ok, other=0.0)
+        k = tl.load(k_ptr + base * K + at_k, mask=k_mask, other=0.0)
+        q = tl.load(q_ptr + base * K + at_k, mask=k_mask, other=0.0)
+        g = tl.load(g_ptr + base * K + at_k, mask=k_mask, other=0.0)
+        v = tl.load(v_ptr + base * V + at_v, mask=v_mask, other=0.0)
+        return start, end, beta, k, q, g, v
+
+    @triton.jit
+    def _dense_intra_kernel(
+        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, tile_start_ptr, tile_end_ptr,
+        w_ptr, u_ptr, qd_ptr, kd_ptr, aqk_ptr, decay_ptr,
+        scale, num_tiles, H, K, V,
+        NH: tl.constexpr, TILES: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+        SHIFT: tl.constexpr, MAX_DECAY: tl.constexpr, PRECISION: tl.constexpr,
+        WU_PRECISION: tl.constexpr, INVERSE: tl.constexpr, EMULATE: tl.constexpr,
+    ):  # fmt: skip
+        """`_intra_kernel`'s results, one program per (TILES consecutive tiles, NH heads) with all K
+        channels at once: the loads are issued one tile ahead (the next tile's inputs load while
+        this one computes: with 2-3 programs an SM, as registers allow, a program's own compute
+        would otherwise leave its SM's memory pipe idle), no K loop (q / k / g read once),
+        the products on tensor cores (PRECISION, see `_dense_dot`), and (I + A)^-1 from log2(16) = 4
+        doubling steps (INVERSE="doubling": (I - A)(I + A^2)(I + A^4)(I + A^8), exact since A is
+        strictly lower triangular, so A^16 = 0) instead of 16 dependent row steps ("substitution").
+        Tensors are [NH, 16, ...]: head, token, channel."""
+        pid = tl.program_id(0).to(tl.int64)
+        HB = tl.cdiv(H, NH)
+        first = (pid // HB) * TILES
+        h0 = (pid % HB) * NH
+        rows = tl.arange(0, 16)
+        heads = tl.arange(0, NH)
+        kcols = tl.arange(0, BK)
+        vcols = tl.arange(0, BV)
+        th = rows[None, :] * H + heads[:, None]  # [NH, 16]: row of [tokens * H, ...]
+        at_k = th[:, :, None] * K + kcols[None, None, :]
+        at_v = th[:, :, None] * V + vcols[None, None, :]
         i = rows[None, :, None]
         j = rows[None, None, :]
-        G_last = tl.sum(tl.where(i == 15, G, 0.0), 1)  # [NH, BK]; padded rows add g = 0
-        worst = tl.min(tl.min(G, 2), 1)  # [NH]: each head's most negative G in the tile
+        start, end, beta_in, k_in, q_in, g_in, v_in = _dense_load(
+            q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, tile_start_ptr, tile_end_ptr, first, first < num_tiles,
+            h0, H, K, V, NH, BK, BV,
+        )  # fmt: skip
+        for step in range(TILES):
+            tile = first + step
+            # The next tile's loads go out before this tile's work (the last one loads nothing).
+            ok = (step + 1 < TILES) & (tile + 1 < num_tiles)
+            n_start, n_end, n_beta, n_k, n_q, n_g, n_v = _dense_load(
+                q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, tile_start_ptr, tile_end_ptr,
+                tl.minimum(tile + 1, num_tiles - 1), ok, h0, H, K, V, NH, BK, BV,
+            )  # fmt: skip
+            row_ok = (rows[None, :] < end - start) & (h0 + heads < H)[:, None]  # [NH, 16]
+            base = start * H + h0
+            k_mask = row_ok[:, :, None] & (kcols < K)[None, None, :]
+            v_mask = row_ok[:, :, None] & (vcols < V)[None, None, :]
+            beta = beta_in.to(tl.float32)
+            k = k_in.to(tl.float32)
+            q = q_in.to(tl.float32)
+            v = v_in.to(tl.float32)
+            G = tl.cumsum(g_in.to(tl.float32), 1)
+            G_last = tl.sum(tl.where(i == 15, G, 0.0), 1)  # [NH, BK]; padded rows add g = 0
+            worst = tl.min(tl.min(G, 2), 1)  # [NH]: each head's most negative G in the tile
 
-        # The terms that need no inverse, stored first so q's registers free early.
-        decay = tl.exp(G)
-        tl.store(qd_ptr + base * K + at_k, (scale * q * decay).to(qd_ptr.dtype.element_ty), mask=k_mask)
-        kd = k * tl.exp(G_last[:, None, :] - G)
-        tl.store(kd_ptr + base * K + at_k, kd.to(kd_ptr.dtype.element_ty), mask=k_mask)
-        at_decay = (tile * H + h0 + heads[:, None]) * K + kcols[None, :]
-        tl.store(decay_ptr + at_decay, tl.exp(G_last), mask=(h0 + heads < H)[:, None] & (kcols < K)[None, :])
+            # The terms that need no inverse, stored first so q's registers free early.
+            decay = tl.exp(G)
+            tl.store(qd_ptr + base * K + at_k, (scale * q * decay).to(qd_ptr.dtype.element_ty), mask=k_mask)
+            kd = k * tl.exp(G_last[:, None, :] - G)
+            tl.store(kd_ptr + base * K + at_k, kd.to(kd_ptr.dtype.element_ty), mask=k_mask)
+            at_decay = (tile * H + h0 + heads[:, None]) * K + kcols[None, :]
+            k_live = tl.where(tile < num_tiles, K, 0)  # no decay row past the last tile
+            decay_ok = (h0 + heads < H)[:, None] & (kcols < k_live)[None, :]
+            tl.store(decay_ptr + at_decay, tl.exp(G_last), mask=decay_ok)
 
-        k_out = tl.trans(k * tl.exp(-G - SHIFT), (0, 2, 1))  # [NH, BK, 16]
-        a_kk = _dense_dot(k * tl.exp(G + SHIFT), k_out, PRECISION, EMULATE)
-        a_qk = _dense_dot(q * tl.exp(G + SHIFT), k_out, PRECISION, EMULATE)
-        a_kk = tl.where(i > j, beta[:, :, None] * a_kk, 0.0)
-        a_qk = tl.where(i >= j, scale * a_qk, 0.0)
-        tl.store(aqk_ptr + base * 16 + th[:, :, None] * 16 + j, a_qk, mask=row_ok[:, :, None])
+            k_out = tl.trans(k * tl.exp(-G - SHIFT), (0, 2, 1))  # [NH, BK, 16]
+            a_kk = _dense_dot(k * tl.exp(G + SHIFT), k_out, PRECISION, EMULATE)
+            a_qk = _dense_dot(q * tl.exp(G + SHIFT), k_out, PRECISION, EMULATE)
+            a_kk = tl.where(i > j, beta[:, :, None] * a_kk, 0.0)
+            a_qk = tl.where(i >= j, scale * a_qk, 0.0)
+            tl.store(aqk_ptr + base * 16 + th[:, :, None] * 16 + j, a_qk, mask=row_ok[:, :, None])
 
-        # X = (I + A)^-1, in IEEE float32 whatever PRECISION (16 x 16 x 16 products: cheap).
-        if INVERSE == "doubling":
-            x = tl.where(i == j, 1.0, 0.0) - a_kk
-            power = a_kk
-            for _ in tl.static_range(3):
-                power = tl.dot(power, power, input_precision="ieee")
-                x += tl.dot(x, power, input_precision="ieee")
-        else:
-            x = tl.zeros([NH, 16, 16], tl.float32)
-            for r in tl.static_range(16):
-                a_r = tl.sum(tl.where(i == r, a_kk, 0.0), 1)  # [NH, 16]: row r of A by column
-                x_r = tl.where(rows[None, :] == r, 1.0, 0.0) - tl.sum(a_r[:, :, None] * x, 1)
-                x = tl.where(i == r, x_r[:, None, :], x)
-        # A tile steeper than the split allows: NaN rather than an overflowed, plausible result.
-        x += tl.where(worst[:, None, None] < -MAX_DECAY, float("nan"), 0.0)
+            # X = (I + A)^-1, in IEEE float32 whatever PRECISION (16 x 16 x 16 products: cheap).
+            if INVERSE == "doubling":
+                x = tl.where(i == j, 1.0, 0.0) - a_kk
+                power = a_kk
+                for _ in tl.static_range(3):
+                    power = tl.dot(power, power, input_precision="ieee")
+                    x += tl.dot(x, power, input_precision="ieee")
+            else:
+                x = tl.zeros([NH, 16, 16], tl.float32)
+                for r in tl.static_range(16):
+                    a_r = tl.sum(tl.where(i == r, a_kk, 0.0), 1)  # [NH, 16]: row r of A by column
+                    x_r = tl.where(rows[None, :] == r, 1.0, 0.0) - tl.sum(a_r[:, :, None] * x, 1)
+                    x = tl.where(i == r, x_r[:, None, :], x)
+            # A tile steeper than the split allows: NaN rather than an overflowed, plausible result.
+            x += tl.where(worst[:, None, None] < -MAX_DECAY, float("nan"), 0.0)
 
-        w = _dense_dot(x, beta[:, :, None] * k * decay, WU_PRECISION, EMULATE)
-        tl.store(w_ptr + base * K + at_k, w.to(w_ptr.dtype.element_ty), mask=k_mask)
-        u = _dense_dot(x, beta[:, :, None] * v, WU_PRECISION, EMULATE)
-        tl.store(u_ptr + base * V + at_v, u.to(u_ptr.dtype.element_ty), mask=v_mask)
+            w = _dense_dot(x, beta[:, :, None] * k * decay, WU_PRECISION, EMULATE)
+            tl.store(w_ptr + base * K + at_k, w.to(w_ptr.dtype.element_ty), mask=k_mask)
+            u = _dense_dot(x, beta[:, :, None] * v, WU_PRECISION, EMULATE)
+            tl.store(u_ptr + base * V + at_v, u.to(u_ptr.dtype.element_ty), mask=v_mask)
+            start, end, beta_in, k_in, q_in, g_in, v_in = n_start, n_end, n_beta, n_k, n_q, n_g, n_v
 
     @triton.jit
     def _scan_kernel(
@@ -450,6 +490,10 @@ class IntraConfig:
         3.55 at B1 T8192 H96 K=V=128 bf16 on an H200).
     heads: heads per "dense" program (a power of 2): more amortise the program's fixed latency
         and issue more bytes per load, at more registers per thread.
+    tiles: consecutive tiles per "dense" program, each tile's inputs loaded while the one before
+        computes (1: no overlap within a program). The prefetched inputs cost registers: in the
+        sm90 compile at 4 warps, "bf16x3" goes from 181 a thread to 255 and spills 152 bytes,
+        "bf16" from 133 to 238; so 1 by default until the sweep has timed it.
     precision: the "dense" kernel's A_kk, A_qk, w and u products for 16-bit inputs (float32 inputs
         always get "ieee"), all with float32 accumulation: "bf16x3" (each operand split into two
         bf16 parts, three tensor-core products: a 16-bit mantissa; errors as "ieee"'s to 3 digits for
@@ -469,6 +513,7 @@ class IntraConfig:
 
     kernel: str = "dense"
     heads: int = 1
+    tiles: int = 1
     precision: str = "bf16x3"
     wu_precision: str | None = None
     inverse: str = "doubling"
@@ -485,6 +530,8 @@ class IntraConfig:
             )
         if self.inverse not in ("doubling", "substitution"):
             raise ValueError(f"IntraConfig.inverse: 'doubling' or 'substitution', not {self.inverse!r}")
+        if self.tiles < 1:
+            raise ValueError(f"IntraConfig.tiles must be positive, not {self.tiles}")
         if self.heads < 1 or self.heads & (self.heads - 1):
             raise ValueError(f"IntraConfig.heads must be a power of 2, not {self.heads}")
 
@@ -533,9 +580,9 @@ def intra_terms(
         precision = "ieee" if work == torch.float32 else config.precision
         wu_precision = "ieee" if work == torch.float32 else config.wu_precision or config.precision
         NH = min(config.heads, triton.next_power_of_2(H))
-        _dense_intra_kernel[(num_tiles * triton.cdiv(H, NH),)](
-            q, k, v, g, beta, tiles.start, tiles.end, w, u, qd, kd, aqk, decay, scale, H, K, V,
-            NH=NH, BK=_block_k(K), BV=max(16, triton.next_power_of_2(V)), SHIFT=SHIFT,
+        _dense_intra_kernel[(triton.cdiv(num_tiles, config.tiles) * triton.cdiv(H, NH),)](
+            q, k, v, g, beta, tiles.start, tiles.end, w, u, qd, kd, aqk, decay, scale, num_tiles, H, K, V,
+            NH=NH, TILES=config.tiles, BK=_block_k(K), BV=max(16, triton.next_power_of_2(V)), SHIFT=SHIFT,
             MAX_DECAY=MAX_TILE_LOG_DECAY, PRECISION=precision, WU_PRECISION=wu_precision,
             INVERSE=config.inverse, EMULATE=not q.is_cuda, num_warps=config.num_warps, num_stages=1,
             **({} if config.maxnreg is None else {"maxnreg": config.maxnreg}),
