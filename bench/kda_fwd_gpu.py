@@ -42,17 +42,18 @@ INTRA_SWEEP = [  # IntraConfig variants of the intra-tile kernel
         for precision in ("bf16x3", "tf32x3", "tf32", "bf16", "ieee")
         for heads, warps in ((1, 2), (1, 4), (1, 8), (2, 4), (2, 8), (4, 8))
     ),
+    # Several tiles a program, each loading the next (more registers: see the registers caps).
+    *(IntraConfig(tiles=tiles, maxnreg=maxnreg) for tiles in (2, 4, 8) for maxnreg in (None, 168, 128)),
     *(
-        IntraConfig(heads=heads, num_warps=warps, maxnreg=maxnreg)
-        for heads, warps in ((1, 4), (2, 8))
-        for maxnreg in (168, 128)
+        IntraConfig(precision="bf16", tiles=tiles, maxnreg=maxnreg)
+        for tiles in (2, 4)
+        for maxnreg in (None, 128)
     ),
-    *(
-        IntraConfig(precision=precision, tiles=tiles, maxnreg=maxnreg)
-        for precision in ("bf16x3", "bf16")
-        for tiles in (2, 4, 8)
-        for maxnreg in (None, 168)
-    ),
+    IntraConfig(heads=2, num_warps=8, tiles=4),
+    # Register caps for the wider configs (4 warps: 2 programs an SM above 168, 3 up to 168, 4 up to 128).
+    IntraConfig(precision="tf32x3", maxnreg=168),
+    IntraConfig(precision="tf32x3", maxnreg=128),
+    IntraConfig(heads=2, num_warps=8, maxnreg=128),
     *(
         IntraConfig(precision=a, wu_precision=b)
         for a, b in (("bf16x3", "tf32"), ("bf16x3", "bf16"), ("tf32x3", "tf32"), ("tf32", "bf16"))

@@ -278,8 +278,13 @@ if triton is not None:
             tl.store(decay_ptr + at_decay, tl.exp(G_last), mask=decay_ok)
 
             k_out = tl.trans(k * tl.exp(-G - SHIFT), (0, 2, 1))  # [NH, BK, 16]
-            a_kk = _dense_dot(k * tl.exp(G + SHIFT), k_out, PRECISION, EMULATE)
-            a_qk = _dense_dot(q * tl.exp(G + SHIFT), k_out, PRECISION, EMULATE)
+            # A_kk and A_qk as one product of the rows [k; q] exp(G + c) (M = 32): at M = 16 each of
+            # 4 warps would hold the whole left operand (sm90 compile, bf16x3: 181 registers a
+            # thread stacked apart, 128 stacked, so 4 programs an SM instead of 2).
+            e_in = tl.exp(G + SHIFT)
+            stacked = tl.reshape(tl.permute(tl.join(k * e_in, q * e_in), (0, 3, 1, 2)), (NH, 32, BK))
+            both = tl.reshape(_dense_dot(stacked, k_out, PRECISION, EMULATE), (NH, 2, 16, 16))
+            a_kk, a_qk = tl.split(tl.permute(both, (0, 2, 3, 1)))
             a_kk = tl.where(i > j, beta[:, :, None] * a_kk, 0.0)
             a_qk = tl.where(i >= j, scale * a_qk, 0.0)
             tl.store(aqk_ptr + base * 16 + th[:, :, None] * 16 + j, a_qk, mask=row_ok[:, :, None])
@@ -492,13 +497,13 @@ class IntraConfig:
         and issue more bytes per load, at more registers per thread.
     tiles: consecutive tiles per "dense" program, each tile's inputs loaded while the one before
         computes (1: no overlap within a program). The prefetched inputs cost registers: in the
-        sm90 compile at 4 warps, "bf16x3" goes from 181 a thread to 255 and spills 152 bytes,
-        "bf16" from 133 to 238; so 1 by default until the sweep has timed it.
+        sm90 compile at 4 warps, "bf16x3" goes from 128 a thread (4 programs an SM) to 254 (2),
+        "bf16" from 128 to 227; so 1 by default until the sweep has timed it.
     precision: the "dense" kernel's A_kk, A_qk, w and u products for 16-bit inputs (float32 inputs
         always get "ieee"), all with float32 accumulation: "bf16x3" (each operand split into two
         bf16 parts, three tensor-core products: a 16-bit mantissa; errors as "ieee"'s to 3 digits for
         bf16 inputs, +12% for fp16, all tested), "tf32x3" (the same with TF32 parts, about float32's
-        accuracy, at more registers: 254 a thread in the sm90 compile against bf16x3's 179),
+        accuracy, at more registers: 196 a thread in the sm90 compile against bf16x3's 128),
         "ieee" (FMA units), "tf32" or "bf16" (one tensor-core product on cut operands: less
         accurate, opt-in; see the tests' measured errors).
     wu_precision: the same choice for the w and u products alone (None: precision's). Their results
@@ -507,8 +512,8 @@ class IntraConfig:
     inverse: "doubling" (4 dependent 16 x 16 products) or "substitution" (16 dependent row steps).
     num_warps: warps per "dense" program.
     maxnreg: caps the "dense" kernel's registers a thread (None: the compiler's choice). At 4 warps
-        an SM holds 2 programs above 168 registers, 3 up to 168 and 4 up to 128; the sm90 compile
-        of the default spills 40 bytes a thread at 168 and 168 bytes at 128.
+        an SM holds 2 programs above 168 registers, 3 up to 168 and 4 up to 128 (the default
+        config needs 128 in the sm90 compile; "tf32x3" 196, tiles=4 254).
     """
 
     kernel: str = "dense"
