@@ -10,7 +10,7 @@ Usage: python bench/kda_fwd_gpu.py [--T 8192 --H 96 --K 128 --V 128 --docs 1 --i
             and / or a few scan block sizes / warps / stages (SWEEP))
        python bench/kda_fwd_gpu.py --intra-kernel blocked    (ours with another IntraConfig: also
             --intra-heads, --intra-tiles, --intra-precision, --intra-wu-precision, --intra-inverse,
-            --intra-warps, --intra-maxnreg)
+            --intra-warps, --intra-maxnreg, --intra-no-stack)
 Needs CUDA; fla optional (pip install flash-linear-attention): without it only ours is timed.
 """
 
@@ -59,6 +59,7 @@ INTRA_SWEEP = [  # IntraConfig variants of the intra-tile kernel
         for a, b in (("bf16x3", "tf32"), ("bf16x3", "bf16"), ("tf32x3", "tf32"), ("tf32", "bf16"))
     ),
     IntraConfig(inverse="substitution"),
+    IntraConfig(stack=False),
 ]
 
 
@@ -147,11 +148,12 @@ def main() -> None:
     parser.add_argument("--intra-maxnreg", type=int, default=default.maxnreg)
     parser.add_argument("--intra-inverse", default=default.inverse, choices=["doubling", "substitution"])
     parser.add_argument("--intra-warps", type=int, default=default.num_warps)
+    parser.add_argument("--intra-no-stack", action="store_true", help="IntraConfig(stack=False)")
     args = parser.parse_args()
     intra = IntraConfig(
         kernel=args.intra_kernel, heads=args.intra_heads, tiles=args.intra_tiles,
         precision=args.intra_precision, wu_precision=args.intra_wu_precision, inverse=args.intra_inverse,
-        num_warps=args.intra_warps, maxnreg=args.intra_maxnreg,
+        num_warps=args.intra_warps, maxnreg=args.intra_maxnreg, stack=not args.intra_no_stack,
     )  # fmt: skip
     if not torch.cuda.is_available():
         raise SystemExit("bench/kda_fwd_gpu.py needs a CUDA GPU")
@@ -168,8 +170,15 @@ def main() -> None:
     def ours(**config) -> tuple:
         return triton_chunk_kda(**inputs, **{"intra": intra, **config})
 
-    out = ours()  # compiles
-    torch.cuda.synchronize()
+    try:
+        out = ours()  # compiles
+        torch.cuda.synchronize()
+    except Exception:  # e.g. a Triton that cannot build this config: time the first kernel instead
+        traceback.print_exc()
+        log(f"ours with {intra} failed: falling back to IntraConfig(kernel='blocked')")
+        intra = IntraConfig(kernel="blocked")
+        out = ours()
+        torch.cuda.synchronize()
     log("ours compiled")
     ours_ms = time_ms(ours, args.warmup, args.iters)
     scale = args.K**-0.5

@@ -179,6 +179,7 @@ VARIANT_CASES = [
     Case(1, 50, 2, 32, 60, BF16, bounds=(0, 13, 50), intra=IntraConfig(precision="tf32x3", heads=2)),
     Case(1, 19, 2, 20, 36, F16, intra=IntraConfig(precision="tf32x3")),
     Case(1, 37, 2, 60, 20, F32, bounds=(0, 0, 20, 37), intra=IntraConfig(inverse="substitution")),
+    Case(1, 50, 3, 32, 60, BF16, bounds=(0, 1, 17, 40, 50), intra=IntraConfig(stack=False, heads=2)),
     Case(1, 19, 2, 20, 36, F16, intra=IntraConfig(precision="ieee", heads=2)),
     Case(1, 19, 2, 20, 36, F16, intra=IntraConfig(precision="tf32")),
     Case(1, 50, 3, 32, 60, BF16, bounds=(0, 1, 17, 40, 50), intra=IntraConfig(precision="tf32")),
@@ -297,7 +298,8 @@ def test_kernels_compile_for_sm90(dtype):
     default = triton_fwd.IntraConfig()
     dense = dict(
         NH=default.heads, TILES=default.tiles, BK=128, BV=128, SHIFT=triton_fwd.SHIFT,
-        MAX_DECAY=triton_fwd.MAX_TILE_LOG_DECAY, INVERSE=default.inverse, EMULATE=False,
+        MAX_DECAY=triton_fwd.MAX_TILE_LOG_DECAY, INVERSE=default.inverse, STACK=default.stack,
+        EMULATE=False,
     )  # fmt: skip
     # The default precisions, and for bf16 opt-in ones (the sweep's other settings are not built).
     pairs = (
@@ -310,6 +312,8 @@ def test_kernels_compile_for_sm90(dtype):
         assert compile_for_sm90(triton_fwd._dense_intra_kernel, intra_types, config, default.num_warps)
     if dtype == "bf16":  # several tiles a program, each loading the next
         config = dict(dense, TILES=4, PRECISION=default.precision, WU_PRECISION=default.precision)
+        assert compile_for_sm90(triton_fwd._dense_intra_kernel, intra_types, config, default.num_warps)
+        config = dict(config, TILES=1, STACK=False)  # A_kk and A_qk as two products
         assert compile_for_sm90(triton_fwd._dense_intra_kernel, intra_types, config, default.num_warps)
     assert compile_for_sm90(triton_fwd._scan_kernel, scan_types, scan, num_warps=4)
 

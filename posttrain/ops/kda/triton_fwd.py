@@ -220,7 +220,7 @@ if triton is not None:
         scale, num_tiles, H, K, V,
         NH: tl.constexpr, TILES: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
         SHIFT: tl.constexpr, MAX_DECAY: tl.constexpr, PRECISION: tl.constexpr,
-        WU_PRECISION: tl.constexpr, INVERSE: tl.constexpr, EMULATE: tl.constexpr,
+        WU_PRECISION: tl.constexpr, INVERSE: tl.constexpr, STACK: tl.constexpr, EMULATE: tl.constexpr,
     ):  # fmt: skip
         """`_intra_kernel`'s results, one program per (TILES consecutive tiles, NH heads) with all K
         channels at once: the loads are issued one tile ahead (the next tile's inputs load while
@@ -282,9 +282,13 @@ if triton is not None:
             # 4 warps would hold the whole left operand (sm90 compile, bf16x3: 181 registers a
             # thread stacked apart, 128 stacked, so 4 programs an SM instead of 2).
             e_in = tl.exp(G + SHIFT)
-            stacked = tl.reshape(tl.permute(tl.join(k * e_in, q * e_in), (0, 3, 1, 2)), (NH, 32, BK))
-            both = tl.reshape(_dense_dot(stacked, k_out, PRECISION, EMULATE), (NH, 2, 16, 16))
-            a_kk, a_qk = tl.split(tl.permute(both, (0, 2, 3, 1)))
+            if STACK:
+                stacked = tl.reshape(tl.permute(tl.join(k * e_in, q * e_in), (0, 3, 1, 2)), (NH, 32, BK))
+                both = tl.reshape(_dense_dot(stacked, k_out, PRECISION, EMULATE), (NH, 2, 16, 16))
+                a_kk, a_qk = tl.split(tl.permute(both, (0, 2, 3, 1)))
+            else:
+                a_kk = _dense_dot(k * e_in, k_out, PRECISION, EMULATE)
+                a_qk = _dense_dot(q * e_in, k_out, PRECISION, EMULATE)
             a_kk = tl.where(i > j, beta[:, :, None] * a_kk, 0.0)
             a_qk = tl.where(i >= j, scale * a_qk, 0.0)
             tl.store(aqk_ptr + base * 16 + th[:, :, None] * 16 + j, a_qk, mask=row_ok[:, :, None])
@@ -510,6 +514,8 @@ class IntraConfig:
         are rounded to the inputs' 16-bit dtype anyway, so cut operands cost less there; precision
         "bf16" costs accuracy (see the tests), "tf32" little.
     inverse: "doubling" (4 dependent 16 x 16 products) or "substitution" (16 dependent row steps).
+    stack: A_kk and A_qk as one product of the stacked rows [k; q] (fewer registers: 128 a thread
+        against 181 in the sm90 compile) or as two.
     num_warps: warps per "dense" program.
     maxnreg: caps the "dense" kernel's registers a thread (None: the compiler's choice). At 4 warps
         an SM holds 2 programs above 168 registers, 3 up to 168 and 4 up to 128 (the default
@@ -522,6 +528,7 @@ class IntraConfig:
     precision: str = "bf16x3"
     wu_precision: str | None = None
     inverse: str = "doubling"
+    stack: bool = True
     num_warps: int = 4
     maxnreg: int | None = None
 
@@ -589,7 +596,8 @@ def intra_terms(
             q, k, v, g, beta, tiles.start, tiles.end, w, u, qd, kd, aqk, decay, scale, num_tiles, H, K, V,
             NH=NH, TILES=config.tiles, BK=_block_k(K), BV=max(16, triton.next_power_of_2(V)), SHIFT=SHIFT,
             MAX_DECAY=MAX_TILE_LOG_DECAY, PRECISION=precision, WU_PRECISION=wu_precision,
-            INVERSE=config.inverse, EMULATE=not q.is_cuda, num_warps=config.num_warps, num_stages=1,
+            INVERSE=config.inverse, STACK=config.stack, EMULATE=not q.is_cuda,
+            num_warps=config.num_warps, num_stages=1,
             **({} if config.maxnreg is None else {"maxnreg": config.maxnreg}),
         )  # fmt: skip
     elif num_tiles:
