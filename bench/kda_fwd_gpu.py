@@ -34,7 +34,7 @@ SWEEP = [  # (block_v, num_warps, num_stages) of the scan kernel
     (bv, warps, stages)
     for bv, warps in ((16, 1), (16, 2), (16, 4), (32, 2), (32, 4), (32, 8), (64, 4), (64, 8), (128, 8))
     for stages in (1, 2, 3)
-]
+] + [(64, 4, 4), (64, 4, 5), (64, 8, 4), (32, 4, 4), (32, 4, 5)]  # deeper prefetch of the tile terms
 INTRA_SWEEP = [  # IntraConfig variants of the intra-tile kernel
     IntraConfig(kernel="blocked"),  # the first version (2.81 ms at the default shape on an H200)
     *(
