@@ -123,6 +123,13 @@ def errors(ours: tuple, ref: tuple) -> str:
     return "; ".join(parts)
 
 
+def short(config: IntraConfig) -> str:
+    """The config's fields that differ from IntraConfig()'s, e.g. "IntraConfig(tiles=4)"."""
+    default = IntraConfig()
+    changed = {k: v for k, v in vars(config).items() if v != getattr(default, k)}
+    return f"IntraConfig({', '.join(f'{k}={v!r}' for k, v in changed.items())})"
+
+
 def log(message: str) -> None:
     print(f"[{time.perf_counter() - START:.0f}s] {message}", flush=True)
 
@@ -162,7 +169,7 @@ def main() -> None:
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     print(
         f"B={args.B} T={args.T} H={args.H} K={args.K} V={args.V} {args.dtype} docs={args.docs}, "
-        f"mean of {args.iters} calls after {args.warmup} warmup; intra: {intra}",
+        f"mean of {args.iters} calls after {args.warmup} warmup; intra: {short(intra)}",
         flush=True,
     )
     inputs = make_inputs(args)
@@ -175,7 +182,7 @@ def main() -> None:
         torch.cuda.synchronize()
     except Exception:  # e.g. a Triton that cannot build this config: time the first kernel instead
         traceback.print_exc()
-        log(f"ours with {intra} failed: falling back to IntraConfig(kernel='blocked')")
+        log(f"ours with {short(intra)} failed: falling back to IntraConfig(kernel='blocked')")
         intra = IntraConfig(kernel="blocked")
         out = ours()
         torch.cuda.synchronize()
@@ -237,7 +244,7 @@ def main() -> None:
         # default scan), and the whole forward's error against fla (or, without fla, against ours
         # with the configured intra kernel).
         ref_out = ref if fla_ms is not None else out
-        best_intra = (intra_ms, str(intra))
+        best_intra = (intra_ms, short(intra))
         for config in INTRA_SWEEP:
             try:
                 intra_terms(*intra_args, scale, tiles, config)
@@ -249,15 +256,15 @@ def main() -> None:
                 whole = ours(intra=config)
                 whole_ms = time_ms(lambda config=config: ours(intra=config), args.warmup, args.iters)
             except Exception as error:  # e.g. out of shared memory / registers for this config
-                log(f"intra sweep {config}: failed: {type(error).__name__}: {str(error)[:200]}")
+                log(f"intra sweep {short(config)}: failed: {type(error).__name__}: {str(error)[:200]}")
                 continue
             ratio = f", fla_ms / ours_ms = {fla_ms / whole_ms:.2f}" if fla_ms else ""
             against = "fla" if fla_ms is not None else "ours"
             log(
-                f"intra sweep {config}: intra {ms:.3f} ms ({moved / ms / 1e6:.0f} GB/s), "
+                f"intra sweep {short(config)}: intra {ms:.3f} ms ({moved / ms / 1e6:.0f} GB/s), "
                 f"whole {whole_ms:.3f} ms{ratio}; vs {against}: {errors(whole, ref_out)}"
             )
-            best_intra = min(best_intra, (ms, str(config)))
+            best_intra = min(best_intra, (ms, short(config)))
         log(f"best intra: {best_intra[1]} at {best_intra[0]:.3f} ms")
 
     if args.sweep in ("all", "scan"):
