@@ -30,11 +30,19 @@ from posttrain.ops.kda.chunk import _fla_chunk_kda
 from posttrain.ops.kda.triton_fwd import PRECISIONS, IntraConfig, intra_terms, tile_tables, triton_chunk_kda
 
 START = time.perf_counter()
-SWEEP = [  # (block_v, num_warps, num_stages) of the scan kernel
-    (bv, warps, stages)
-    for bv, warps in ((16, 1), (16, 2), (16, 4), (32, 2), (32, 4), (32, 8), (64, 4), (64, 8), (128, 8))
-    for stages in (1, 2, 3)
-] + [(64, 4, 4), (64, 4, 5), (64, 8, 4), (32, 4, 4), (32, 4, 5)]  # deeper prefetch of the tile terms
+SWEEP = [  # (block_v, num_warps, num_stages, prefetch) of the scan kernel
+    *(
+        (bv, warps, stages, True)
+        for bv, warps in ((16, 1), (16, 2), (16, 4), (32, 2), (32, 4), (32, 8), (64, 4), (64, 8), (128, 8))
+        for stages in (1, 2, 3)
+    ),
+    *(
+        (bv, warps, stages, True)
+        for bv, warps, stages in ((64, 4, 4), (64, 4, 5), (64, 8, 4), (32, 4, 4), (32, 4, 5))
+    ),
+    # The first version's scan: u and the decay loaded in their own tile.
+    *((bv, warps, stages, False) for bv, warps, stages in ((64, 4, 2), (64, 4, 3), (32, 4, 2), (32, 4, 3))),
+]
 INTRA_SWEEP = [  # IntraConfig variants of the intra-tile kernel
     IntraConfig(kernel="blocked"),  # the first version (2.81 ms at the default shape on an H200)
     *(
@@ -269,10 +277,10 @@ def main() -> None:
 
     if args.sweep in ("all", "scan"):
         best = (ours_ms, "default")
-        for block_v, warps, stages in SWEEP:
+        for block_v, warps, stages, prefetch in SWEEP:
             if block_v > max(16, triton.next_power_of_2(args.V)):
                 continue
-            config = dict(block_v=block_v, num_warps=warps, num_stages=stages)
+            config = dict(block_v=block_v, num_warps=warps, num_stages=stages, prefetch=prefetch)
             try:
                 ours(**config)
                 ms = time_ms(lambda config=config: ours(**config), args.warmup, args.iters)

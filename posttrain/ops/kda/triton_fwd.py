@@ -321,7 +321,7 @@ if triton is not None:
         h0_ptr, o_ptr, ht_ptr, H, K, V,
         BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
         HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, NUM_STAGES: tl.constexpr, UPCAST: tl.constexpr,
-        PRECISE: tl.constexpr,
+        PRECISE: tl.constexpr, PREFETCH: tl.constexpr,
     ):  # fmt: skip
         """Carries the transposed state S^T [BV, BK], so the recurrence runs accumulator ->
         left operand of the next product: delta^T = u^T - S^T w^T, S^T <- S^T exp(G_C) + delta^T kd.
@@ -364,7 +364,20 @@ if triton is not None:
         off_vt = vcols[:, None] + rows[None, :] * (H * V)  # [BV, 16]: u^T, o^T
         off_at = rows[:, None] + rows[None, :] * (H * 16)  # [16, 16]: A_qk^T
         L = eos - bos
-        for t in tl.range(0, tl.cdiv(L, 16), num_stages=NUM_STAGES):
+        n_tiles = tl.cdiv(L, 16)
+        # u and the decay enter elementwise, not as matmul operands, so the loop's pipelining does
+        # not stage them (the sm90 compile loads them with plain LDGs, each tile waiting on memory);
+        # PREFETCH loads them one tile ahead into registers instead.
+        if PREFETCH:
+            u_next = tl.load(
+                u_ptr + (bos * H + h) * V + off_vt, mask=v_ok[:, None] & (rows < L)[None, :], other=0.0
+            )
+            decay_next = tl.load(
+                decay_ptr + (first_tile * H + h) * K + kcols,
+                mask=kcols < tl.where(n_tiles > 0, K, 0),
+                other=0.0,
+            )
+        for t in tl.range(0, n_tiles, num_stages=NUM_STAGES):
             first = (bos + t * 16) * H + h  # the tile's first token, as a row of [tokens * H, ...]
             row_ok = rows < L - t * 16
             mask_kt = k_ok[:, None] & row_ok[None, :]
@@ -372,9 +385,23 @@ if triton is not None:
             w_t = tl.load(w_ptr + first * K + off_kt, mask=mask_kt, other=0.0).to(op)
             qd_t = tl.load(qd_ptr + first * K + off_kt, mask=mask_kt, other=0.0).to(op)
             kd = tl.load(kd_ptr + first * K + off_k, mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(op)
-            u_t = tl.load(u_ptr + first * V + off_vt, mask=mask_vt, other=0.0).to(tl.float32)
             a_qk_t = tl.load(aqk_ptr + first * 16 + off_at, mask=row_ok[None, :], other=0.0)
-            decay = tl.load(decay_ptr + ((first_tile + t) * H + h) * K + kcols, mask=k_ok, other=0.0)
+            if PREFETCH:
+                u_t = u_next.to(tl.float32)
+                decay = decay_next
+                # The next tile's (none past the sequence's last: masked, nothing moves).
+                next_ok = rows < L - (t + 1) * 16
+                u_next = tl.load(
+                    u_ptr + (first + 16 * H) * V + off_vt, mask=v_ok[:, None] & next_ok[None, :], other=0.0
+                )
+                decay_next = tl.load(
+                    decay_ptr + ((first_tile + t + 1) * H + h) * K + kcols,
+                    mask=kcols < tl.where(t + 1 < n_tiles, K, 0),
+                    other=0.0,
+                )
+            else:
+                u_t = tl.load(u_ptr + first * V + off_vt, mask=mask_vt, other=0.0).to(tl.float32)
+                decay = tl.load(decay_ptr + ((first_tile + t) * H + h) * K + kcols, mask=k_ok, other=0.0)
 
             S_op = S_t.to(rnd).to(op)
             delta_t = u_t - tl.dot(S_op, w_t, input_precision=PRECISION)
@@ -403,6 +430,7 @@ def triton_chunk_kda(
     num_stages: int | None = None,
     precise: bool = False,
     intra: IntraConfig | None = None,
+    prefetch: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Forward-only `chunk_kda` (same arguments, layout and results) on our Triton kernels.
 
@@ -411,7 +439,8 @@ def triton_chunk_kda(
     (`bench/kda_fwd_gpu.py --sweep`); the defaults are chosen for K = V = 128 on an H200. precise
     (16-bit inputs): the scan's state, delta and A_qk enter its products as float32 (TF32 on the
     GPU) instead of being rounded to the inputs' dtype each tile. intra picks and tunes the
-    intra-tile kernel (`IntraConfig`; default `IntraConfig()`).
+    intra-tile kernel (`IntraConfig`; default `IntraConfig()`). prefetch: the scan loads each tile's u
+    and decay one tile ahead (False: the first version's in-tile loads).
 
     Raises RuntimeError when gradients are required (there is no backward) or when Triton cannot
     run here (CUDA tensors, or CPU ones under TRITON_INTERPRET=1).
@@ -456,6 +485,7 @@ def triton_chunk_kda(
         h0 if h0 is not None else o, o, ht if ht is not None else o, H, K, V,
         BK=_block_k(K), BV=BV, PRECISION=terms.precision, HAS_H0=h0 is not None,
         STORE_HT=ht is not None, NUM_STAGES=num_stages or 2, UPCAST=not q.is_cuda, PRECISE=precise,
+        PREFETCH=prefetch,
         num_warps=num_warps or 4,
     )  # fmt: skip
     return o, ht
