@@ -30,18 +30,19 @@ from posttrain.ops.kda.chunk import _fla_chunk_kda
 from posttrain.ops.kda.triton_fwd import PRECISIONS, IntraConfig, intra_terms, tile_tables, triton_chunk_kda
 
 START = time.perf_counter()
-SWEEP = [  # (block_v, num_warps, num_stages, prefetch) of the scan kernel
+SWEEP = [  # (block_v, num_warps, num_stages, prefetch) of the scan kernel; prefetch None: 1
     *(
-        (bv, warps, stages, True)
+        (bv, warps, stages, None)
         for bv, warps in ((16, 1), (16, 2), (16, 4), (32, 2), (32, 4), (32, 8), (64, 4), (64, 8), (128, 8))
         for stages in (1, 2, 3)
     ),
     *(
-        (bv, warps, stages, True)
+        (bv, warps, stages, None)
         for bv, warps, stages in ((64, 4, 4), (64, 4, 5), (64, 8, 4), (32, 4, 4), (32, 4, 5))
     ),
-    # The first version's scan: u and the decay loaded in their own tile.
-    *((bv, warps, stages, False) for bv, warps, stages in ((64, 4, 2), (64, 4, 3), (32, 4, 2), (32, 4, 3))),
+    # The first version's scan: u and the decay loaded in their own tile (prefetch 0); other distances.
+    *((bv, warps, stages, 0) for bv, warps, stages in ((64, 4, 2), (64, 4, 3), (32, 4, 2), (32, 4, 3))),
+    *((bv, warps, stages, 2) for bv, warps, stages in ((64, 4, 2), (32, 4, 2))),
 ]
 INTRA_SWEEP = [  # IntraConfig variants of the intra-tile kernel
     IntraConfig(kernel="blocked"),  # the first version (2.81 ms at the default shape on an H200)

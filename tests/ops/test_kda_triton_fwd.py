@@ -40,7 +40,7 @@ class Case:
     block_v: int | None = None  # the scan kernel's V block; None: the default
     precise: bool = False  # the scan's state and delta as float32 operands
     intra: IntraConfig | None = None  # the intra-tile kernel; None: the default
-    prefetch: bool = True  # the scan loads u and the decay a tile ahead
+    prefetch: int | None = None  # tiles ahead the scan loads u and the decay; None: the default
 
 
 CASES = [
@@ -180,8 +180,10 @@ VARIANT_CASES = [
     Case(1, 50, 2, 32, 60, BF16, bounds=(0, 13, 50), intra=IntraConfig(precision="tf32x3", heads=2)),
     Case(1, 19, 2, 20, 36, F16, intra=IntraConfig(precision="tf32x3")),
     Case(1, 37, 2, 60, 20, F32, bounds=(0, 0, 20, 37), intra=IntraConfig(inverse="substitution")),
-    Case(1, 37, 2, 60, 20, F32, bounds=(0, 0, 20, 37), prefetch=False),  # the scan's first version
-    Case(1, 50, 3, 32, 60, BF16, bounds=(0, 1, 17, 40, 50), block_v=32, prefetch=False),
+    Case(1, 37, 2, 60, 20, F32, bounds=(0, 0, 20, 37), prefetch=0),  # the scan's first version
+    Case(1, 50, 3, 32, 60, BF16, bounds=(0, 1, 17, 40, 50), block_v=32, prefetch=0),
+    Case(1, 50, 3, 32, 60, BF16, bounds=(0, 1, 17, 40, 50), block_v=32, prefetch=2),
+    Case(1, 37, 2, 60, 20, F32, bounds=(0, 0, 20, 37), prefetch=2),
     Case(1, 50, 3, 32, 60, BF16, bounds=(0, 1, 17, 40, 50), intra=IntraConfig(stack=False, heads=2)),
     Case(1, 19, 2, 20, 36, F16, intra=IntraConfig(precision="ieee", heads=2)),
     Case(1, 19, 2, 20, 36, F16, intra=IntraConfig(precision="tf32")),
@@ -295,7 +297,7 @@ def test_kernels_compile_for_sm90(dtype):
     intra = dict(BK=32, BV=64, SHIFT=triton_fwd.SHIFT, MAX_DECAY=triton_fwd.MAX_TILE_LOG_DECAY)
     scan = dict(
         BK=128, BV=triton_fwd._default_block_v(128, operand), PRECISION="ieee" if dtype == "fp32" else "tf32",
-        HAS_H0=True, STORE_HT=True, NUM_STAGES=2, UPCAST=False, PRECISE=False, PREFETCH=True,
+        HAS_H0=True, STORE_HT=True, NUM_STAGES=2, UPCAST=False, PRECISE=False, PREFETCH=1,
     )  # fmt: skip
     assert compile_for_sm90(triton_fwd._intra_kernel, intra_types, intra, num_warps=4)
     default = triton_fwd.IntraConfig()
@@ -319,7 +321,9 @@ def test_kernels_compile_for_sm90(dtype):
         config = dict(config, TILES=1, STACK=False)  # A_kk and A_qk as two products
         assert compile_for_sm90(triton_fwd._dense_intra_kernel, intra_types, config, default.num_warps)
     assert compile_for_sm90(triton_fwd._scan_kernel, scan_types, scan, num_warps=4)
-    assert compile_for_sm90(triton_fwd._scan_kernel, scan_types, dict(scan, PREFETCH=False), num_warps=4)
+    for prefetch, stages in ((0, 2), (2, 3)):  # the first version's loads; two tiles ahead
+        config = dict(scan, PREFETCH=prefetch, NUM_STAGES=stages)
+        assert compile_for_sm90(triton_fwd._scan_kernel, scan_types, config, num_warps=4)
 
 
 @pytest.mark.gpu

@@ -316,6 +316,18 @@ if triton is not None:
             start, end, beta_in, k_in, q_in, g_in, v_in = n_start, n_end, n_beta, n_k, n_q, n_g, n_v
 
     @triton.jit
+    def _scan_side(u_ptr, decay_ptr, bos, t, L, n_tiles, first_tile, h, H, K, V, off_vt, rows, kcols, v_ok):
+        """Tile t's u^T [BV, 16] (inputs' dtype) and decay [BK] of one sequence; nothing (zeros, no
+        memory traffic) for t past the sequence's last tile."""
+        row_ok = rows < L - t * 16
+        u = tl.load(
+            u_ptr + ((bos + t * 16) * H + h) * V + off_vt, mask=v_ok[:, None] & row_ok[None, :], other=0.0
+        )
+        at = ((first_tile + t) * H + h) * K + kcols
+        decay = tl.load(decay_ptr + at, mask=kcols < tl.where(t < n_tiles, K, 0), other=0.0)
+        return u, decay
+
+    @triton.jit
     def _scan_kernel(
         w_ptr, u_ptr, qd_ptr, kd_ptr, aqk_ptr, decay_ptr, bounds_ptr, first_tile_ptr,
         h0_ptr, o_ptr, ht_ptr, H, K, V,
@@ -367,15 +379,15 @@ if triton is not None:
         n_tiles = tl.cdiv(L, 16)
         # u and the decay enter elementwise, not as matmul operands, so the loop's pipelining does
         # not stage them (the sm90 compile loads them with plain LDGs, each tile waiting on memory);
-        # PREFETCH loads them one tile ahead into registers instead.
-        if PREFETCH:
-            u_next = tl.load(
-                u_ptr + (bos * H + h) * V + off_vt, mask=v_ok[:, None] & (rows < L)[None, :], other=0.0
+        # PREFETCH > 0 loads them that many tiles ahead into registers instead (past the sequence's
+        # last tile: masked, nothing moves).
+        if PREFETCH >= 1:
+            u_1, decay_1 = _scan_side(
+                u_ptr, decay_ptr, bos, 0, L, n_tiles, first_tile, h, H, K, V, off_vt, rows, kcols, v_ok
             )
-            decay_next = tl.load(
-                decay_ptr + (first_tile * H + h) * K + kcols,
-                mask=kcols < tl.where(n_tiles > 0, K, 0),
-                other=0.0,
+        if PREFETCH >= 2:
+            u_2, decay_2 = _scan_side(
+                u_ptr, decay_ptr, bos, 1, L, n_tiles, first_tile, h, H, K, V, off_vt, rows, kcols, v_ok
             )
         for t in tl.range(0, n_tiles, num_stages=NUM_STAGES):
             first = (bos + t * 16) * H + h  # the tile's first token, as a row of [tokens * H, ...]
@@ -386,22 +398,50 @@ if triton is not None:
             qd_t = tl.load(qd_ptr + first * K + off_kt, mask=mask_kt, other=0.0).to(op)
             kd = tl.load(kd_ptr + first * K + off_k, mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(op)
             a_qk_t = tl.load(aqk_ptr + first * 16 + off_at, mask=row_ok[None, :], other=0.0)
-            if PREFETCH:
-                u_t = u_next.to(tl.float32)
-                decay = decay_next
-                # The next tile's (none past the sequence's last: masked, nothing moves).
-                next_ok = rows < L - (t + 1) * 16
-                u_next = tl.load(
-                    u_ptr + (first + 16 * H) * V + off_vt, mask=v_ok[:, None] & next_ok[None, :], other=0.0
+            if PREFETCH == 0:
+                u_t, decay = _scan_side(
+                    u_ptr, decay_ptr, bos, t, L, n_tiles, first_tile, h, H, K, V, off_vt, rows, kcols, v_ok
                 )
-                decay_next = tl.load(
-                    decay_ptr + ((first_tile + t + 1) * H + h) * K + kcols,
-                    mask=kcols < tl.where(t + 1 < n_tiles, K, 0),
-                    other=0.0,
+            elif PREFETCH == 1:
+                u_t, decay = u_1, decay_1
+                u_1, decay_1 = _scan_side(
+                    u_ptr,
+                    decay_ptr,
+                    bos,
+                    t + 1,
+                    L,
+                    n_tiles,
+                    first_tile,
+                    h,
+                    H,
+                    K,
+                    V,
+                    off_vt,
+                    rows,
+                    kcols,
+                    v_ok,
                 )
             else:
-                u_t = tl.load(u_ptr + first * V + off_vt, mask=mask_vt, other=0.0).to(tl.float32)
-                decay = tl.load(decay_ptr + ((first_tile + t) * H + h) * K + kcols, mask=k_ok, other=0.0)
+                u_t, decay = u_1, decay_1
+                u_1, decay_1 = u_2, decay_2
+                u_2, decay_2 = _scan_side(
+                    u_ptr,
+                    decay_ptr,
+                    bos,
+                    t + 2,
+                    L,
+                    n_tiles,
+                    first_tile,
+                    h,
+                    H,
+                    K,
+                    V,
+                    off_vt,
+                    rows,
+                    kcols,
+                    v_ok,
+                )
+            u_t = u_t.to(tl.float32)
 
             S_op = S_t.to(rnd).to(op)
             delta_t = u_t - tl.dot(S_op, w_t, input_precision=PRECISION)
@@ -430,7 +470,7 @@ def triton_chunk_kda(
     num_stages: int | None = None,
     precise: bool = False,
     intra: IntraConfig | None = None,
-    prefetch: bool = True,
+    prefetch: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Forward-only `chunk_kda` (same arguments, layout and results) on our Triton kernels.
 
@@ -439,8 +479,9 @@ def triton_chunk_kda(
     (`bench/kda_fwd_gpu.py --sweep`); the defaults are chosen for K = V = 128 on an H200. precise
     (16-bit inputs): the scan's state, delta and A_qk enter its products as float32 (TF32 on the
     GPU) instead of being rounded to the inputs' dtype each tile. intra picks and tunes the
-    intra-tile kernel (`IntraConfig`; default `IntraConfig()`). prefetch: the scan loads each tile's u
-    and decay one tile ahead (False: the first version's in-tile loads).
+    intra-tile kernel (`IntraConfig`; default `IntraConfig()`). prefetch: how many tiles ahead the
+    scan loads each tile's u and decay (0: in their own tile, as the first version; default 1; 2
+    is for the sweep, see `_scan_prefetch`).
 
     Raises RuntimeError when gradients are required (there is no backward) or when Triton cannot
     run here (CUDA tensors, or CPU ones under TRITON_INTERPRET=1).
@@ -485,7 +526,7 @@ def triton_chunk_kda(
         h0 if h0 is not None else o, o, ht if ht is not None else o, H, K, V,
         BK=_block_k(K), BV=BV, PRECISION=terms.precision, HAS_H0=h0 is not None,
         STORE_HT=ht is not None, NUM_STAGES=num_stages or 2, UPCAST=not q.is_cuda, PRECISE=precise,
-        PREFETCH=prefetch,
+        PREFETCH=_scan_prefetch(prefetch),
         num_warps=num_warps or 4,
     )  # fmt: skip
     return o, ht
@@ -652,6 +693,13 @@ def _default_block_v(V: int, operand_dtype: torch.dtype) -> int:
     block that spills least."""
     widest = 16 if operand_dtype == torch.float32 else 64
     return min(widest, max(16, triton.next_power_of_2(V)))
+
+
+def _scan_prefetch(prefetch: int | None) -> int:
+    """The scan's PREFETCH distance (tiles ahead): 0, 1 (the default) or 2. In the sm90 compile
+    (Triton 3.9) 2 stops the loop's pipelining of w, q, k and A_qk altogether (plain loads, no
+    shared-memory stages, at any num_stages), so it is for the sweep only."""
+    return 1 if prefetch is None else min(max(int(prefetch), 0), 2)
 
 
 def _block_k(K: int) -> int:
