@@ -10,7 +10,8 @@ Usage: python bench/kda_fwd_gpu.py [--T 8192 --H 96 --K 128 --V 128 --docs 1 --i
             and / or a few scan block sizes / warps / stages (SWEEP))
        python bench/kda_fwd_gpu.py --intra-kernel blocked    (ours with another IntraConfig: also
             --intra-heads, --intra-tiles, --intra-precision, --intra-wu-precision, --intra-inverse,
-            --intra-warps, --intra-maxnreg, --intra-no-stack)
+            --intra-warps, --intra-maxnreg, --intra-no-stack; the scan's --scan-block-v,
+            --scan-warps, --scan-stages, --scan-prefetch)
 Needs CUDA; fla optional (pip install flash-linear-attention): without it only ours is timed.
 """
 
@@ -165,12 +166,21 @@ def main() -> None:
     parser.add_argument("--intra-inverse", default=default.inverse, choices=["doubling", "substitution"])
     parser.add_argument("--intra-warps", type=int, default=default.num_warps)
     parser.add_argument("--intra-no-stack", action="store_true", help="IntraConfig(stack=False)")
+    for name in ("block-v", "warps", "stages", "prefetch"):  # the scan's; default: triton_chunk_kda's
+        parser.add_argument(f"--scan-{name}", type=int, default=None)
     args = parser.parse_args()
     intra = IntraConfig(
         kernel=args.intra_kernel, heads=args.intra_heads, tiles=args.intra_tiles,
         precision=args.intra_precision, wu_precision=args.intra_wu_precision, inverse=args.intra_inverse,
         num_warps=args.intra_warps, maxnreg=args.intra_maxnreg, stack=not args.intra_no_stack,
     )  # fmt: skip
+    scan = dict(
+        block_v=args.scan_block_v,
+        num_warps=args.scan_warps,
+        num_stages=args.scan_stages,
+        prefetch=args.scan_prefetch,
+    )
+
     if not torch.cuda.is_available():
         raise SystemExit("bench/kda_fwd_gpu.py needs a CUDA GPU")
     import triton
@@ -178,13 +188,13 @@ def main() -> None:
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     print(
         f"B={args.B} T={args.T} H={args.H} K={args.K} V={args.V} {args.dtype} docs={args.docs}, "
-        f"mean of {args.iters} calls after {args.warmup} warmup; intra: {short(intra)}",
+        f"mean of {args.iters} calls after {args.warmup} warmup; intra: {short(intra)}, scan: {scan}",
         flush=True,
     )
     inputs = make_inputs(args)
 
     def ours(**config) -> tuple:
-        return triton_chunk_kda(**inputs, **{"intra": intra, **config})
+        return triton_chunk_kda(**inputs, **{"intra": intra, **scan, **config})
 
     try:
         out = ours()  # compiles
