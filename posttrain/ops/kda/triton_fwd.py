@@ -19,7 +19,8 @@ exp(G_i - G_j) = exp(G_i + c) * exp(-G_j - c), c = 40 (see `chunk.MAX_CHUNK_LOG_
 2. `_scan_kernel`, one program per (sequence, head, V-block), walks the sequence's tiles in order
    keeping S [K, BV] (transposed) in float32 registers:
        delta = u - w S;   o = (q exp(G) scale) S + A_qk delta;   S = exp(G_C) S + (k exp(G_C - G))^T delta
-   and writes o and the final state; no per-tile state is stored.
+   and writes o and the final state; no per-tile state is stored. The loop's pipelining stages the
+   matmul operands in shared memory; u and the decay are loaded a tile ahead into registers.
 
 A tile whose cumulative log-decay goes below -80 (a gate steeper than K3's bound) would overflow the
 split; the intra kernel then writes NaN for that tile instead of a silently wrong number, since
