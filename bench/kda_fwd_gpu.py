@@ -61,6 +61,7 @@ INTRA_SWEEP = [  # IntraConfig variants of the intra-tile kernel
     ),
     IntraConfig(heads=2, num_warps=8, tiles=4),
     # Register caps for the wider configs (4 warps: 2 programs an SM above 168, 3 up to 168, 4 up to 128).
+    IntraConfig(maxnreg=128),
     IntraConfig(precision="tf32x3", maxnreg=168),
     IntraConfig(precision="tf32x3", maxnreg=128),
     IntraConfig(heads=2, num_warps=8, maxnreg=128),

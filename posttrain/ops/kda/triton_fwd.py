@@ -140,6 +140,17 @@ if triton is not None:
 
     @triton.jit
     def _dense_dot(a, b, PRECISION: tl.constexpr, EMULATE: tl.constexpr):
+        """`_dot_2d` of [NH, M, K] @ [NH, K, N]; for NH = 1 as 2D products, since Triton 3.6 puts
+        every warp of a batched product on its batch axis (sm90 compile of the default config: 239
+        registers a thread batched, 167 in 2D)."""
+        if a.shape[0] == 1:
+            a2 = tl.reshape(a, (a.shape[1], a.shape[2]))
+            b2 = tl.reshape(b, (b.shape[1], b.shape[2]))
+            return tl.reshape(_dot_2d(a2, b2, PRECISION, EMULATE), (1, a.shape[1], b.shape[2]))
+        return _dot_2d(a, b, PRECISION, EMULATE)
+
+    @triton.jit
+    def _dot_2d(a, b, PRECISION: tl.constexpr, EMULATE: tl.constexpr):
         """a @ b of float32 tensors (2D or 3D) with float32 accumulation. PRECISION: "ieee" (FMA
         units), "bf16x3" (a = a_hi + a_lo, both bf16, likewise b: a_hi b_hi + a_hi b_lo + a_lo b_hi
         on tensor cores, 16 mantissa bits), "tf32x3" (Triton's same split into TF32 parts: about
@@ -281,7 +292,7 @@ if triton is not None:
             k_out = tl.trans(k * tl.exp(-G - SHIFT), (0, 2, 1))  # [NH, BK, 16]
             # A_kk and A_qk as one product of the rows [k; q] exp(G + c) (M = 32): at M = 16 each of
             # 4 warps would hold the whole left operand (sm90 compile, bf16x3: 181 registers a
-            # thread stacked apart, 128 stacked, so 4 programs an SM instead of 2).
+            # thread apart, 167 stacked, so 3 programs an SM instead of 2).
             e_in = tl.exp(G + SHIFT)
             if STACK:
                 stacked = tl.reshape(tl.permute(tl.join(k * e_in, q * e_in), (0, 3, 1, 2)), (NH, 32, BK))
@@ -299,8 +310,8 @@ if triton is not None:
                 x = tl.where(i == j, 1.0, 0.0) - a_kk
                 power = a_kk
                 for _ in tl.static_range(3):
-                    power = tl.dot(power, power, input_precision="ieee")
-                    x += tl.dot(x, power, input_precision="ieee")
+                    power = _dense_dot(power, power, "ieee", EMULATE)
+                    x += _dense_dot(x, power, "ieee", EMULATE)
             else:
                 x = tl.zeros([NH, 16, 16], tl.float32)
                 for r in tl.static_range(16):
@@ -572,26 +583,29 @@ class IntraConfig:
     heads: heads per "dense" program (a power of 2): more amortise the program's fixed latency
         and issue more bytes per load, at more registers per thread.
     tiles: consecutive tiles per "dense" program, each tile's inputs loaded while the one before
-        computes (1: no overlap within a program). The prefetched inputs cost registers: in the
-        sm90 compile at 4 warps, "bf16x3" goes from 128 a thread (4 programs an SM) to 254 (2),
-        "bf16" from 128 to 227; so 1 by default until the sweep has timed it.
+        computes (1: no overlap within a program). The prefetched inputs cost registers: at 4
+        warps "bf16x3" goes from 167 a thread (3 programs an SM) to 254 (2), "bf16" from 125 (4)
+        to 251 (2); so 1 by default until the sweep has timed it.
     precision: the "dense" kernel's A_kk, A_qk, w and u products for 16-bit inputs (float32 inputs
         always get "ieee"), all with float32 accumulation: "bf16x3" (each operand split into two
         bf16 parts, three tensor-core products: a 16-bit mantissa; errors as "ieee"'s to 3 digits for
         bf16 inputs, +12% for fp16, all tested), "tf32x3" (the same with TF32 parts, about float32's
-        accuracy, at more registers: 196 a thread in the sm90 compile against bf16x3's 128),
+        accuracy, at more registers: 216 a thread against bf16x3's 167),
         "ieee" (FMA units), "tf32" or "bf16" (one tensor-core product on cut operands: less
         accurate, opt-in; see the tests' measured errors).
     wu_precision: the same choice for the w and u products alone (None: precision's). Their results
         are rounded to the inputs' 16-bit dtype anyway, so cut operands cost less there; precision
         "bf16" costs accuracy (see the tests), "tf32" little.
     inverse: "doubling" (4 dependent 16 x 16 products) or "substitution" (16 dependent row steps).
-    stack: A_kk and A_qk as one product of the stacked rows [k; q] (fewer registers: 128 a thread
-        against 181 in the sm90 compile) or as two.
+    stack: A_kk and A_qk as one product of the stacked rows [k; q] (fewer registers: 167 a thread
+        against 181) or as two.
     num_warps: warps per "dense" program.
     maxnreg: caps the "dense" kernel's registers a thread (None: the compiler's choice). At 4 warps
         an SM holds 2 programs above 168 registers, 3 up to 168 and 4 up to 128 (the default
-        config needs 128 in the sm90 compile; "tf32x3" 196, tiles=4 254).
+        config needs 167; "tf32x3" 216, tiles=4 254; "tf32" and "ieee" 126 and 128).
+
+    Register counts are from the sm90 compile (K = V = 128, bf16) with Triton 3.6, the H200 image's;
+    Triton 3.9 gives about the same for the default.
     """
 
     kernel: str = "dense"
