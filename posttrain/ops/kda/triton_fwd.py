@@ -155,10 +155,10 @@ if triton is not None:
         units), "bf16x3" (a = a_hi + a_lo, both bf16, likewise b: a_hi b_hi + a_hi b_lo + a_lo b_hi
         on tensor cores, 16 mantissa bits), "tf32x3" (Triton's same split into TF32 parts: about
         float32's accuracy), "tf32" or "bf16" (one tensor-core product on operands cut to 10 / 8
-        mantissa bits). EMULATE (the
-        interpreter, which ignores input_precision and multiplies 16-bit operands wrongly): cut the
-        operands as the GPU does, truncating to TF32 (the tensor core ignores the low 13 bits) and
-        rounding to bf16, then multiply in float32; "tf32x3" runs as float32."""
+        mantissa bits). EMULATE (the interpreter, which ignores input_precision and multiplies
+        16-bit operands wrongly): cut the operands as the GPU does, truncating to TF32 (the tensor
+        core ignores the low 13 bits) and rounding to bf16, then multiply in float32; "tf32x3"
+        runs as float32."""
         if PRECISION == "bf16x3":
             a_hi = a.to(tl.bfloat16)
             b_hi = b.to(tl.bfloat16)
@@ -417,42 +417,16 @@ if triton is not None:
             elif PREFETCH == 1:
                 u_t, decay = u_1, decay_1
                 u_1, decay_1 = _scan_side(
-                    u_ptr,
-                    decay_ptr,
-                    bos,
-                    t + 1,
-                    L,
-                    n_tiles,
-                    first_tile,
-                    h,
-                    H,
-                    K,
-                    V,
-                    off_vt,
-                    rows,
-                    kcols,
+                    u_ptr, decay_ptr, bos, t + 1, L, n_tiles, first_tile, h, H, K, V, off_vt, rows, kcols,
                     v_ok,
-                )
+                )  # fmt: skip
             else:
                 u_t, decay = u_1, decay_1
                 u_1, decay_1 = u_2, decay_2
                 u_2, decay_2 = _scan_side(
-                    u_ptr,
-                    decay_ptr,
-                    bos,
-                    t + 2,
-                    L,
-                    n_tiles,
-                    first_tile,
-                    h,
-                    H,
-                    K,
-                    V,
-                    off_vt,
-                    rows,
-                    kcols,
+                    u_ptr, decay_ptr, bos, t + 2, L, n_tiles, first_tile, h, H, K, V, off_vt, rows, kcols,
                     v_ok,
-                )
+                )  # fmt: skip
             u_t = u_t.to(tl.float32)
 
             S_op = S_t.to(rnd).to(op)
@@ -581,7 +555,8 @@ class IntraConfig:
         read twice, IEEE float32 products on the FMA units, the inverse row by row; 2.81 ms of
         3.55 at B1 T8192 H96 K=V=128 bf16 on an H200).
     heads: heads per "dense" program (a power of 2): more amortise the program's fixed latency
-        and issue more bytes per load, at more registers per thread.
+        and issue more bytes per load, at more registers per thread (batched products: with
+        Triton 3.6, 2 heads at 4 or 8 warps reach 255 registers and spill).
     tiles: consecutive tiles per "dense" program, each tile's inputs loaded while the one before
         computes (1: no overlap within a program). The prefetched inputs cost registers: at 4
         warps "bf16x3" goes from 167 a thread (3 programs an SM) to 254 (2), "bf16" from 125 (4)
