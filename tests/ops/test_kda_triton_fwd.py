@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from posttrain.ops.kda import chunk_kda, kda_gate, naive_recurrent_kda
+from posttrain.ops.kda.triton_fwd import IntraConfig
 from tests.ops.interpreted import run_interpreted
 
 try:  # Triton ships with CUDA builds of torch, not always with the CPU build
@@ -38,6 +39,8 @@ class Case:
     initial_state: bool = True
     block_v: int | None = None  # the scan kernel's V block; None: the default
     precise: bool = False  # the scan's state and delta as float32 operands
+    intra: IntraConfig | None = None  # the intra-tile kernel; None: the default
+    prefetch: int | None = None  # tiles ahead the scan loads u and the decay; None: the default
 
 
 CASES = [
@@ -108,8 +111,9 @@ def check(case: Case, device: str, through_chunk_kda: bool = False) -> dict[str,
             o, state = chunk_kda(**inputs, output_final_state=True, backend="triton")
         else:
             o, state = triton_chunk_kda(
-                **inputs, output_final_state=True, block_v=case.block_v, precise=case.precise
-            )
+                **inputs, output_final_state=True, block_v=case.block_v, precise=case.precise,
+                intra=case.intra, prefetch=case.prefetch,
+            )  # fmt: skip
     want_o, want_state = naive_reference({n: t.cpu() if t is not None else None for n, t in inputs.items()})
     assert o.dtype == case.dtype and o.shape == want_o.shape
     assert state.dtype == F32 and state.shape == want_state.shape
@@ -149,6 +153,76 @@ print(json.dumps({"errors": errors, "seconds": time.perf_counter() - start}))
 def test_triton_forward_matches_spec_interpreted():
     result = run_interpreted(INTERPRETED)
     assert len(result["errors"]) == len(CASES) + 1
+
+
+# The intra-tile kernel's variants (`IntraConfig`), each against the spec at the usual tolerances.
+# Measured o / final-state errors under the interpreter (which cuts TF32 operands by truncation, as
+# the tensor core reads them): the default ("dense", "bf16x3") matches "blocked" (IEEE float32) to 3
+# digits for bf16 inputs (o 9.53e-3, 9.64e-3, 6.36e-3 against 9.53e-3, 9.60e-3, 6.33e-3; final
+# states equal) and fp16's o is 12% higher (4.0e-4 against 3.6e-4); "tf32x3" (emulated as float32)
+# matches "blocked"; "tf32" raises bf16 inputs' errors by 2-10% (e.g. o 9.53e-3 -> 9.76e-3,
+# 9.60e-3 -> 1.05e-2) and fp16's 3.4x (o 3.6e-4 -> 1.2e-3); "bf16" raises bf16 inputs' by 1.4-1.9x
+# (o 1.35e-2, 1.78e-2) and fp16's 24x (8.7e-3, over fp16's 3e-3 tolerance), so both are opt-in and
+# tested here on bf16 inputs only. wu_precision="bf16" (w and u alone) raises bf16 inputs' final-state
+# error 1.3-1.9x (3.9e-3 -> 6.6e-3 and 7.3e-3) and o's up to 1.3x; "tf32x3" + "tf32" w, u: o +1-3%.
+# float32 inputs always get IEEE products.
+VARIANT_CASES = [
+    *(Case(**{**vars(case), "intra": IntraConfig(kernel="blocked")}) for case in CASES),
+    Case(
+        1, 50, 3, 32, 60, BF16, bounds=(0, 1, 17, 40, 50), intra=IntraConfig(heads=2)
+    ),  # 3 heads: one masked
+    Case(2, 37, 3, 20, 16, F32, intra=IntraConfig(heads=4, num_warps=2, maxnreg=128)),
+    Case(
+        1, 50, 3, 32, 60, BF16, bounds=(0, 1, 17, 40, 50), intra=IntraConfig(tiles=2)
+    ),  # 5 tiles: 3 programs
+    Case(2, 37, 2, 20, 16, F32, intra=IntraConfig(tiles=4, heads=2)),
+    Case(1, 50, 2, 32, 60, BF16, bounds=(0, 13, 50), intra=IntraConfig(tiles=8, precision="bf16")),
+    Case(1, 50, 2, 32, 60, BF16, bounds=(0, 13, 50), intra=IntraConfig(precision="tf32x3", heads=2)),
+    Case(1, 19, 2, 20, 36, F16, intra=IntraConfig(precision="tf32x3")),
+    Case(1, 37, 2, 60, 20, F32, bounds=(0, 0, 20, 37), intra=IntraConfig(inverse="substitution")),
+    Case(1, 37, 2, 60, 20, F32, bounds=(0, 0, 20, 37), prefetch=0),  # the scan's first version
+    Case(1, 50, 3, 32, 60, BF16, bounds=(0, 1, 17, 40, 50), block_v=32, prefetch=0),
+    Case(1, 50, 3, 32, 60, BF16, bounds=(0, 1, 17, 40, 50), block_v=32, prefetch=2),
+    Case(1, 37, 2, 60, 20, F32, bounds=(0, 0, 20, 37), prefetch=2),
+    Case(1, 50, 3, 32, 60, BF16, bounds=(0, 1, 17, 40, 50), intra=IntraConfig(stack=False, heads=2)),
+    Case(1, 19, 2, 20, 36, F16, intra=IntraConfig(precision="ieee", heads=2)),
+    Case(1, 19, 2, 20, 36, F16, intra=IntraConfig(precision="tf32")),
+    Case(1, 50, 3, 32, 60, BF16, bounds=(0, 1, 17, 40, 50), intra=IntraConfig(precision="tf32")),
+    Case(2, 50, 3, 16, 32, BF16, initial_state=False, intra=IntraConfig(precision="bf16", heads=2)),
+    Case(1, 50, 2, 32, 60, BF16, bounds=(0, 13, 50), intra=IntraConfig(precision="bf16")),
+    Case(1, 50, 3, 32, 60, BF16, bounds=(0, 1, 17, 40, 50), intra=IntraConfig(wu_precision="bf16")),
+    Case(
+        2, 50, 3, 16, 32, BF16, initial_state=False, intra=IntraConfig(precision="tf32", wu_precision="bf16")
+    ),
+]
+
+INTERPRETED_VARIANTS = """
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+from posttrain.ops.kda.triton_fwd import IntraConfig, triton_chunk_kda
+from tests.ops.test_kda_triton_fwd import VARIANT_CASES, Case, check, make_inputs
+errors = [check(case, "cpu") for case in VARIANT_CASES]
+# A steep gate in one head of a multi-head program: NaN in that head only, from that tile on.
+steep = make_inputs(Case(1, 40, 2, 16, 16, torch.float32), "cpu")
+steep["g"][0, 20:26, 0, 3] = -20.0
+for intra in (IntraConfig(heads=2), IntraConfig(kernel="blocked")):
+    o, state = triton_chunk_kda(**steep, output_final_state=True, intra=intra)
+    assert not o[0, :16].isnan().any() and o[0, 16:32, 0].isnan().all() and state[:, 0].isnan().all()
+    assert not o[:, :, 1].isnan().any() and not state[:, 1].isnan().any()
+print(json.dumps({"errors": errors}))
+"""
+
+
+def test_intra_variants_match_spec_interpreted():
+    result = run_interpreted(INTERPRETED_VARIANTS)
+    assert len(result["errors"]) == len(VARIANT_CASES)
+
+
+def test_intra_config_rejects_unknown_choices():
+    bad_choices = dict(kernel="fused", precision="fp16", wu_precision="fp8", inverse="newton", heads=3)
+    for bad in ({name: value} for name, value in bad_choices.items()):
+        with pytest.raises(ValueError, match="IntraConfig"):
+            IntraConfig(**bad)
 
 
 def test_triton_backend_is_forward_only():
@@ -211,7 +285,8 @@ def test_kernels_compile_for_sm90(dtype):
     intra_types = dict(
         q_ptr=work, k_ptr=work, v_ptr=work, g_ptr=ptr("fp32"), beta_ptr=work,
         tile_start_ptr=ptr("i32"), tile_end_ptr=ptr("i32"), w_ptr=work, u_ptr=work, qd_ptr=work,
-        kd_ptr=work, aqk_ptr=ptr("fp32"), decay_ptr=ptr("fp32"), scale="fp32", H="i32", K="i32", V="i32",
+        kd_ptr=work, aqk_ptr=ptr("fp32"), decay_ptr=ptr("fp32"), scale="fp32", num_tiles="i32", H="i32",
+        K="i32", V="i32",
     )  # fmt: skip
     scan_types = dict(
         w_ptr=work, u_ptr=work, qd_ptr=work, kd_ptr=work, aqk_ptr=ptr("fp32"), decay_ptr=ptr("fp32"),
@@ -222,15 +297,38 @@ def test_kernels_compile_for_sm90(dtype):
     intra = dict(BK=32, BV=64, SHIFT=triton_fwd.SHIFT, MAX_DECAY=triton_fwd.MAX_TILE_LOG_DECAY)
     scan = dict(
         BK=128, BV=triton_fwd._default_block_v(128, operand), PRECISION="ieee" if dtype == "fp32" else "tf32",
-        HAS_H0=True, STORE_HT=True, NUM_STAGES=2, UPCAST=False,
+        HAS_H0=True, STORE_HT=True, NUM_STAGES=2, UPCAST=False, PRECISE=False, PREFETCH=1,
     )  # fmt: skip
     assert compile_for_sm90(triton_fwd._intra_kernel, intra_types, intra, num_warps=4)
+    default = triton_fwd.IntraConfig()
+    dense = dict(
+        NH=default.heads, TILES=default.tiles, BK=128, BV=128, SHIFT=triton_fwd.SHIFT,
+        MAX_DECAY=triton_fwd.MAX_TILE_LOG_DECAY, INVERSE=default.inverse, STACK=default.stack,
+        EMULATE=False,
+    )  # fmt: skip
+    # The default precisions, and for bf16 opt-in ones (the sweep's other settings are not built).
+    pairs = (
+        [("ieee", "ieee")]
+        if dtype == "fp32"
+        else [(default.precision,) * 2, ("tf32x3",) * 2, ("tf32", "bf16"), ("bf16",) * 2]
+    )
+    for precision, wu_precision in pairs:
+        config = dict(dense, PRECISION=precision, WU_PRECISION=wu_precision)
+        assert compile_for_sm90(triton_fwd._dense_intra_kernel, intra_types, config, default.num_warps)
+    if dtype == "bf16":  # several tiles a program, each loading the next
+        config = dict(dense, TILES=4, PRECISION=default.precision, WU_PRECISION=default.precision)
+        assert compile_for_sm90(triton_fwd._dense_intra_kernel, intra_types, config, default.num_warps)
+        config = dict(config, TILES=1, STACK=False)  # A_kk and A_qk as two products
+        assert compile_for_sm90(triton_fwd._dense_intra_kernel, intra_types, config, default.num_warps)
     assert compile_for_sm90(triton_fwd._scan_kernel, scan_types, scan, num_warps=4)
+    for prefetch, stages in ((0, 2), (2, 3)):  # the first version's loads; two tiles ahead
+        config = dict(scan, PREFETCH=prefetch, NUM_STAGES=stages)
+        assert compile_for_sm90(triton_fwd._scan_kernel, scan_types, config, num_warps=4)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("case", CASES + VARIANT_CASES, ids=str)
 def test_triton_forward_matches_spec_on_gpu(case):
     check(case, "cuda")
 
@@ -246,6 +344,10 @@ def test_triton_forward_matches_spec_on_gpu(case):
         Case(1, 200, 2, 128, 128, BF16, block_v=32),
         Case(1, 200, 2, 128, 128, BF16, block_v=128),
         Case(1, 300, 2, 128, 128, BF16, bounds=(0, 150, 300), precise=True),
+        Case(2, 300, 4, 128, 128, BF16, intra=IntraConfig(kernel="blocked")),
+        Case(1, 400, 3, 128, 128, BF16, bounds=(0, 100, 117, 400), intra=IntraConfig(heads=2, num_warps=8)),
+        Case(1, 300, 4, 128, 128, BF16, intra=IntraConfig(precision="tf32x3", maxnreg=168)),
+        Case(1, 333, 3, 128, 128, F32, bounds=(0, 1, 200, 333), intra=IntraConfig(heads=2, maxnreg=128)),
     ],
     ids=str,
 )
