@@ -227,7 +227,16 @@ def _worker_env() -> dict[str, str]:
 def _fork_server() -> multiprocessing.context.ForkServerContext:
     """Stage processes are forked from a clean server process that imported torch and the
     plug-in packages once (orchestration/preload.py): seconds saved per stage, and no state of
-    the driver (threads, open files, a running torch) leaks into a stage."""
+    the driver (threads, open files, a running torch) leaks into a stage.
+
+    The server starts with OMP_WAIT_POLICY=PASSIVE (unless it is set): an OpenMP thread of a
+    stage with cpus > 1 then sleeps between torch's parallel regions instead of spinning for the
+    CPU. Spinning threads starve whatever else runs on the machine (the stage's own sandbox and
+    test processes, another stage, another user): a 2-thread training step of the tiny K3 beside
+    another 2-thread process took 10.8 s spinning against 0.40 s passive (bench/RESULTS.md). Only
+    how idle threads wait changes, never how work is split, so results are bit-identical. The
+    OpenMP runtime reads it once, when torch loads, hence here, before the server imports it."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["orchestration.preload"])
     return context

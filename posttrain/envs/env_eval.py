@@ -6,13 +6,22 @@ same prompts; episodes are played through the domain's environment exactly as in
 tools, sandboxes, hidden verifiers). Each estimate comes with its standard error over episodes, and a
 change between two evaluations of the same episodes (before and after training) with the paired
 one: the prompts' difficulty, shared by both, cancels from it.
+
+A greedy evaluation is fixed by what `greedy_protocol` records (the policy's weights, how it is
+run, the environment and each episode's rendered prompt): the RL stages write their "before"
+evaluation's protocol beside its episodes in eval.json, and MOPD, whose student is the same SFT
+model on the RL stages' first held-out prompts, takes those episodes instead of replaying them
+(posttrain.trainers.mopd_eval.reusable_greedy_rows).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import time
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -83,6 +92,58 @@ def paired_changes(before: Mapping[str, list], after: Mapping[str, list]) -> dic
         out[f"{name}_change"] = (sum(after[key]) - sum(before[key])) / n
         out[f"{name}_change_se"] = paired_standard_error(before[key], after[key])
     return out
+
+
+def greedy_protocol(
+    env: Environment,
+    samples: Sequence[Sample],
+    *,
+    policy: str,
+    engine: str,
+    device: str,
+    autocast: object,
+    qat: object,
+) -> dict[str, Any]:
+    """What fixes the episodes of a greedy evaluation (temperature 0, one episode per prompt):
+    the policy (`policy`: its weights' digest, posttrain.rewards.budget.model_digest), how it is
+    run (the engine backend, device type, autocast dtype and the QAT config the model records), the
+    domain's environment (turns, tokens per turn, submissions, harness), how a turn ends, and each
+    episode's rendered prompt (`samples` fresh from Environment.start: a digest of its tokens,
+    which hold the question, tools, system prompt and effort marker). JSON-safe. Two greedy
+    evaluations with equal protocols, one's prompts a prefix of the other's, play the same
+    episodes: greedy decoding draws no noise, so only the float rounding of their batch
+    composition differs between them (MOPD's and the RL stages' rows agreed episode for episode
+    on the default run; bench/RESULTS.md)."""
+    turn = env.turn_sampling(0.0, 0)
+    return json.loads(
+        json.dumps(
+            {
+                "policy": policy,
+                "engine": engine,
+                "device": device,
+                "autocast": str(autocast),
+                "qat": qat,
+                "domain": env.domain,
+                "environment": env.config.model_dump(mode="json"),
+                "turn": {
+                    "max_tokens": turn.max_tokens,
+                    "stop_token_ids": list(turn.stop_token_ids),
+                    "tool_call_token_ids": list(turn.tool_call_token_ids),
+                },
+                "prompts": [hashlib.sha256(json.dumps(s.tokens).encode()).hexdigest()[:16] for s in samples],
+            },
+            default=str,
+        )
+    )
+
+
+def same_episodes(protocol: Mapping[str, Any], played: Mapping[str, Any]) -> bool:
+    """Whether an evaluation of `protocol` would play the first episodes of one `played` already
+    (greedy_protocol): everything equal, and its prompts the first of the played ones."""
+    n = len(protocol["prompts"])
+    return {k: v for k, v in protocol.items() if k != "prompts"} == {
+        k: v for k, v in played.items() if k != "prompts"
+    } and list(played.get("prompts", []))[:n] == list(protocol["prompts"])
 
 
 def evaluate(

@@ -34,8 +34,11 @@ from posttrain.data.batch import left_pad_values
 from posttrain.data.chat import ChatRenderer, load_tokenizer
 from posttrain.data.sample import Sample
 from posttrain.engines import EmbeddedEngine
+from posttrain.envs.env_eval import greedy_protocol
 from posttrain.envs.environments import EnvironmentConfig, play_episodes
 from posttrain.files import remove_tree
+from posttrain.qat.apply import QAT_CONFIG_KEY
+from posttrain.rewards.budget import model_digest
 from posttrain.stages import StageContext, stage_kind
 from posttrain.trainers.common import (
     AccelerateConfig,
@@ -51,11 +54,15 @@ from posttrain.trainers.common import (
 )
 from posttrain.trainers.mopd_eval import (
     EVAL_FILE,
+    by_pair,
     episode_table,
     exact_results,
     final_metrics,
     greedy_rows,
     pair_results,
+    played_greedy,
+    row_results,
+    taken_rows,
     write_eval,
 )
 from posttrain.trainers.mopd_teachers import (
@@ -113,6 +120,12 @@ class EvalConfig(BaseModel):
         "averages the student's tokens, so its noise falls as 1/sqrt(samples)",
     )
     seed: int = Field(0, description="draws them; the RL stages' held-out prompts use the same default")
+    reuse_greedy: bool = Field(
+        True,
+        description="before training, take a pair's greedy episodes from a need's eval.json that played "
+        "the same ones (an RL stage's before-evaluation: the same student weights, engine, harness and "
+        "rendered prompts) instead of replaying them; false: always play them",
+    )
 
 
 class MOPDConfig(TeacherRoutingConfig):
@@ -270,8 +283,20 @@ class Distiller:
         model: torch.nn.Module,
         renderer: ChatRenderer,
         pool: TeacherPool,
+        policy: str | None = None,
     ) -> None:
+        """policy: the starting weights' digest (posttrain.rewards.budget.model_digest), with
+        which the first evaluation takes the greedy episodes the needs already played
+        (`eval.reuse_greedy`); None: it plays them all."""
         self.cfg, self.renderer, self.pool, self.seed = cfg, renderer, pool, ctx.seed
+        self.policy, self.log = policy, ctx.log
+        # what the needs played (their stage dirs: DIR/<need>, the parent of DIR/<need>/model)
+        self.played = (
+            played_greedy(dict.fromkeys(path.parent for path in ctx.inputs.values()))
+            if policy is not None and cfg.eval.reuse_greedy
+            else []
+        )
+        self.reused: dict[str, str] = {}  # pair -> the need whose greedy episodes it took
         self.student = EmbeddedEngine(
             model, pad_token_id=renderer.pad_id, autocast_dtype=engine_autocast(cfg.accelerate)
         )
@@ -347,20 +372,26 @@ class Distiller:
             timings.update(teacher_tokens=float(prefilled), teacher_tokens_per_s=prefilled / scoring[0])
         return timings
 
-    def evaluate(self) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, list]]]:
+    def evaluate(self, reuse: bool = False) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, list]]]:
         """Per pair on the held-out prompts: kl from episodes sampled at temperature 1 (the
         student's own distribution, which the reverse KL is defined on), accuracy and tokens from
         greedy episodes, the protocol of the RL stages' eval.json so the two compare. Same uids,
         hence the same sampling noise, every time. Also returns the sampled episodes' table
-        (`episode_table`), which pairs the before and after evaluations episode by episode."""
+        (`episode_table`), which pairs the before and after evaluations episode by episode.
+        reuse: the student still holds the starting weights, so a pair's greedy episodes that a
+        need played already (`taken_greedy`) are taken, not replayed."""
         sampled = self.episodes(self.eval_prompts, "eval", copies=self.cfg.eval.samples_per_prompt)
         self.rollout(sampled, temperature=1.0)
         greedy = self.episodes(self.accuracy_prompts, "eval-greedy")
-        self.rollout(greedy, temperature=0.0, scored=False)
-        kl, decoded = pair_results(sampled), pair_results(greedy, with_kl=False)
+        taken = self.taken_greedy(greedy) if reuse else {}
+        played = [s for s in greedy if pair_name((s.domain, s.effort)) not in taken]
+        if played:
+            self.rollout(played, temperature=0.0, scored=False)
+        greedy_table = {**greedy_rows(played), **taken}
+        kl, decoded = pair_results(sampled), {pair: row_results(rows) for pair, rows in greedy_table.items()}
         exact_sums = self.exact_kl_sums(sampled)
         table = episode_table(sampled, exact_sums)
-        for pair, rows in greedy_rows(greedy).items():
+        for pair, rows in greedy_table.items():
             table[pair]["greedy"] = rows
         exact = exact_results(table) if exact_sums is not None else {}
         results = {
@@ -372,6 +403,38 @@ class Distiller:
             for pair in kl
         }
         return results, table
+
+    def taken_greedy(self, greedy: list[Sample]) -> dict[str, dict[str, list]]:
+        """Per pair whose greedy episodes a need already played with the starting weights (the
+        same greedy_protocol, its prompts among the first the need played), those episodes' rows
+        (posttrain.trainers.mopd_eval.taken_rows) under this evaluation's uids."""
+        if self.policy is None or not self.played:
+            return {}
+        model = self.student.model
+        taken = {}
+        for name, group in by_pair(greedy).items():
+            protocol = greedy_protocol(
+                self.envs[group[0].domain],
+                group,
+                policy=self.policy,
+                engine="embedded",
+                device=next(model.parameters()).device.type,
+                autocast=self.student.autocast_dtype,
+                qat=getattr(getattr(model, "config", None), QAT_CONFIG_KEY, None),
+            )
+            found = taken_rows(protocol, [s.uid for s in group], self.played)
+            if found is not None:
+                self.reused[name], taken[name] = found
+        if taken:
+            sources = sorted(set(self.reused.values()))
+            self.log.info(
+                "evaluation before training: the greedy episodes of %d of %d pairs taken from %s "
+                "(the same student, engine, harness and prompts), not replayed",
+                len(taken),
+                len(by_pair(greedy)),
+                ", ".join(sources),
+            )
+        return taken
 
     def exact_kl_sums(self, samples: list[Sample]) -> dict[str, float] | None:
         """Per episode uid: the exact per-position reverse KL (posttrain.algos.exact_reverse_kl)
@@ -421,7 +484,10 @@ def run_mopd(ctx: StageContext) -> dict[str, float]:
     ctx.log.info(
         "MOPD: student %s; teachers %s", start, {pair_name(p): str(t.model_dir) for p, t in routes.items()}
     )
-    distiller = Distiller(ctx, cfg, base_without_peft(state.unwrapped), renderer, pool)
+    # The student's starting weights, which the RL stages' before-evaluations played greedily
+    # (with LoRA the sampled model carries adapters: never taken as the same).
+    policy = model_digest(start) if cfg.lora is None else None
+    distiller = Distiller(ctx, cfg, base_without_peft(state.unwrapped), renderer, pool, policy=policy)
     try:
         pool.start()
         checkpoint = state.restore()
@@ -432,7 +498,7 @@ def run_mopd(ctx: StageContext) -> dict[str, float]:
             before_episodes = checkpoint.extra["before_episodes"]
             pool.retries = int(checkpoint.extra["teacher_retries"])
         else:
-            step, (before, before_episodes) = 0, distiller.evaluate()
+            step, (before, before_episodes) = 0, distiller.evaluate(reuse=True)
             ctx.metrics.log(0, {f"eval/{k}_before/{p}": v[k] for p, v in before.items() for k in v})
         distiller.student.policy_version = step
         while step < cfg.train.steps:

@@ -11,14 +11,15 @@ Samples; the stage (posttrain.trainers.mopd) plays the episodes.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from posttrain.algos.mopd_reward import paired_change_standard_error, reverse_kl, token_mean_standard_error
 from posttrain.data.sample import Sample
-from posttrain.envs.env_eval import episode_rows, mean_standard_error, paired_changes
+from posttrain.envs.env_eval import episode_rows, mean_standard_error, paired_changes, same_episodes
 from posttrain.files import atomic_write_text
 from posttrain.trainers.mopd_teachers import pair_name
 
@@ -45,13 +46,7 @@ def pair_results(samples: list[Sample], with_kl: bool = True) -> dict[str, dict[
     episodes a pair) kl_se, its standard error with the episodes as units."""
     results = {}
     for name, group in by_pair(samples).items():
-        rows = episode_rows(group)
-        results[name] = {
-            "accuracy": sum(rows["reward"]) / len(group),
-            "accuracy_se": mean_standard_error(rows["reward"]),
-            "tokens": sum(rows["tokens"]) / len(group),
-            "tokens_se": mean_standard_error(rows["tokens"]),
-        }
+        results[name] = row_results(episode_rows(group))
         if with_kl:
             results[name]["kl"] = reverse_kl(
                 torch.tensor([x for s in group for x in s.rollout_logprobs], dtype=torch.float64),
@@ -63,6 +58,46 @@ def pair_results(samples: list[Sample], with_kl: bool = True) -> dict[str, dict[
                 sums = [log_ratio_sum(s) for s in group]
                 results[name]["kl_se"] = standard_error(sums, [sum(s.generated_mask) for s in group])
     return results
+
+
+def row_results(rows: Mapping[str, list]) -> dict[str, float]:
+    """accuracy, accuracy_se, tokens, tokens_se of one pair's episode rows (episode_rows)."""
+    return {
+        "accuracy": sum(rows["reward"]) / len(rows["uid"]),
+        "accuracy_se": mean_standard_error(rows["reward"]),
+        "tokens": sum(rows["tokens"]) / len(rows["uid"]),
+        "tokens_se": mean_standard_error(rows["tokens"]),
+    }
+
+
+def played_greedy(stage_dirs: Iterable[Path]) -> list[tuple[str, dict, dict[str, list]]]:
+    """(stage dir name, greedy_protocol, episode rows) of every "before" evaluation recorded in
+    the eval.json of `stage_dirs` (an RL stage's: its init model, greedy, one episode per prompt,
+    posttrain.trainers.rl); what MOPD's before evaluation may take instead of replaying."""
+    found = []
+    for directory in stage_dirs:
+        path = directory / EVAL_FILE
+        try:
+            report = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        protocol = report.get("before_protocol") if isinstance(report, dict) else None
+        rows = (report.get("episodes") or {}).get("before") if protocol else None
+        if rows and len(rows["uid"]) == len(protocol["prompts"]):
+            found.append((directory.name, protocol, rows))
+    return found
+
+
+def taken_rows(
+    protocol: Mapping[str, Any], uids: list[str], played: list[tuple[str, dict, dict[str, list]]]
+) -> tuple[str, dict[str, list]] | None:
+    """(source, rows) for a greedy evaluation of `protocol` whose episodes one of `played`
+    (played_greedy) already played: its first rows, renamed to `uids`; None if none did."""
+    for source, recorded, rows in played:
+        if same_episodes(protocol, recorded):
+            n = len(uids)
+            return source, {"uid": list(uids), "reward": rows["reward"][:n], "tokens": rows["tokens"][:n]}
+    return None
 
 
 def log_ratio_sum(sample: Sample) -> float:

@@ -43,9 +43,10 @@ from posttrain.algos.policy_loss import PolicyLossConfig
 from posttrain.data.chat import ChatRenderer, load_tokenizer
 from posttrain.data.sample import DOMAINS, EFFORTS, Sample
 from posttrain.engines import Engine
-from posttrain.envs.env_eval import EvalConfig, evaluate, paired_changes
+from posttrain.envs.env_eval import EvalConfig, evaluate, greedy_protocol, paired_changes
 from posttrain.envs.environments import Environment, EnvironmentConfig, make_environment
 from posttrain.files import atomic_write_text, remove_tree
+from posttrain.qat.apply import QAT_CONFIG_KEY
 from posttrain.rewards.budget import BudgetConfig, base_budgets, model_digest, trajectory_rewards
 from posttrain.rewards.genrm import GenRM, GenRMConfig, stage_judge
 from posttrain.stages import StageContext, stage_kind
@@ -258,13 +259,15 @@ def run_rl(ctx: StageContext) -> dict[str, float]:
             len(held_out),
         )
         # Before restoring: the policy still holds the init weights, the cold-start policy.
+        init_digest = model_digest(init)
+        before_protocol = _before_protocol(env, held_out, effort, cfg, model, init_digest)
         budgets, budget_metrics = base_budgets(
             env,
             engine,
             train_prompts,
             cfg.budget,
             seed=ctx.seed,
-            policy_id=model_digest(init),
+            policy_id=init_digest,
             cache_dir=Path(cfg.budget.cache_dir) if cfg.budget.cache_dir else ctx.run_dir / "budget_cache",
         )
         ctx.log.info("budget: %s", _shown(budget_metrics))
@@ -347,6 +350,8 @@ def run_rl(ctx: StageContext) -> dict[str, float]:
         "after": after,
         "episodes": {"before": before_rows, "after": after_rows},
     }
+    if before_protocol is not None:  # MOPD takes these episodes instead of replaying them
+        report["before_protocol"] = before_protocol
     atomic_write_text(ctx.stage_dir / EVAL_FILE, json.dumps(report, indent=1, sort_keys=True))
     save_final_model(state.unwrapped, tokenizer, ctx.output_dir, renderer.stop_token_ids)
     return {
@@ -358,6 +363,29 @@ def run_rl(ctx: StageContext) -> dict[str, float]:
         "steps": float(step),
         **{k: v for k, v in last.items() if k in ("reward_mean", "task_reward_mean", "over_budget_fraction")},
     }
+
+
+def _before_protocol(
+    env: Environment,
+    held_out: list[Sample],
+    effort: str,
+    cfg: RLConfig,
+    model: torch.nn.Module,
+    init_digest: str,
+) -> dict[str, Any] | None:
+    """The "before" evaluation's greedy_protocol (the init model's episodes, which the MOPD stage
+    reuses); None unless it is greedy with one episode per prompt."""
+    if cfg.eval.temperature != 0.0 or cfg.eval.samples_per_prompt != 1:
+        return None
+    return greedy_protocol(
+        env,
+        [env.start(p, uid=f"eval/{p.uid}/0", group=f"eval/{p.uid}", effort=effort) for p in held_out],
+        policy=init_digest,
+        engine=cfg.rollout.engine,
+        device=next(model.parameters()).device.type,
+        autocast=engine_autocast(cfg.accelerate),
+        qat=getattr(getattr(model, "config", None), QAT_CONFIG_KEY, None),
+    )
 
 
 def _new_groups(

@@ -179,3 +179,36 @@ def test_configuration_errors_name_the_fix(tmp_path, renderer):
         make_environment(
             "agent", renderer, EnvironmentConfig(families=["coding/fix_function"]), sandbox_dir=tmp_path
         )
+
+
+def test_sandboxes_given_back_are_kept_for_the_next_batch(tmp_path, renderer, tiny_k3_engine):
+    # More episodes hold a sandbox at once than the 32 a pool used to keep: the next batch (an
+    # iteration after an evaluation, the after-evaluation after training) starts none of its own.
+    cfg = EnvironmentConfig(families=["agent/staff_office"], max_turns=1)
+    with make_environment("agent", renderer, cfg, sandbox_dir=tmp_path) as env:
+        prompts = env.prompts("train", 20, seed=0)
+        engine = ScriptedTurns(tiny_k3_engine)
+        for batch in range(2):
+            samples = [
+                env.start(p, uid=f"b{batch}/{i}/{k}", group=f"b{batch}/{i}", effort="low")
+                for i, p in enumerate(prompts)
+                for k in range(2)
+            ]
+            for sample in samples:
+                call = {"path": sample.task["path"], "content": "Atlantis"}
+                message = {
+                    "role": "assistant",
+                    "reasoning_content": "Save it.",
+                    "content": "",
+                    "tool_calls": [
+                        {
+                            "id": "functions.write_file:0",
+                            "type": "function",
+                            "function": {"name": "write_file", "arguments": json.dumps(call)},
+                        }
+                    ],
+                }
+                scripted(engine, sample, renderer, message, "tool_call")
+            env.play(engine, samples, sampling(renderer))
+            assert env.sandboxes.lent == 0 and env.sandboxes.created == 40
+            assert all(s.done and s.reward == 0.0 for s in samples)

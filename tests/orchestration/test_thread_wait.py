@@ -1,0 +1,56 @@
+"""The local executor's stage processes wait passively between torch's parallel regions
+(OMP_WAIT_POLICY=PASSIVE, set before the fork server imports torch), and how idle threads wait
+changes no number: a 2-thread training step of the tiny K3 gives the same bits either way."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from orchestration import executors
+
+REPO = Path(__file__).resolve().parents[2]
+STEP = """
+import hashlib, torch
+from posttrain.engines.testing import tiny_k3
+torch.set_num_threads(2)
+torch.manual_seed(0)
+model = tiny_k3(0)
+ids = torch.randint(0, model.config.vocab_size, (2, 64))
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+for _ in range(2):
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+digest = hashlib.sha256()
+for name, tensor in model.state_dict().items():
+    digest.update(name.encode() + tensor.detach().contiguous().numpy().tobytes())
+print(digest.hexdigest())
+"""
+
+
+def _policy(path: str) -> None:
+    Path(path).write_text(os.environ.get("OMP_WAIT_POLICY", ""))
+
+
+def test_stage_processes_wait_passively(tmp_path):
+    expected = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
+    process = executors._fork_server().Process(target=_policy, args=(str(tmp_path / "policy"),))
+    process.start()
+    process.join(timeout=120)
+    assert process.exitcode == 0
+    assert (tmp_path / "policy").read_text() == expected
+
+
+def test_the_wait_policy_changes_no_bit_of_a_two_thread_step():
+    digests = {}
+    for policy in ("ACTIVE", "PASSIVE"):
+        env = {**os.environ, "OMP_WAIT_POLICY": policy, "PYTHONPATH": str(REPO)}
+        env.pop("OMP_NUM_THREADS", None)
+        out = subprocess.run(
+            [sys.executable, "-c", STEP], env=env, capture_output=True, text=True, timeout=600, check=True
+        )
+        digests[policy] = out.stdout.split()[-1]
+    assert digests["ACTIVE"] == digests["PASSIVE"]
