@@ -41,6 +41,23 @@ def scripted(
     return ids
 
 
+def write_file_turn(sample: Sample, content: str) -> dict:
+    """An assistant turn that writes `content` to the file the agent task asks for."""
+    call = {"path": sample.task["path"], "content": content}
+    return {
+        "role": "assistant",
+        "reasoning_content": "Save it.",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": "functions.write_file:0",
+                "type": "function",
+                "function": {"name": "write_file", "arguments": json.dumps(call)},
+            }
+        ],
+    }
+
+
 def first_turn(sample: Sample) -> dict:
     """The family's own first assistant turn for this prompt (its scripted demonstration)."""
     family = TASK_FAMILIES.get(sample.task["family"])()
@@ -83,20 +100,7 @@ def test_agent_is_scored_on_the_sandbox_files_it_wrote(tmp_path, renderer, tiny_
         right, wrong = samples
         engine = ScriptedTurns(tiny_k3_engine)
         for sample, content in ((right, right.task["answer"]), (wrong, "Atlantis")):
-            call = {"path": sample.task["path"], "content": content}
-            message = {
-                "role": "assistant",
-                "reasoning_content": "Save it.",
-                "content": "",
-                "tool_calls": [
-                    {
-                        "id": "functions.write_file:0",
-                        "type": "function",
-                        "function": {"name": "write_file", "arguments": json.dumps(call)},
-                    }
-                ],
-            }
-            scripted(engine, sample, renderer, message, "tool_call")
+            scripted(engine, sample, renderer, write_file_turn(sample, content), "tool_call")
         env.play(engine, samples, sampling(renderer))
         assert env.sandboxes.lent == 0 and env.sandboxes.created == 2
     assert (right.reward, wrong.reward) == (1.0, 0.0)
@@ -195,20 +199,7 @@ def test_sandboxes_given_back_are_kept_for_the_next_batch(tmp_path, renderer, ti
                 for k in range(2)
             ]
             for sample in samples:
-                call = {"path": sample.task["path"], "content": "Atlantis"}
-                message = {
-                    "role": "assistant",
-                    "reasoning_content": "Save it.",
-                    "content": "",
-                    "tool_calls": [
-                        {
-                            "id": "functions.write_file:0",
-                            "type": "function",
-                            "function": {"name": "write_file", "arguments": json.dumps(call)},
-                        }
-                    ],
-                }
-                scripted(engine, sample, renderer, message, "tool_call")
+                scripted(engine, sample, renderer, write_file_turn(sample, "Atlantis"), "tool_call")
             env.play(engine, samples, sampling(renderer))
             assert env.sandboxes.lent == 0 and env.sandboxes.created == 40
             assert all(s.done and s.reward == 0.0 for s in samples)
