@@ -213,7 +213,7 @@ class ShardedTrainState(TrainState):
             sync_gradients(self.model, self.mesh)
         lr = self.lr
         norm = global_grad_norm(self.model, self.mesh)
-        self.check_finite(norm, step, "the gradient norm")
+        self.check_finite(norm, step, "the gradient norm", agreed=True)
         if self.grad_clip is not None:
             clip_gradients(self.model, self.grad_clip, norm)
         self.optimizer.step()

@@ -442,19 +442,26 @@ class TrainState:
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
-    def check_finite(self, loss: torch.Tensor, step: int, what: str = "loss", detail: str = "") -> None:
+    def check_finite(
+        self, loss: torch.Tensor, step: int, what: str = "loss", detail: str = "", agreed: bool = False
+    ) -> None:
         """Raise NonFiniteLossError when `loss` is NaN/inf here or on any other process: every
         rank must stop at the same check, or the ones that go on wait in the backward's collectives
-        for the one that stopped (NCCL until its timeout; gloo fails them on a closed connection)."""
+        for the one that stopped (NCCL until its timeout; gloo fails them on a closed connection).
+        agreed: the value is already the same on every rank (a global gradient norm), so no
+        all-reduce is needed."""
         value = float(loss.detach())
-        bad_ranks = non_finite_ranks(math.isfinite(value), loss.device)
-        if math.isfinite(value) and not bad_ranks:
+        finite = math.isfinite(value)
+        bad_ranks = [] if agreed else non_finite_ranks(finite, loss.device)
+        if finite and not bad_ranks:
             return
         peak = self.optimizer.param_groups[0]["initial_lr"]
-        where = f"{value}" if not math.isfinite(value) else f"not finite on rank(s) {bad_ranks}"
+        if finite:  # another rank's value; this rank's detail names its own rows, not the bad ones
+            where = f"not finite on rank(s) {bad_ranks} at optimizer step {step}"
+        else:
+            where = f"{value} at optimizer step {step}{detail}"
         raise NonFiniteLossError(
-            f"stage {self.ctx.stage_id}: {what} is {where} at optimizer step {step}"
-            f"{detail if not math.isfinite(value) else ''}. "
+            f"stage {self.ctx.stage_id}: {what} is {where}. "
             f"Lower the learning rate (train.lr, now {peak:g}) or "
             "increase warm-up (train.warmup_steps), and check the data of this step for broken rows; "
             f"{self.resume_note()}."
@@ -479,9 +486,11 @@ class TrainState:
         else:
             grads = [p.grad.detach().norm() for p in self.model.parameters() if p.grad is not None]
             norm = torch.stack(grads).norm() if grads else torch.zeros(())
-        # DeepSpeed clips inside its engine and may not report the norm (None).
+        # DeepSpeed clips inside its engine and may not report the norm (None). A clipped norm is
+        # the whole model's on every process; the unclipped one sums this process's gradients only.
         if norm is not None:
-            self.check_finite(torch.as_tensor(norm), step, "the gradient norm")
+            agreed = self.grad_clip is not None
+            self.check_finite(torch.as_tensor(norm), step, "the gradient norm", agreed=agreed)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -509,11 +518,11 @@ class TrainState:
 
 def non_finite_ranks(finite: bool, device: torch.device) -> list[int]:
     """The ranks whose value was not finite, agreed by every process of the default group (one
-    all-reduce); [] in a single process."""
+    all-reduce); [] in a single process, whose caller has its own `finite`."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [] if finite else [0]
+        return []
     flags = torch.zeros(dist.get_world_size(), device=device)
     flags[dist.get_rank()] = 0.0 if finite else 1.0
     dist.all_reduce(flags)
