@@ -16,6 +16,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from posttrain.checkpoint import KEEP_CHECKPOINTS
 from posttrain.config.errors import ConfigError, Issue, did_you_mean, key_path
 from posttrain.config.overrides import apply_overrides, parse_overrides
 from posttrain.config.stage_file import (
@@ -62,7 +63,7 @@ class Stage:
     matrix: dict[str, Any]
     body: dict[str, Any]
     description: str = ""
-    keep_checkpoints: int = 3
+    keep_checkpoints: int = KEEP_CHECKPOINTS
     config_hash: str = ""
     registered: bool = False
 

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 LOG = logging.getLogger("posttrain.checkpoint")
 MANIFEST = "checkpoint.json"
 CHECKPOINTS_DIR = "checkpoints"  # a stage's checkpoints: DIR/<stage>/checkpoints
+KEEP_CHECKPOINTS = 3  # a stage's newest checkpoints kept, unless its file sets keep_checkpoints
 POINTER = "latest"
 
 
@@ -141,7 +142,7 @@ class CheckpointManager:
     def __init__(
         self,
         directory: Path,
-        keep: int = 3,
+        keep: int = KEEP_CHECKPOINTS,
         log: logging.Logger | None = None,
         metrics: MetricsLogger | None = None,
         on_restore: Callable[[int], None] | None = None,

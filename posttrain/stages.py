@@ -30,7 +30,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from posttrain.checkpoint import CHECKPOINTS_DIR, CheckpointManager
+from posttrain.checkpoint import CHECKPOINTS_DIR, KEEP_CHECKPOINTS, CheckpointManager
 from posttrain.config.stage_file import models_in
 from posttrain.metrics import MetricsLogger
 from posttrain.registry import Registry
@@ -111,7 +111,7 @@ def build_context(
     log: logging.Logger,
     progress_sink: Callable[[int, int | None, dict[str, Any]], None],
     on_restore: Callable[[int], None] | None = None,
-    keep_checkpoints: int = 3,
+    keep_checkpoints: int = KEEP_CHECKPOINTS,
 ) -> StageContext:
     """The StageContext a stage kind runs on, built one way for orchestration.runner and for
     posttrain.testing.StageRunner: the body validated by the kind's config class, `qat` by

@@ -19,6 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo
 
+from posttrain.checkpoint import KEEP_CHECKPOINTS
 from posttrain.config.errors import Issue, did_you_mean, key_path
 from posttrain.config.yaml_source import KeyPath, line_of
 
@@ -54,7 +55,7 @@ class StageHeader(BaseModel):
     resources: Resources = Field(default_factory=Resources)
     qat: dict[str, Any] | None = None
     keep_checkpoints: int = Field(
-        3,
+        KEEP_CHECKPOINTS,
         ge=0,
         description="resume checkpoints the stage keeps while it runs (its newest N; 0 writes none, so an "
         "interrupted stage starts over); a done stage's are removed once its model is published",
