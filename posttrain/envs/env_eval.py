@@ -21,13 +21,16 @@ import json
 import math
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from posttrain.data.sample import Sample
 from posttrain.engines.base import Engine
 from posttrain.envs.environments import TRUNCATED, Environment
+
+if TYPE_CHECKING:
+    import torch
 
 
 class EvalConfig(BaseModel):
@@ -94,19 +97,30 @@ def paired_changes(before: Mapping[str, list], after: Mapping[str, list]) -> dic
     return out
 
 
+def eval_episodes(
+    env: Environment, prompts: Sequence[Sample], effort: str, samples_per_prompt: int
+) -> list[Sample]:
+    """The evaluation's episodes, fresh from Environment.start: each prompt `samples_per_prompt`
+    times, uids eval/<prompt uid>/<k>."""
+    return [
+        env.start(p, uid=f"eval/{p.uid}/{k}", group=f"eval/{p.uid}", effort=effort)
+        for p in prompts
+        for k in range(samples_per_prompt)
+    ]
+
+
 def greedy_protocol(
     env: Environment,
     samples: Sequence[Sample],
     *,
+    model: torch.nn.Module,
     policy: str,
     engine: str,
-    device: str,
     autocast: object,
-    qat: object,
 ) -> dict[str, Any]:
     """What fixes the episodes of a greedy evaluation (temperature 0, one episode per prompt):
     the policy (`policy`: its weights' digest, posttrain.rewards.budget.model_digest), how it is
-    run (the engine backend, device type, autocast dtype and the QAT config the model records), the
+    run (the engine backend, the device type and QAT config of `model`, the autocast dtype), the
     domain's environment (turns, tokens per turn, submissions, harness), how a turn ends, and each
     episode's rendered prompt (`samples` fresh from Environment.start: a digest of its tokens,
     which hold the question, tools, system prompt and effort marker). JSON-safe. Two greedy
@@ -114,7 +128,11 @@ def greedy_protocol(
     episodes: greedy decoding draws no noise, so only the float rounding of their batch
     composition differs between them (MOPD's and the RL stages' rows agreed episode for episode
     on the default run; bench/RESULTS.md)."""
+    from posttrain.qat.apply import QAT_CONFIG_KEY  # here: posttrain.qat imports torch
+
     turn = env.turn_sampling(0.0, 0)
+    device = next(model.parameters()).device.type
+    qat = getattr(getattr(model, "config", None), QAT_CONFIG_KEY, None)
     return json.loads(
         json.dumps(
             {
@@ -158,11 +176,7 @@ def evaluate(
     """Play every held-out prompt `samples_per_prompt` times. Returns the metrics (`summary`, plus
     the truncated share, unscored episodes and seconds taken) and the episode rows, which pair this
     evaluation with another of the same prompts (`paired_changes`)."""
-    samples = [
-        env.start(p, uid=f"eval/{p.uid}/{k}", group=f"eval/{p.uid}", effort=effort)
-        for p in prompts
-        for k in range(cfg.samples_per_prompt)
-    ]
+    samples = eval_episodes(env, prompts, effort, cfg.samples_per_prompt)
     started = time.perf_counter()
     env.play(engine, samples, env.turn_sampling(cfg.temperature, seed))
     rows = episode_rows(samples)

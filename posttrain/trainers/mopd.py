@@ -37,7 +37,6 @@ from posttrain.engines import EmbeddedEngine
 from posttrain.envs.env_eval import greedy_protocol
 from posttrain.envs.environments import EnvironmentConfig, play_episodes
 from posttrain.files import remove_tree
-from posttrain.qat.apply import QAT_CONFIG_KEY
 from posttrain.rewards.budget import model_digest
 from posttrain.stages import StageContext, stage_kind
 from posttrain.trainers.common import (
@@ -410,17 +409,15 @@ class Distiller:
         (posttrain.trainers.mopd_eval.taken_rows) under this evaluation's uids."""
         if self.policy is None or not self.played:
             return {}
-        model = self.student.model
         taken = {}
         for name, group in by_pair(greedy).items():
             protocol = greedy_protocol(
                 self.envs[group[0].domain],
                 group,
+                model=self.student.model,
                 policy=self.policy,
                 engine="embedded",
-                device=next(model.parameters()).device.type,
                 autocast=self.student.autocast_dtype,
-                qat=getattr(getattr(model, "config", None), QAT_CONFIG_KEY, None),
             )
             found = taken_rows(protocol, [s.uid for s in group], self.played)
             if found is not None:

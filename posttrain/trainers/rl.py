@@ -43,10 +43,9 @@ from posttrain.algos.policy_loss import PolicyLossConfig
 from posttrain.data.chat import ChatRenderer, load_tokenizer
 from posttrain.data.sample import DOMAINS, EFFORTS, Sample
 from posttrain.engines import Engine
-from posttrain.envs.env_eval import EvalConfig, evaluate, greedy_protocol, paired_changes
+from posttrain.envs.env_eval import EvalConfig, eval_episodes, evaluate, greedy_protocol, paired_changes
 from posttrain.envs.environments import Environment, EnvironmentConfig, make_environment
 from posttrain.files import atomic_write_text, remove_tree
-from posttrain.qat.apply import QAT_CONFIG_KEY
 from posttrain.rewards.budget import BudgetConfig, base_budgets, model_digest, trajectory_rewards
 from posttrain.rewards.genrm import GenRM, GenRMConfig, stage_judge
 from posttrain.stages import StageContext, stage_kind
@@ -379,12 +378,11 @@ def _before_protocol(
         return None
     return greedy_protocol(
         env,
-        [env.start(p, uid=f"eval/{p.uid}/0", group=f"eval/{p.uid}", effort=effort) for p in held_out],
+        eval_episodes(env, held_out, effort, 1),
+        model=model,
         policy=init_digest,
         engine=cfg.rollout.engine,
-        device=next(model.parameters()).device.type,
         autocast=engine_autocast(cfg.accelerate),
-        qat=getattr(getattr(model, "config", None), QAT_CONFIG_KEY, None),
     )
 
 
