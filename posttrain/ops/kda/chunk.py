@@ -76,14 +76,15 @@ def chunk_kda(
     Returns:
         o: [B, T, H, V] in v's dtype; final_state: [N, H, K, V] float32, or None.
     """
-    N = check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     if backend not in ("auto", "torch", "fla", "triton"):
         raise ValueError(f"chunk_kda: backend must be 'auto', 'torch', 'fla' or 'triton', got {backend!r}")
     if backend == "triton":
-        # Imported on use: it imports Triton, which the torch and fla paths do not need here.
+        # Imported on use: it imports Triton, which the torch and fla paths do not need here. It
+        # checks the inputs itself (once: with cu_seqlens the check reads them back from the GPU).
         from posttrain.ops.kda.triton_fwd import triton_chunk_kda
 
         return triton_chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+    N = check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     fla_kernel = _fla_chunk_kda() if backend != "torch" and q.is_cuda else None
     if backend == "fla" and fla_kernel is None:
         raise ImportError(
