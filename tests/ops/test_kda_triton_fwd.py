@@ -244,6 +244,52 @@ def test_triton_backend_on_cpu_says_what_it_needs(monkeypatch):
     assert os.environ.get("TRITON_INTERPRET") is None
 
 
+def test_auto_takes_triton_on_a_gpu_without_fla_for_forwards_without_gradients(monkeypatch):
+    """The dispatch rule alone (CI has no GPU): stand-ins for CUDA tensors, Triton said to serve them."""
+    from types import SimpleNamespace
+
+    from posttrain.ops import triton_support
+    from posttrain.ops.kda import chunk
+
+    monkeypatch.setattr(triton_support, "triton_serves", lambda *tensors: True)
+
+    def picks(fla: bool = False, cuda: bool = True, requires_grad: bool = False, K: int = 128) -> bool:
+        monkeypatch.setattr(chunk, "_fla_chunk_kda", (lambda: object()) if fla else (lambda: None))
+        q = SimpleNamespace(is_cuda=cuda, requires_grad=requires_grad, shape=(1, 7, 2, K))
+        g = SimpleNamespace(is_cuda=cuda, requires_grad=False, shape=(1, 7, 2, K))
+        return chunk._auto_picks_triton(q, g, None)
+
+    assert picks()
+    assert not picks(fla=True)  # fla stays the GPU default
+    assert not picks(cuda=False)  # the CPU keeps the torch path
+    assert not picks(requires_grad=True)  # training: the torch path has the backward
+    with torch.no_grad():
+        assert picks(requires_grad=True)  # a rollout from a trainable policy
+    assert not picks(K=300)  # above the scan's registers
+    monkeypatch.setattr(triton_support, "triton_serves", lambda *tensors: False)
+    assert not picks()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_auto_without_fla_runs_triton_forward_and_torch_training_on_gpu(monkeypatch):
+    from posttrain.ops.kda import chunk
+
+    monkeypatch.setattr(chunk, "_fla_chunk_kda", lambda: None)
+    case = Case(1, 300, 4, 128, 128, BF16, bounds=(0, 100, 117, 300))
+    inputs = make_inputs(case, "cuda")
+    with torch.no_grad():
+        auto = chunk_kda(**inputs, output_final_state=True)
+        ours = chunk_kda(**inputs, output_final_state=True, backend="triton")
+    assert torch.equal(auto[0], ours[0]) and torch.equal(auto[1], ours[1])
+    inputs["q"].requires_grad_(True)
+    o, _ = chunk_kda(**inputs, output_final_state=True)
+    want, _ = chunk_kda(**inputs, output_final_state=True, backend="torch")
+    assert torch.equal(o, want)
+    o.float().sum().backward()
+    assert inputs["q"].grad is not None
+
+
 def test_unknown_backend_lists_triton():
     inputs = make_inputs(CASES[0], "cpu")
     with pytest.raises(ValueError, match="'triton'"):

@@ -15,7 +15,8 @@ differentiated by torch autograd.
 
 On CUDA with flash-linear-attention installed, `backend="auto"` hands the call to fla's Triton
 kernel instead (same layout and semantics; see `_fla_chunk_kda`). `backend="triton"` runs our own
-forward-only kernels (`triton_fwd`), for rollouts and teacher prefill.
+forward-only kernels (`triton_fwd`), for rollouts and teacher prefill; "auto" takes them on a GPU
+without fla when no gradient is needed (`_auto_picks_triton`).
 """
 
 from __future__ import annotations
@@ -69,8 +70,9 @@ def chunk_kda(
             restarts from initial_state[n] (or zeros) at each document.
         chunk_size: tokens per tile of the torch path; capped so a tile's cumulative log-decay
             stays >= -80 (16 for K3's gate). The triton backend always uses 16.
-        backend: "auto" (fla's kernel for CUDA inputs when fla imports, else torch), "torch", "fla",
-            or "triton": our forward-only kernels (`triton_fwd`), for rollouts and prefill under
+        backend: "auto" (fla's kernel for CUDA inputs when fla imports; without fla, our Triton
+            forward for CUDA inputs that need no gradient; else torch), "torch", "fla", or
+            "triton": our forward-only kernels (`triton_fwd`), for rollouts and prefill under
             torch.no_grad(); CUDA inputs (or TRITON_INTERPRET=1), g >= -5.
 
     Returns:
@@ -78,6 +80,8 @@ def chunk_kda(
     """
     if backend not in ("auto", "torch", "fla", "triton"):
         raise ValueError(f"chunk_kda: backend must be 'auto', 'torch', 'fla' or 'triton', got {backend!r}")
+    if backend == "auto" and _auto_picks_triton(q, k, v, g, beta, initial_state):
+        backend = "triton"
     if backend == "triton":
         # Imported on use: it imports Triton, which the torch and fla paths do not need here. It
         # checks the inputs itself (once: with cu_seqlens the check reads them back from the GPU).
@@ -111,6 +115,22 @@ def chunk_kda(
     return _torch_chunk_kda(
         q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size, N
     )
+
+
+def _auto_picks_triton(*tensors: torch.Tensor | None) -> bool:
+    """backend="auto" on a GPU without fla: our forward-only Triton kernels for a forward that
+    needs no gradient (rollouts, evaluations, MOPD's teacher prefill). On an H200 at K3's head
+    shape they take 3.5 ms against the torch chunk path's 34-38 ms (bench/RESULTS.md); training
+    (a gradient is needed) keeps the torch path. Like fla's branch, this trusts K3's gate (g >= -5)."""
+    present = [t for t in tensors if t is not None]
+    if not present[0].is_cuda or _fla_chunk_kda() is not None:
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in present):
+        return False
+    from posttrain.ops.kda.triton_fwd import MAX_K
+    from posttrain.ops.triton_support import triton_serves
+
+    return present[0].shape[-1] <= MAX_K and triton_serves(*present)
 
 
 @functools.cache
