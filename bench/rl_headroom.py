@@ -14,8 +14,13 @@ and prints per family: greedy accuracy, mean sampled accuracy, unbiased pass@k f
     PYTHONPATH=. python bench/rl_headroom.py general --effort max \
         --model sft=runs/mopd/sft/model --model rl=runs/mopd/rl-general-max/model
 
-`--show FAMILY` also prints, for a few rescued prompts, the greedy failure and one sampled success
-(the last `--tail` characters of each), to read what the successful samples do differently.
+It also prints where the sampled successes of greedy failures first leave the greedy episode: the
+share of those first differing tokens found in the question or a tool result before them (a copy:
+which name, word or number) and the commonest (sampled, greedy) pairs. Headroom alone did not
+predict the gain (bench/RESULTS.md): coding/fix_function's rescues leave out a sentence, one
+choice on every prompt that the advantages select; general's pick another copy on each prompt.
+`--show FAMILY` prints, for a few rescued prompts, the greedy failure and one sampled success (the
+last `--tail` characters of each).
 """
 
 from __future__ import annotations
@@ -80,7 +85,7 @@ def family_table(greedy: dict[str, float], sampled: dict[str, list[float]]) -> d
 def play(model_dir: Path, domain: str, effort: str, args: argparse.Namespace) -> dict:
     """One model's greedy and sampled episodes of the held-out prompts, keyed by prompt: the
     question's tokens, the greedy episode and, per temperature, the sampled ones (each as
-    (reward, generated tokens))."""
+    (reward, the tokens after the prompt, which of them the policy generated))."""
     model = load_pretrained(model_dir)
     restore_qat(model)
     tokenizer = load_tokenizer(model_dir)
@@ -89,8 +94,9 @@ def play(model_dir: Path, domain: str, effort: str, args: argparse.Namespace) ->
     config = EnvironmentConfig(**environments.get(domain, {}))
     engine = EmbeddedEngine(model, pad_token_id=renderer.pad_id)
 
-    def episode(sample: Sample) -> tuple[float, list[int]]:
-        return float(sample.reward or 0.0), sample.tokens[sample.prompt_length :]
+    def episode(sample: Sample) -> tuple[float, list[int], list[int]]:
+        start = sample.prompt_length
+        return float(sample.reward or 0.0), sample.tokens[start:], sample.generated_mask[start:]
 
     with (
         tempfile.TemporaryDirectory() as root,
@@ -106,7 +112,7 @@ def play(model_dir: Path, domain: str, effort: str, args: argparse.Namespace) ->
         for temperature in args.temperature:
             samples = eval_episodes(env, prompts, effort, args.samples)
             env.play(engine, samples, env.turn_sampling(temperature, args.seed))
-            sampled: dict[str, list[tuple[float, list[int]]]] = defaultdict(list)
+            sampled: dict[str, list[tuple[float, list[int], list[int]]]] = defaultdict(list)
             for s in samples:
                 sampled[s.uid.rsplit("/", 1)[0]].append(episode(s))
             out[temperature] = dict(sampled)
@@ -116,15 +122,16 @@ def play(model_dir: Path, domain: str, effort: str, args: argparse.Namespace) ->
 
 def divergences(played: dict, temperature: float) -> dict[str, dict]:
     """Where the sampled successes of prompts greedy fails first leave the greedy episode, per
-    family: how many, the share whose first differing token occurs in the question (a content
-    choice: which name or number is copied) rather than not (a choice of what to do: a check
-    left out, an answer given a turn earlier), and the commonest (sampled, greedy) token pairs."""
+    family: how many, the share whose first differing token occurs in the question or in a tool
+    result before it (a content choice: which name or number is copied) rather than not (a choice
+    of what to do: a check left out, an answer given a turn earlier), and the commonest (sampled,
+    greedy) token pairs."""
     decode = played["decode"]
     found: dict[str, list[tuple[bool, tuple[str, str]]]] = defaultdict(list)
-    for uid, (reward, greedy) in played["greedy"].items():
+    for uid, (reward, greedy, _) in played["greedy"].items():
         if reward == 1.0:
             continue
-        for won, tokens in played[temperature][uid]:
+        for won, tokens, generated in played[temperature][uid]:
             if won != 1.0:
                 continue
             i = next(
@@ -134,11 +141,15 @@ def divergences(played: dict, temperature: float) -> dict[str, dict]:
             mine = tokens[i] if i < len(tokens) else None
             theirs = greedy[i] if i < len(greedy) else None
             pair = tuple("<end>" if t is None else decode([t]) for t in (mine, theirs))
-            found[family_of(uid)].append((mine in played["question"][uid], pair))
+            seen = {
+                *played["question"][uid],
+                *(t for t, g in zip(tokens[:i], generated, strict=False) if not g),
+            }
+            found[family_of(uid)].append((mine in seen, pair))
     return {
         family: {
             "successes": len(rows),
-            "in_question": sum(copied for copied, _ in rows) / len(rows),
+            "in_context": sum(copied for copied, _ in rows) / len(rows),
             "common": Counter(pair for _, pair in rows).most_common(3),
         }
         for family, rows in sorted(found.items())
@@ -164,11 +175,11 @@ def main() -> None:
     for spec in args.model:
         name, _, model_dir = spec.partition("=")
         played = play(Path(model_dir), args.domain, args.effort, args)
-        greedy = {uid: reward for uid, (reward, _) in played["greedy"].items()}
+        greedy = {uid: row[0] for uid, row in played["greedy"].items()}
         results[name] = {"greedy": greedy}
         head = f"{name} ({model_dir}), {args.domain} at {args.effort}"
         for temperature in args.temperature:
-            sampled = {uid: [reward for reward, _ in rows] for uid, rows in played[temperature].items()}
+            sampled = {uid: [row[0] for row in rows] for uid, rows in played[temperature].items()}
             table = family_table(greedy, sampled)
             results[name][temperature] = {"table": table, "sampled": sampled}
             print(f"\n{head}, T={temperature}, {args.samples} samples")
@@ -180,12 +191,12 @@ def main() -> None:
             print("first token where a sampled success of a prompt greedy fails leaves the greedy episode:")
             for family, row in divergences(played, temperature).items():
                 pairs = ", ".join(f"{mine!r} for {theirs!r} x{n}" for (mine, theirs), n in row["common"])
-                share = f"{row['in_question']:.2f} at a token of the question"
+                share = f"{row['in_context']:.2f} at a token of the question or a tool result"
                 print(f"  {family}: {row['successes']} successes, {share}; {pairs}")
         if args.show:
             shown, decode, temperature = 0, played["decode"], args.temperature[0]
-            for uid, (reward, tokens) in played["greedy"].items():
-                wins = [won for r, won in played[temperature][uid] if r == 1.0]
+            for uid, (reward, tokens, _) in played["greedy"].items():
+                wins = [won for r, won, _ in played[temperature][uid] if r == 1.0]
                 if args.show not in uid or reward == 1.0 or not wins or shown == 3:
                     continue
                 shown += 1
