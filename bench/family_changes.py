@@ -14,20 +14,16 @@ import argparse
 import json
 from pathlib import Path
 
-from posttrain.envs.env_eval import paired_standard_error
-
-
-def family_of(uid: str) -> str:
-    return uid.removeprefix("eval/").rsplit("-", 1)[0]
+from posttrain.envs.env_eval import eval_family, paired_standard_error
 
 
 def changes(eval_json: Path) -> list[str]:
     report = json.loads(eval_json.read_text())
     before, after = report["episodes"]["before"], report["episodes"]["after"]
     lines = [f"{eval_json}: {report['stage']}"]
-    families = sorted({family_of(uid) for uid in before["uid"]})
+    families = sorted({eval_family(uid) for uid in before["uid"]})
     for family in [*families, "all"]:
-        rows = [i for i, uid in enumerate(before["uid"]) if family in ("all", family_of(uid))]
+        rows = [i for i, uid in enumerate(before["uid"]) if family in ("all", eval_family(uid))]
         b = [before["reward"][i] for i in rows]
         a = [after["reward"][i] for i in rows]
         lines.append(

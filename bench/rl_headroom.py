@@ -39,7 +39,7 @@ import data_recipes  # noqa: F401  (registers the task families)
 from posttrain.data.chat import load_tokenizer
 from posttrain.data.sample import Sample
 from posttrain.engines import EmbeddedEngine
-from posttrain.envs.env_eval import eval_episodes
+from posttrain.envs.env_eval import eval_episodes, eval_family
 from posttrain.envs.environments import EnvironmentConfig, make_environment
 from posttrain.model.vision_model import load_pretrained
 from posttrain.qat import restore_qat
@@ -56,16 +56,11 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def family_of(uid: str) -> str:
-    """eval/general/ordering-677fd05656 -> ordering"""
-    return uid.split("/")[2].rsplit("-", 1)[0]
-
-
 def family_table(greedy: dict[str, float], sampled: dict[str, list[float]]) -> dict[str, dict[str, float]]:
     """Per family (and "all"): prompts, greedy, mean sampled accuracy, pass@k, rescued, mixed."""
     by_family: dict[str, list[str]] = defaultdict(list)
     for uid in greedy:
-        by_family[family_of(uid)].append(uid)
+        by_family[eval_family(uid)].append(uid)
     by_family["all"] = list(greedy)
     table = {}
     for family, uids in sorted(by_family.items()):
@@ -145,7 +140,7 @@ def divergences(played: dict, temperature: float) -> dict[str, dict]:
                 *played["question"][uid],
                 *(t for t, g in zip(tokens[:i], generated, strict=False) if not g),
             }
-            found[family_of(uid)].append((mine in seen, pair))
+            found[eval_family(uid)].append((mine in seen, pair))
     return {
         family: {
             "successes": len(rows),

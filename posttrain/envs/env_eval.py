@@ -109,6 +109,13 @@ def eval_episodes(
     ]
 
 
+def eval_family(uid: str) -> str:
+    """The task family of an evaluation episode or group from its uid (`eval_episodes`: eval/<prompt
+    uid>[/<k>], a task family drawing prompt uids <family>-<hex>): eval/general/ordering-677fd05656/0
+    -> general/ordering. eval.json keeps only the uids, so per-family tables read it from them."""
+    return uid.removeprefix("eval/").rsplit("-", 1)[0]
+
+
 def greedy_protocol(
     env: Environment,
     samples: Sequence[Sample],

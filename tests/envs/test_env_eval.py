@@ -7,7 +7,13 @@ import math
 
 import pytest
 
-from posttrain.envs.env_eval import mean_standard_error, paired_changes, paired_standard_error, summary
+from posttrain.envs.env_eval import (
+    eval_family,
+    mean_standard_error,
+    paired_changes,
+    paired_standard_error,
+    summary,
+)
 
 
 def test_mean_standard_error_is_the_sample_sd_over_root_n():
@@ -42,3 +48,8 @@ def test_paired_changes_and_summary_on_episode_rows():
     assert stats["mean_response_tokens_se_after"] == pytest.approx(mean_standard_error([12.0, 20.0, 25.0]))
     with pytest.raises(ValueError, match="different episodes"):
         paired_changes(before, {**after, "uid": ["a", "b", "d"]})
+
+
+def test_eval_family_reads_the_family_from_episode_and_group_uids():
+    assert eval_family("eval/general/ordering-677fd05656/0") == "general/ordering"
+    assert eval_family("eval/agent/order_total-0f3a170d35") == "agent/order_total"
