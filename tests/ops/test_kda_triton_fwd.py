@@ -248,15 +248,15 @@ def test_auto_takes_triton_on_a_gpu_without_fla_for_forwards_without_gradients(m
     """The dispatch rule alone (CI has no GPU): stand-ins for CUDA tensors, Triton said to serve them."""
     from types import SimpleNamespace
 
-    from posttrain.ops import triton_support
-    from posttrain.ops.kda import chunk
+    from posttrain.ops.kda import chunk, triton_fwd
 
-    monkeypatch.setattr(triton_support, "triton_serves", lambda *tensors: True)
+    monkeypatch.setattr(triton_fwd, "triton_serves", lambda *tensors: True)
 
     def picks(fla: bool = False, cuda: bool = True, requires_grad: bool = False, K: int = 128) -> bool:
         monkeypatch.setattr(chunk, "_fla_chunk_kda", (lambda: object()) if fla else (lambda: None))
-        q = SimpleNamespace(is_cuda=cuda, requires_grad=requires_grad, shape=(1, 7, 2, K))
-        g = SimpleNamespace(is_cuda=cuda, requires_grad=False, shape=(1, 7, 2, K))
+        like = dict(is_cuda=cuda, shape=(1, 7, 2, K), device="cuda:0", dtype=torch.bfloat16)
+        q = SimpleNamespace(requires_grad=requires_grad, **like)
+        g = SimpleNamespace(requires_grad=False, **like)
         return chunk._auto_picks_triton(q, g, None)
 
     assert picks()
@@ -266,7 +266,7 @@ def test_auto_takes_triton_on_a_gpu_without_fla_for_forwards_without_gradients(m
     with torch.no_grad():
         assert picks(requires_grad=True)  # a rollout from a trainable policy
     assert not picks(K=300)  # above the scan's registers
-    monkeypatch.setattr(triton_support, "triton_serves", lambda *tensors: False)
+    monkeypatch.setattr(triton_fwd, "triton_serves", lambda *tensors: False)
     assert not picks()
 
 

@@ -125,12 +125,9 @@ def _auto_picks_triton(*tensors: torch.Tensor | None) -> bool:
     present = [t for t in tensors if t is not None]
     if not present[0].is_cuda or _fla_chunk_kda() is not None:
         return False
-    if torch.is_grad_enabled() and any(t.requires_grad for t in present):
-        return False
-    from posttrain.ops.kda.triton_fwd import MAX_K
-    from posttrain.ops.triton_support import triton_serves
+    from posttrain.ops.kda.triton_fwd import refusal  # imports Triton: only asked on a GPU
 
-    return present[0].shape[-1] <= MAX_K and triton_serves(*present)
+    return refusal(present) is None
 
 
 @functools.cache

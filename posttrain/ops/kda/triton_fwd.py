@@ -441,6 +441,30 @@ if triton is not None:
             tl.store(ht_ptr + state_at, S_t, mask=state_mask)
 
 
+def refusal(tensors: list[torch.Tensor]) -> Exception | None:
+    """Why our forward cannot take these inputs (q first, then k, v, g, beta and any initial
+    state), as the error `triton_chunk_kda` raises; None when it can. `chunk_kda(backend="auto")`
+    asks it too, to take this forward on a GPU without fla."""
+    q = tensors[0]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return RuntimeError(
+            "chunk_kda(backend='triton') is forward-only (no backward): call it under torch.no_grad() "
+            "or torch.inference_mode(), or use backend='fla' / 'torch' to train"
+        )
+    if not triton_serves(*tensors):
+        return RuntimeError(
+            "chunk_kda(backend='triton') needs Triton and CUDA tensors of float32/bfloat16/float16 "
+            "(or CPU tensors under TRITON_INTERPRET=1); got "
+            f"{q.device} {', '.join(sorted({str(t.dtype) for t in tensors}))}"
+            + ("" if triton is not None else ", and triton is not installed")
+        )
+    if q.shape[-1] > MAX_K:
+        return ValueError(
+            f"chunk_kda(backend='triton'): K={q.shape[-1]} is above the {MAX_K} the scan holds in registers"
+        )
+    return None
+
+
 def triton_chunk_kda(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -474,24 +498,10 @@ def triton_chunk_kda(
     """
     N = check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     tensors = [q, k, v, g, beta] + ([] if initial_state is None else [initial_state])
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        raise RuntimeError(
-            "chunk_kda(backend='triton') is forward-only (no backward): call it under torch.no_grad() "
-            "or torch.inference_mode(), or use backend='fla' / 'torch' to train"
-        )
-    if not triton_serves(*tensors):
-        raise RuntimeError(
-            "chunk_kda(backend='triton') needs Triton and CUDA tensors of float32/bfloat16/float16 "
-            "(or CPU tensors under TRITON_INTERPRET=1); got "
-            f"{q.device} {', '.join(sorted({str(t.dtype) for t in tensors}))}"
-            + ("" if triton is not None else ", and triton is not installed")
-        )
+    if (error := refusal(tensors)) is not None:
+        raise error
     B, T, H, K = q.shape
     V = v.shape[-1]
-    if K > MAX_K:
-        raise ValueError(
-            f"chunk_kda(backend='triton'): K={K} is above the {MAX_K} the scan holds in registers"
-        )
     scale = K**-0.5 if scale is None else scale
     device = q.device
     h0 = None if initial_state is None else initial_state.float().contiguous()
