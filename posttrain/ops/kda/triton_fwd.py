@@ -61,6 +61,18 @@ PRECISIONS = ("ieee", "tf32x3", "bf16x3", "tf32", "bf16")  # the dense intra ker
 if triton is not None:
 
     @triton.jit
+    def _channel_block(q_ptr, k_ptr, g_ptr, row_k, row_ok, k0, K, BK: tl.constexpr):
+        """Channels k0 .. k0 + BK of a tile, as both passes of `_intra_kernel` read them: the
+        columns, their mask and offsets, k and q in float32 and G, the in-tile cumulative log-decay."""
+        cols = k0 + tl.arange(0, BK)
+        mask = row_ok[:, None] & (cols < K)[None, :]
+        at = row_k[:, None] + cols[None, :]
+        k = tl.load(k_ptr + at, mask=mask, other=0.0).to(tl.float32)
+        q = tl.load(q_ptr + at, mask=mask, other=0.0).to(tl.float32)
+        G = tl.cumsum(tl.load(g_ptr + at, mask=mask, other=0.0).to(tl.float32), 0)
+        return cols, mask, at, k, q, G
+
+    @triton.jit
     def _intra_kernel(
         q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, tile_start_ptr, tile_end_ptr,
         w_ptr, u_ptr, qd_ptr, kd_ptr, aqk_ptr, decay_ptr,
@@ -87,12 +99,7 @@ if triton is not None:
         a_qk = tl.zeros([16, 16], tl.float32)
         worst = tl.zeros([BK], tl.float32)  # the most negative G per channel slot
         for k0 in range(0, K, BK):
-            cols = k0 + tl.arange(0, BK)
-            mask = row_ok[:, None] & (cols < K)[None, :]
-            at = row_k[:, None] + cols[None, :]
-            k = tl.load(k_ptr + at, mask=mask, other=0.0).to(tl.float32)
-            q = tl.load(q_ptr + at, mask=mask, other=0.0).to(tl.float32)
-            G = tl.cumsum(tl.load(g_ptr + at, mask=mask, other=0.0).to(tl.float32), 0)
+            cols, mask, at, k, q, G = _channel_block(q_ptr, k_ptr, g_ptr, row_k, row_ok, k0, K, BK)
             worst = tl.minimum(worst, tl.min(G, 0))
             k_out = k * tl.exp(-G - SHIFT)
             # IEEE float32, not TF32: A feeds the inverse and so every output of the tile.
@@ -115,12 +122,7 @@ if triton is not None:
         tl.store(aqk_ptr + (tok * H + h)[:, None] * 16 + j, a_qk, mask=row_ok[:, None])
         # Pass 2 over K: w, the decayed q and k, the tile's decay.
         for k0 in range(0, K, BK):
-            cols = k0 + tl.arange(0, BK)
-            mask = row_ok[:, None] & (cols < K)[None, :]
-            at = row_k[:, None] + cols[None, :]
-            k = tl.load(k_ptr + at, mask=mask, other=0.0).to(tl.float32)
-            q = tl.load(q_ptr + at, mask=mask, other=0.0).to(tl.float32)
-            G = tl.cumsum(tl.load(g_ptr + at, mask=mask, other=0.0).to(tl.float32), 0)
+            cols, mask, at, k, q, G = _channel_block(q_ptr, k_ptr, g_ptr, row_k, row_ok, k0, K, BK)
             G_last = tl.sum(tl.where(i == 15, G, 0.0), 0)  # padded rows add g = 0
             decay = tl.exp(G)
             w = tl.dot(x, beta[:, None] * k * decay, input_precision="ieee")
