@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from posttrain.envs.environments import EnvironmentConfig
+
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED_ROWS = ROOT / "data_recipes" / "data" / "agent_sft.jsonl"
 STAGE_FILES = ["stages/rl.yaml", "stages/mopd.yaml", "stages/vision/rl.yaml", "stages/vision/mopd.yaml"]
@@ -37,7 +39,7 @@ def test_every_environment_allows_its_longest_demonstration(stage_file):
     assert checked, f"{stage_file}: no environment of a domain the shipped rows demonstrate"
     for domain in checked:
         turns, example = longest[domain]
-        allowed = environments[domain].get("max_turns", 4)
+        allowed = EnvironmentConfig(**environments[domain]).max_turns  # the stage's own default where unset
         assert allowed >= turns, (
             f"{stage_file}: environments.{domain}.max_turns is {allowed}, but the shipped "
             f"demonstration {example} takes {turns} assistant turns"
