@@ -8,8 +8,8 @@ Usage: python bench/kda_fwd_gpu.py [--T 8192 --H 96 --K 128 --V 128 --docs 1 --i
        python bench/kda_fwd_gpu.py --sweep [intra|scan]    (also times the intra-tile kernel's
             variants (INTRA_SWEEP), each alone and in the whole forward with its error against fla,
             and / or a few scan block sizes / warps / stages (SWEEP))
-       python bench/kda_fwd_gpu.py --intra-kernel blocked    (ours with another IntraConfig: also
-            --intra-heads, --intra-tiles, --intra-precision, --intra-wu-precision, --intra-inverse,
+       python bench/kda_fwd_gpu.py --intra-heads 2    (ours with another IntraConfig: also
+            --intra-tiles, --intra-precision, --intra-wu-precision, --intra-inverse,
             --intra-warps, --intra-maxnreg, --intra-no-stack; the scan's --scan-block-v,
             --scan-warps, --scan-stages, --scan-prefetch)
 Needs CUDA; fla optional (pip install flash-linear-attention): without it only ours is timed.
@@ -47,34 +47,32 @@ SWEEP = [  # (block_v, num_warps, num_stages, prefetch) of the scan kernel; pref
 ]
 
 
-def dense(**options) -> IntraConfig:
-    """An IntraConfig of the "dense" kernel (the default, "blocked", has no options)."""
-    return IntraConfig(kernel="dense", **options)
-
-
 INTRA_SWEEP = [  # IntraConfig variants of the intra-tile kernel
-    IntraConfig(),  # the first ("blocked") kernel: 2.81 ms at the default shape on an H200
-    # The dense kernel (its defaults are heads 1, bf16x3, 4 warps: 1.91 ms on an H200, 2026-12-02).
+    # heads 1, bf16x3, 4 warps is the default: 1.90 ms on an H200 (2026-12-02, bench/RESULTS.md).
     *(
-        dense(heads=heads, precision=precision, num_warps=warps)
+        IntraConfig(heads=heads, precision=precision, num_warps=warps)
         for precision in ("bf16x3", "tf32x3", "tf32", "bf16", "ieee")
         for heads, warps in ((1, 2), (1, 4), (1, 8), (2, 4), (2, 8), (4, 8))
     ),
     # Several tiles a program, each loading the next (more registers: see the registers caps).
-    *(dense(tiles=tiles, maxnreg=maxnreg) for tiles in (2, 4, 8) for maxnreg in (None, 168, 128)),
-    *(dense(precision="bf16", tiles=tiles, maxnreg=maxnreg) for tiles in (2, 4) for maxnreg in (None, 128)),
-    dense(heads=2, num_warps=8, tiles=4),
-    # Register caps for the wider configs (4 warps: 2 programs an SM above 168, 3 up to 168, 4 up to 128).
-    dense(maxnreg=128),
-    dense(precision="tf32x3", maxnreg=168),
-    dense(precision="tf32x3", maxnreg=128),
-    dense(heads=2, num_warps=8, maxnreg=128),
+    *(IntraConfig(tiles=tiles, maxnreg=maxnreg) for tiles in (2, 4, 8) for maxnreg in (None, 168, 128)),
     *(
-        dense(precision=a, wu_precision=b)
+        IntraConfig(precision="bf16", tiles=tiles, maxnreg=maxnreg)
+        for tiles in (2, 4)
+        for maxnreg in (None, 128)
+    ),
+    IntraConfig(heads=2, num_warps=8, tiles=4),
+    # Register caps for the wider configs (4 warps: 2 programs an SM above 168, 3 up to 168, 4 up to 128).
+    IntraConfig(maxnreg=128),
+    IntraConfig(precision="tf32x3", maxnreg=168),
+    IntraConfig(precision="tf32x3", maxnreg=128),
+    IntraConfig(heads=2, num_warps=8, maxnreg=128),
+    *(
+        IntraConfig(precision=a, wu_precision=b)
         for a, b in (("bf16x3", "tf32"), ("bf16x3", "bf16"), ("tf32x3", "tf32"), ("tf32", "bf16"))
     ),
-    dense(inverse="substitution"),
-    dense(stack=False),
+    IntraConfig(inverse="substitution"),
+    IntraConfig(stack=False),
 ]
 
 
@@ -162,7 +160,6 @@ def main() -> None:
         help="also time INTRA_SWEEP's (intra) and / or SWEEP's (scan) configs",
     )  # fmt: skip
     default = IntraConfig()
-    parser.add_argument("--intra-kernel", default=default.kernel, choices=["dense", "blocked"])
     parser.add_argument("--intra-heads", type=int, default=default.heads)
     parser.add_argument("--intra-tiles", type=int, default=default.tiles)
     parser.add_argument("--intra-precision", default=default.precision, choices=PRECISIONS)
@@ -175,7 +172,7 @@ def main() -> None:
         parser.add_argument(f"--scan-{name}", type=int, default=None)
     args = parser.parse_args()
     intra = IntraConfig(
-        kernel=args.intra_kernel, heads=args.intra_heads, tiles=args.intra_tiles,
+        heads=args.intra_heads, tiles=args.intra_tiles,
         precision=args.intra_precision, wu_precision=args.intra_wu_precision, inverse=args.intra_inverse,
         num_warps=args.intra_warps, maxnreg=args.intra_maxnreg, stack=not args.intra_no_stack,
     )  # fmt: skip
@@ -201,15 +198,8 @@ def main() -> None:
     def ours(**config) -> tuple:
         return triton_chunk_kda(**inputs, **{"intra": intra, **scan, **config})
 
-    try:
-        out = ours()  # compiles
-        torch.cuda.synchronize()
-    except Exception:  # e.g. a Triton that cannot build this config: time the first kernel instead
-        traceback.print_exc()
-        log(f"ours with {short(intra)} failed: falling back to IntraConfig(kernel='blocked')")
-        intra = IntraConfig(kernel="blocked")
-        out = ours()
-        torch.cuda.synchronize()
+    out = ours()  # compiles
+    torch.cuda.synchronize()
     log("ours compiled")
     ours_ms = time_ms(ours, args.warmup, args.iters)
     scale = args.K**-0.5

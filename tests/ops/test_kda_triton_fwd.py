@@ -155,44 +155,42 @@ def test_triton_forward_matches_spec_interpreted():
     assert len(result["errors"]) == len(CASES) + 1
 
 
-def dense(**options) -> IntraConfig:
-    """An IntraConfig of the "dense" kernel (the default is the "blocked" one, which has no options)."""
-    return IntraConfig(kernel="dense", **options)
-
-
 # The intra-tile kernel's variants (`IntraConfig`), each against the spec at the usual tolerances.
 # Measured o / final-state errors under the interpreter (which cuts TF32 operands by truncation, as
-# the tensor core reads them): the "dense" kernel at its default precision ("bf16x3") matches
-# "blocked" (IEEE float32) to 3 digits for bf16 inputs (o 9.53e-3, 9.64e-3, 6.36e-3 against 9.53e-3,
+# the tensor core reads them): the default precision ("bf16x3") matches IEEE float32 products (the
+# first kernel's, since removed) to 3 digits for bf16 inputs (o 9.53e-3, 9.64e-3, 6.36e-3 against 9.53e-3,
 # 9.60e-3, 6.33e-3; final states equal) and fp16's o is 12% higher (4.0e-4 against 3.6e-4); "tf32x3"
-# (emulated as float32) matches "blocked"; "tf32" raises bf16 inputs' errors by 2-10% (e.g. o
+# (emulated as float32) matches IEEE; "tf32" raises bf16 inputs' errors by 2-10% (e.g. o
 # 9.53e-3 -> 9.76e-3, 9.60e-3 -> 1.05e-2) and fp16's 3.4x (o 3.6e-4 -> 1.2e-3); "bf16" raises bf16
 # inputs' by 1.4-1.9x (o 1.35e-2, 1.78e-2) and fp16's 24x (8.7e-3, over fp16's 3e-3 tolerance), so
 # both are opt-in and tested here on bf16 inputs only. wu_precision="bf16" (w and u alone) raises
 # bf16 inputs' final-state error 1.3-1.9x (3.9e-3 -> 6.6e-3 and 7.3e-3) and o's up to 1.3x; "tf32x3"
 # + "tf32" w, u: o +1-3%. float32 inputs always get IEEE products.
 VARIANT_CASES = [
-    *(Case(**{**vars(case), "intra": dense()}) for case in CASES),
-    Case(1, 50, 3, 32, 60, BF16, bounds=(0, 1, 17, 40, 50), intra=dense(heads=2)),  # 3 heads: one masked
-    Case(2, 37, 3, 20, 16, F32, intra=dense(heads=4, num_warps=2, maxnreg=128)),
-    Case(1, 50, 3, 32, 60, BF16, bounds=(0, 1, 17, 40, 50), intra=dense(tiles=2)),  # 5 tiles: 3 programs
-    Case(2, 37, 2, 20, 16, F32, intra=dense(tiles=4, heads=2)),
-    Case(1, 50, 2, 32, 60, BF16, bounds=(0, 13, 50), intra=dense(tiles=8, precision="bf16")),
-    Case(1, 50, 2, 32, 60, BF16, bounds=(0, 13, 50), intra=dense(precision="tf32x3", heads=2)),
-    Case(1, 19, 2, 20, 36, F16, intra=dense(precision="tf32x3")),
-    Case(1, 37, 2, 60, 20, F32, bounds=(0, 0, 20, 37), intra=dense(inverse="substitution")),
+    # 3 heads: one masked
+    Case(1, 50, 3, 32, 60, BF16, bounds=(0, 1, 17, 40, 50), intra=IntraConfig(heads=2)),
+    Case(2, 37, 3, 20, 16, F32, intra=IntraConfig(heads=4, num_warps=2, maxnreg=128)),
+    # 5 tiles: 3 programs
+    Case(1, 50, 3, 32, 60, BF16, bounds=(0, 1, 17, 40, 50), intra=IntraConfig(tiles=2)),
+    Case(2, 37, 2, 20, 16, F32, intra=IntraConfig(tiles=4, heads=2)),
+    Case(1, 50, 2, 32, 60, BF16, bounds=(0, 13, 50), intra=IntraConfig(tiles=8, precision="bf16")),
+    Case(1, 50, 2, 32, 60, BF16, bounds=(0, 13, 50), intra=IntraConfig(precision="tf32x3", heads=2)),
+    Case(1, 19, 2, 20, 36, F16, intra=IntraConfig(precision="tf32x3")),
+    Case(1, 37, 2, 60, 20, F32, bounds=(0, 0, 20, 37), intra=IntraConfig(inverse="substitution")),
     Case(1, 37, 2, 60, 20, F32, bounds=(0, 0, 20, 37), prefetch=0),  # the scan's first version
     Case(1, 50, 3, 32, 60, BF16, bounds=(0, 1, 17, 40, 50), block_v=32, prefetch=0),
     Case(1, 50, 3, 32, 60, BF16, bounds=(0, 1, 17, 40, 50), block_v=32, prefetch=2),
     Case(1, 37, 2, 60, 20, F32, bounds=(0, 0, 20, 37), prefetch=2),
-    Case(1, 50, 3, 32, 60, BF16, bounds=(0, 1, 17, 40, 50), intra=dense(stack=False, heads=2)),
-    Case(1, 19, 2, 20, 36, F16, intra=dense(precision="ieee", heads=2)),
-    Case(1, 19, 2, 20, 36, F16, intra=dense(precision="tf32")),
-    Case(1, 50, 3, 32, 60, BF16, bounds=(0, 1, 17, 40, 50), intra=dense(precision="tf32")),
-    Case(2, 50, 3, 16, 32, BF16, initial_state=False, intra=dense(precision="bf16", heads=2)),
-    Case(1, 50, 2, 32, 60, BF16, bounds=(0, 13, 50), intra=dense(precision="bf16")),
-    Case(1, 50, 3, 32, 60, BF16, bounds=(0, 1, 17, 40, 50), intra=dense(wu_precision="bf16")),
-    Case(2, 50, 3, 16, 32, BF16, initial_state=False, intra=dense(precision="tf32", wu_precision="bf16")),
+    Case(1, 50, 3, 32, 60, BF16, bounds=(0, 1, 17, 40, 50), intra=IntraConfig(stack=False, heads=2)),
+    Case(1, 19, 2, 20, 36, F16, intra=IntraConfig(precision="ieee", heads=2)),
+    Case(1, 19, 2, 20, 36, F16, intra=IntraConfig(precision="tf32")),
+    Case(1, 50, 3, 32, 60, BF16, bounds=(0, 1, 17, 40, 50), intra=IntraConfig(precision="tf32")),
+    Case(2, 50, 3, 16, 32, BF16, initial_state=False, intra=IntraConfig(precision="bf16", heads=2)),
+    Case(1, 50, 2, 32, 60, BF16, bounds=(0, 13, 50), intra=IntraConfig(precision="bf16")),
+    Case(1, 50, 3, 32, 60, BF16, bounds=(0, 1, 17, 40, 50), intra=IntraConfig(wu_precision="bf16")),
+    Case(
+        2, 50, 3, 16, 32, BF16, initial_state=False, intra=IntraConfig(precision="tf32", wu_precision="bf16")
+    ),
 ]
 
 INTERPRETED_VARIANTS = """
@@ -204,7 +202,7 @@ errors = [check(case, "cpu") for case in VARIANT_CASES]
 # A steep gate in one head of a multi-head program: NaN in that head only, from that tile on.
 steep = make_inputs(Case(1, 40, 2, 16, 16, torch.float32), "cpu")
 steep["g"][0, 20:26, 0, 3] = -20.0
-for intra in (IntraConfig(kernel="dense", heads=2), IntraConfig()):
+for intra in (IntraConfig(heads=2), IntraConfig()):
     o, state = triton_chunk_kda(**steep, output_final_state=True, intra=intra)
     assert not o[0, :16].isnan().any() and o[0, 16:32, 0].isnan().all() and state[:, 0].isnan().all()
     assert not o[:, :, 1].isnan().any() and not state[:, 1].isnan().any()
@@ -218,15 +216,10 @@ def test_intra_variants_match_spec_interpreted():
 
 
 def test_intra_config_rejects_unknown_choices():
-    bad_choices = dict(kernel="fused", precision="fp16", wu_precision="fp8", inverse="newton", heads=3)
+    bad_choices = dict(precision="fp16", wu_precision="fp8", inverse="newton", heads=3, tiles=0)
     for bad in ({name: value} for name, value in bad_choices.items()):
         with pytest.raises(ValueError, match="IntraConfig"):
-            IntraConfig(**{"kernel": "dense", **bad})
-    # The blocked kernel has no options: setting one without kernel="dense" is an error, not a
-    # variant that silently runs the blocked kernel.
-    for option in (dict(heads=2), dict(tiles=4), dict(precision="tf32x3"), dict(num_warps=8)):
-        with pytest.raises(ValueError, match="kernel='dense'"):
-            IntraConfig(**option)
+            IntraConfig(**bad)
 
 
 def test_triton_backend_is_forward_only():
@@ -324,7 +317,8 @@ def compile_for_sm90(kernel, types: dict[str, str], constants: dict, num_warps: 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_kernels_compile_for_sm90(dtype):
     """The interpreter runs what the GPU compiler might reject (layouts, dot shapes, precisions):
-    both kernels, at K = V = 128 with the wrapper's default blocks, must compile for an H100/H200."""
+    the intra and scan kernels, at K = V = 128 with the wrapper's default blocks, must compile for
+    an H100/H200."""
     pytest.importorskip("triton")
     from posttrain.ops.kda import triton_fwd
 
@@ -344,14 +338,12 @@ def test_kernels_compile_for_sm90(dtype):
         ht_ptr=ptr("fp32"), H="i32", K="i32", V="i32",
     )  # fmt: skip
     operand = F32 if dtype == "fp32" else BF16
-    intra = dict(BK=32, BV=64, SHIFT=triton_fwd.SHIFT, MAX_DECAY=triton_fwd.MAX_TILE_LOG_DECAY)
     scan = dict(
         BK=128, BV=triton_fwd._default_block_v(128, operand), PRECISION="ieee" if dtype == "fp32" else "tf32",
         HAS_H0=True, STORE_HT=True, NUM_STAGES=2, UPCAST=False, PRECISE=False, PREFETCH=1,
     )  # fmt: skip
-    assert compile_for_sm90(triton_fwd._intra_kernel, intra_types, intra, num_warps=4)
     default = triton_fwd.IntraConfig()
-    dense = dict(
+    intra = dict(
         NH=default.heads, TILES=default.tiles, BK=128, BV=128, SHIFT=triton_fwd.SHIFT,
         MAX_DECAY=triton_fwd.MAX_TILE_LOG_DECAY, INVERSE=default.inverse, STACK=default.stack,
         EMULATE=False,
@@ -363,10 +355,10 @@ def test_kernels_compile_for_sm90(dtype):
         else [(default.precision,) * 2, ("tf32x3",) * 2, ("tf32", "bf16"), ("bf16",) * 2]
     )
     for precision, wu_precision in pairs:
-        config = dict(dense, PRECISION=precision, WU_PRECISION=wu_precision)
+        config = dict(intra, PRECISION=precision, WU_PRECISION=wu_precision)
         assert compile_for_sm90(triton_fwd._dense_intra_kernel, intra_types, config, default.num_warps)
     if dtype == "bf16":  # several tiles a program, each loading the next
-        config = dict(dense, TILES=4, PRECISION=default.precision, WU_PRECISION=default.precision)
+        config = dict(intra, TILES=4, PRECISION=default.precision, WU_PRECISION=default.precision)
         assert compile_for_sm90(triton_fwd._dense_intra_kernel, intra_types, config, default.num_warps)
         config = dict(config, TILES=1, STACK=False)  # A_kk and A_qk as two products
         assert compile_for_sm90(triton_fwd._dense_intra_kernel, intra_types, config, default.num_warps)
@@ -394,10 +386,9 @@ def test_triton_forward_matches_spec_on_gpu(case):
         Case(1, 200, 2, 128, 128, BF16, block_v=32),
         Case(1, 200, 2, 128, 128, BF16, block_v=128),
         Case(1, 300, 2, 128, 128, BF16, bounds=(0, 150, 300), precise=True),
-        Case(2, 300, 4, 128, 128, BF16, intra=dense()),
-        Case(1, 400, 3, 128, 128, BF16, bounds=(0, 100, 117, 400), intra=dense(heads=2, num_warps=8)),
-        Case(1, 300, 4, 128, 128, BF16, intra=dense(precision="tf32x3", maxnreg=168)),
-        Case(1, 333, 3, 128, 128, F32, bounds=(0, 1, 200, 333), intra=dense(heads=2, maxnreg=128)),
+        Case(1, 400, 3, 128, 128, BF16, bounds=(0, 100, 117, 400), intra=IntraConfig(heads=2, num_warps=8)),
+        Case(1, 300, 4, 128, 128, BF16, intra=IntraConfig(precision="tf32x3", maxnreg=168)),
+        Case(1, 333, 3, 128, 128, F32, bounds=(0, 1, 200, 333), intra=IntraConfig(heads=2, maxnreg=128)),
     ],
     ids=str,
 )

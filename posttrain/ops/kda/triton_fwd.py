@@ -9,8 +9,8 @@ The math is `chunk.py`'s WY / UT form on 16-token tiles, which K3's bounded gate
 token, so a tile's cumulative log-decay G stays in [-80, 0]) lets us build densely with the split
 exp(G_i - G_j) = exp(G_i + c) * exp(-G_j - c), c = 40 (see `chunk.MAX_CHUNK_LOG_DECAY`):
 
-1. `_dense_intra_kernel` (or the first version, `_intra_kernel`: `IntraConfig`), one program per
-   (tile, head), everything that does not depend on the state:
+1. `_dense_intra_kernel` (`IntraConfig` sets its variant), one program per (tile, head),
+   everything that does not depend on the state:
    A_kk (strictly lower, scaled by beta) and its unit-triangular inverse X = (I + A_kk)^-1 on the
    16 x 16 tile (by doubling, or forward substitution); u = X beta v and w = X (beta k exp(G)), so
    delta = u - w S0; the causal query-key tile A_qk = scale <q_i exp(G_i - G_j), k_j>; q exp(G)
@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -59,86 +59,6 @@ MAX_K = 256  # the scan keeps all K rows of its state block in registers
 PRECISIONS = ("ieee", "tf32x3", "bf16x3", "tf32", "bf16")  # the dense intra kernel's products (`IntraConfig`)
 
 if triton is not None:
-
-    @triton.jit
-    def _channel_block(q_ptr, k_ptr, g_ptr, row_k, row_ok, k0, K, BK: tl.constexpr):
-        """Channels k0 .. k0 + BK of a tile, as both passes of `_intra_kernel` read them: the
-        columns, their mask and offsets, k and q in float32 and G, the in-tile cumulative log-decay."""
-        cols = k0 + tl.arange(0, BK)
-        mask = row_ok[:, None] & (cols < K)[None, :]
-        at = row_k[:, None] + cols[None, :]
-        k = tl.load(k_ptr + at, mask=mask, other=0.0).to(tl.float32)
-        q = tl.load(q_ptr + at, mask=mask, other=0.0).to(tl.float32)
-        G = tl.cumsum(tl.load(g_ptr + at, mask=mask, other=0.0).to(tl.float32), 0)
-        return cols, mask, at, k, q, G
-
-    @triton.jit
-    def _intra_kernel(
-        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, tile_start_ptr, tile_end_ptr,
-        w_ptr, u_ptr, qd_ptr, kd_ptr, aqk_ptr, decay_ptr,
-        scale, H, K, V,
-        BK: tl.constexpr, BV: tl.constexpr, SHIFT: tl.constexpr, MAX_DECAY: tl.constexpr,
-    ):  # fmt: skip
-        # Heads vary fastest: the programs in flight then read one contiguous run of tokens x heads
-        # (and one grid axis has room for any number of tiles).
-        pid = tl.program_id(0).to(tl.int64)
-        tile = pid // H
-        h = pid % H
-        start = tl.load(tile_start_ptr + tile).to(tl.int64)
-        end = tl.load(tile_end_ptr + tile).to(tl.int64)
-        rows = tl.arange(0, 16)
-        tok = start + rows
-        row_ok = tok < end
-        # Padded rows read k = v = g = beta = 0: they write nothing and leave the tile's decay alone.
-        beta = tl.load(beta_ptr + tok * H + h, mask=row_ok, other=0.0).to(tl.float32)
-        row_k = (tok * H + h) * K
-        row_v = (tok * H + h) * V
-
-        # Pass 1 over K: the two 16 x 16 tiles, accumulated over blocks of channels.
-        a_kk = tl.zeros([16, 16], tl.float32)
-        a_qk = tl.zeros([16, 16], tl.float32)
-        worst = tl.zeros([BK], tl.float32)  # the most negative G per channel slot
-        for k0 in range(0, K, BK):
-            cols, mask, at, k, q, G = _channel_block(q_ptr, k_ptr, g_ptr, row_k, row_ok, k0, K, BK)
-            worst = tl.minimum(worst, tl.min(G, 0))
-            k_out = k * tl.exp(-G - SHIFT)
-            # IEEE float32, not TF32: A feeds the inverse and so every output of the tile.
-            a_kk += tl.dot(k * tl.exp(G + SHIFT), tl.trans(k_out), input_precision="ieee")
-            a_qk += tl.dot(q * tl.exp(G + SHIFT), tl.trans(k_out), input_precision="ieee")
-        i = rows[:, None]
-        j = rows[None, :]
-        a_kk = tl.where(i > j, beta[:, None] * a_kk, 0.0)
-        a_qk = tl.where(i >= j, scale * a_qk, 0.0)
-
-        # X = (I + A)^-1 row by row: X_i = e_i - sum_{j<i} A_ij X_j (rows >= i of X are still 0).
-        x = tl.zeros([16, 16], tl.float32)
-        for r in tl.static_range(16):
-            a_r = tl.sum(tl.where(i == r, a_kk, 0.0), 0)  # row r of A, indexed by column
-            x_r = tl.where(rows == r, 1.0, 0.0) - tl.sum(a_r[:, None] * x, 0)
-            x = tl.where(i == r, x_r[None, :], x)
-        # A tile steeper than the split allows: NaN rather than an overflowed, plausible result.
-        x += tl.where(tl.min(worst, 0) < -MAX_DECAY, float("nan"), 0.0)
-
-        tl.store(aqk_ptr + (tok * H + h)[:, None] * 16 + j, a_qk, mask=row_ok[:, None])
-        # Pass 2 over K: w, the decayed q and k, the tile's decay.
-        for k0 in range(0, K, BK):
-            cols, mask, at, k, q, G = _channel_block(q_ptr, k_ptr, g_ptr, row_k, row_ok, k0, K, BK)
-            G_last = tl.sum(tl.where(i == 15, G, 0.0), 0)  # padded rows add g = 0
-            decay = tl.exp(G)
-            w = tl.dot(x, beta[:, None] * k * decay, input_precision="ieee")
-            tl.store(w_ptr + at, w.to(w_ptr.dtype.element_ty), mask=mask)
-            tl.store(qd_ptr + at, (scale * q * decay).to(qd_ptr.dtype.element_ty), mask=mask)
-            kd = k * tl.exp(G_last[None, :] - G)
-            tl.store(kd_ptr + at, kd.to(kd_ptr.dtype.element_ty), mask=mask)
-            tl.store(decay_ptr + (tile * H + h) * K + cols, tl.exp(G_last), mask=cols < K)
-        # u per block of V.
-        for v0 in range(0, V, BV):
-            cols = v0 + tl.arange(0, BV)
-            mask = row_ok[:, None] & (cols < V)[None, :]
-            at = row_v[:, None] + cols[None, :]
-            v = tl.load(v_ptr + at, mask=mask, other=0.0).to(tl.float32)
-            u = tl.dot(x, beta[:, None] * v, input_precision="ieee")
-            tl.store(u_ptr + at, u.to(u_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _dense_dot(a, b, PRECISION: tl.constexpr, EMULATE: tl.constexpr):
@@ -236,7 +156,7 @@ if triton is not None:
         SHIFT: tl.constexpr, MAX_DECAY: tl.constexpr, PRECISION: tl.constexpr,
         WU_PRECISION: tl.constexpr, INVERSE: tl.constexpr, STACK: tl.constexpr, EMULATE: tl.constexpr,
     ):  # fmt: skip
-        """`_intra_kernel`'s results, one program per (TILES consecutive tiles, NH heads) with all K
+        """Step 1 of the module docstring, one program per (TILES consecutive tiles, NH heads) with all K
         channels at once: the loads are issued one tile ahead (the next tile's inputs load while
         this one computes: with 2-3 programs an SM, as registers allow, a program's own compute
         would otherwise leave its SM's memory pipe idle), no K loop (q / k / g read once),
@@ -559,21 +479,19 @@ def tile_tables(bounds: tuple[int, ...], device: torch.device) -> TileTables:
 
 @dataclass(frozen=True)
 class IntraConfig:
-    """Which intra-tile kernel computes the scan's per-tile terms, and how; `bench/kda_fwd_gpu.py
-    --sweep` times the alternatives.
+    """How `_dense_intra_kernel` computes the scan's per-tile terms; `bench/kda_fwd_gpu.py --sweep`
+    times the alternatives. (A first kernel, 32-channel blocks read twice with IEEE float32 products
+    on the FMA units and the inverse row by row, took 3.50 ms for the whole forward against this
+    default's 2.61 at B1 T8192 H96 K=V=128 bf16 on an H200, bench/RESULTS.md; it was removed.)
 
-    kernel: "dense" (`_dense_intra_kernel`: all K channels of a tile at once, tensor-core products,
-        the inverse by doubling) or "blocked" (`_intra_kernel`, the first version: 32-channel blocks
-        read twice, IEEE float32 products on the FMA units, the inverse row by row; 2.81 ms of
-        3.55 at B1 T8192 H96 K=V=128 bf16 on an H200).
-    heads: heads per "dense" program (a power of 2): more amortise the program's fixed latency
+    heads: heads per program (a power of 2): more amortise the program's fixed latency
         and issue more bytes per load, at more registers per thread (batched products: with
         Triton 3.6, 2 heads at 4 or 8 warps reach 255 registers and spill).
-    tiles: consecutive tiles per "dense" program, each tile's inputs loaded while the one before
+    tiles: consecutive tiles per program, each tile's inputs loaded while the one before
         computes (1: no overlap within a program). The prefetched inputs cost registers: at 4
         warps "bf16x3" goes from 167 a thread (3 programs an SM) to 254 (2), "bf16" from 125 (4)
         to 251 (2); so 1 by default until the sweep has timed it.
-    precision: the "dense" kernel's A_kk, A_qk, w and u products for 16-bit inputs (float32 inputs
+    precision: the kernel's A_kk, A_qk, w and u products for 16-bit inputs (float32 inputs
         always get "ieee"), all with float32 accumulation: "bf16x3" (each operand split into two
         bf16 parts, three tensor-core products: a 16-bit mantissa; errors as "ieee"'s to 3 digits for
         bf16 inputs, +12% for fp16, all tested), "tf32x3" (the same with TF32 parts, about float32's
@@ -586,8 +504,8 @@ class IntraConfig:
     inverse: "doubling" (4 dependent 16 x 16 products) or "substitution" (16 dependent row steps).
     stack: A_kk and A_qk as one product of the stacked rows [k; q] (fewer registers: 167 a thread
         against 181) or as two.
-    num_warps: warps per "dense" program.
-    maxnreg: caps the "dense" kernel's registers a thread (None: the compiler's choice). At 4 warps
+    num_warps: warps per program.
+    maxnreg: caps the kernel's registers a thread (None: the compiler's choice). At 4 warps
         an SM holds 2 programs above 168 registers, 3 up to 168 and 4 up to 128 (the default
         config needs 167; "tf32x3" 216, tiles=4 254; "tf32" and "ieee" 126 and 128).
 
@@ -595,9 +513,6 @@ class IntraConfig:
     Triton 3.9 gives about the same for the default.
     """
 
-    # The GPU-tested first kernel: "dense" is faster on an H200 (2.64 against 3.54 ms for the whole
-    # forward at K3's head shape, bench/RESULTS.md) but its GPU tests have not run yet.
-    kernel: str = "blocked"
     heads: int = 1
     tiles: int = 1
     precision: str = "bf16x3"
@@ -608,8 +523,6 @@ class IntraConfig:
     maxnreg: int | None = None
 
     def __post_init__(self) -> None:
-        if self.kernel not in ("dense", "blocked"):
-            raise ValueError(f"IntraConfig.kernel must be 'dense' or 'blocked', not {self.kernel!r}")
         if self.precision not in PRECISIONS or self.wu_precision not in (None, *PRECISIONS):
             raise ValueError(
                 f"IntraConfig.precision / wu_precision: one of {PRECISIONS}, not "
@@ -621,24 +534,11 @@ class IntraConfig:
             raise ValueError(f"IntraConfig.tiles must be positive, not {self.tiles}")
         if self.heads < 1 or self.heads & (self.heads - 1):
             raise ValueError(f"IntraConfig.heads must be a power of 2, not {self.heads}")
-        if self.kernel == "blocked":
-            # The first kernel has none of these choices: a variant that sets one without
-            # kernel="dense" would silently time or test the blocked kernel.
-            dense_only = [
-                f"{f.name}={getattr(self, f.name)!r}"
-                for f in fields(self)
-                if f.name != "kernel" and getattr(self, f.name) != f.default
-            ]
-            if dense_only:
-                raise ValueError(
-                    f"IntraConfig: {', '.join(dense_only)} are options of the 'dense' kernel, which "
-                    "kernel='blocked' ignores: add kernel='dense'"
-                )
 
 
 @dataclass(frozen=True)
 class IntraTerms:
-    """`_intra_kernel`'s results: w, q exp(G) scale, k exp(G_C - G) [B, T, H, K] and u [B, T, H, V]
+    """`_dense_intra_kernel`'s results: w, q exp(G) scale, k exp(G_C - G) [B, T, H, K] and u [B, T, H, V]
     in the scan's operand dtype; A_qk rows [B, T, H, 16] and tile decays [tiles, H, K] in float32."""
 
     w: torch.Tensor
@@ -675,7 +575,7 @@ def intra_terms(
     aqk = torch.empty(B, T, H, TILE, dtype=torch.float32, device=device)
     num_tiles = tiles.start.numel()
     decay = torch.empty(num_tiles, H, K, dtype=torch.float32, device=device)
-    if num_tiles and config.kernel == "dense":
+    if num_tiles:
         # fp32 inputs: IEEE products (a correctness path); 16-bit: the config's tensor-core mode.
         precision = "ieee" if work == torch.float32 else config.precision
         wu_precision = "ieee" if work == torch.float32 else config.wu_precision or config.precision
@@ -687,13 +587,6 @@ def intra_terms(
             INVERSE=config.inverse, STACK=config.stack, EMULATE=not q.is_cuda,
             num_warps=config.num_warps, num_stages=1,
             **({} if config.maxnreg is None else {"maxnreg": config.maxnreg}),
-        )  # fmt: skip
-    elif num_tiles:
-        _intra_kernel[(num_tiles * H,)](
-            q, k, v, g, beta, tiles.start, tiles.end, w, u, qd, kd, aqk, decay, scale, H, K, V,
-            # 32 x 64 blocks: at 64 x 64 the IEEE-fp32 products need 255 registers and spill (sm90).
-            BK=min(_block_k(K), 32), BV=min(max(16, triton.next_power_of_2(V)), 64),
-            SHIFT=SHIFT, MAX_DECAY=MAX_TILE_LOG_DECAY, num_warps=4,
         )  # fmt: skip
     # fp32 inputs get IEEE fp32 products in the scan (not TF32's 10-bit mantissa); for 16-bit
     # operands the setting is moot.
