@@ -119,9 +119,10 @@ def test_pause_mid_stream_keeps_tokens_and_resumes(engine, make_prompts):
     samples = engine.generate(make_prompts("p"), sampling, pause_when=pause_once_streaming)
     assert all(s.finish_reason in ("paused", "length") for s in samples)
     assert any(s.finish_reason == "paused" and 3 <= tokens_already_generated(s) < LONG for s in samples)
-    engine.generate(samples, sampling)
-    # Lengths before scoring: once (a full .ci/run, 2026-12-02; not reproduced in isolation) the
-    # score request failed as if a sample had reached the model's 1024 positions. This says which.
+    # Only the paused ones, as the rollout buffer resumes them: a sample that finished before the
+    # pause landed starts a new turn when passed again (CI once saw p0 end at 900 tokens in the
+    # first call, then run on to the model's 1024 positions in the second).
+    engine.generate([s for s in samples if s.finish_reason == "paused"], sampling)
     lengths = [(s.uid, s.prompt_length, s.response_length, s.finish_reason) for s in samples]
     assert all(s.finish_reason == "length" and s.response_length == LONG for s in samples), lengths
     for sample, score in zip(samples, engine.score(samples), strict=True):

@@ -160,6 +160,14 @@ def main() -> None:
         result = run_stage(stage_context(run_dir, run["body"], rank=rank, crash_at=crash_at, qat=qat))
         name = f"result-{i}.json" if rank == 0 else f"result-{i}-rank{rank}.json"
         (Path(sys.argv[1]).parent / name).write_text(json.dumps(result))
+    # Tear the process group down while both ranks are here: left to interpreter exit, a rank
+    # whose stage raised (the NaN test) once aborted in CI ("terminate called without an active
+    # exception", SIGABRT) and torchrun failed the run.
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
