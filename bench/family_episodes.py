@@ -6,7 +6,9 @@ with that family alone offered) as greedy episodes of its domain under the harne
 training recorded. Prints the share solved with its binomial standard error, then the last
 `--tail` characters of every failed episode, so a failure's kind (a wrong file, a wrong number
 copied, a truncated turn) can be read off. This is how `agent/order_total`'s wrong quantities and
-wrong files were found (bench/RESULTS.md).
+wrong files were found (bench/RESULTS.md). Before the failures it prints each sequence of tool calls
+the episodes made, with how many took it and how many of those were solved: the route a family like
+`agent/order_cost` offers (calculator or not) and which one RL moved the model to.
 
     PYTHONPATH=. python bench/family_episodes.py runs/mopd/sft/model agent/order_total --effort high
 """
@@ -15,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -66,11 +70,19 @@ def main() -> None:
         f"{args.family} at {args.effort}: solved {sum(solved)}/{len(solved)} = {p:.3f} ± "
         f"{math.sqrt(p * (1 - p) / len(solved)):.3f}"
     )
-    for sample, ok in zip(samples, solved, strict=True):
+    texts = [tokenizer.decode(s.tokens[s.prompt_length :]) for s in samples]
+    # A rendered call opens with the K3 tool-call id `functions.<name>:<index>` (the tool's result
+    # repeats the id after <|im_tool|>, so only the ids after <|tool_call_begin|> count).
+    call = re.compile(r"<\|tool_call_begin\|>functions\.(\w+):\d+")
+    routes = [" > ".join(call.findall(text)) or "(no tool)" for text in texts]
+    taken, route_solved = Counter(routes), Counter(r for r, ok in zip(routes, solved, strict=True) if ok)
+    for route, count in taken.most_common():
+        print(f"  calls {route}: {count} episodes, {route_solved[route]} solved")
+    for sample, ok, text in zip(samples, solved, texts, strict=True):
         if not ok:
             hidden = {k: v for k, v in sample.task.items() if k != "family"}
             print(f"\n--- {sample.uid} reward {sample.reward} task {hidden}")
-            print(tokenizer.decode(sample.tokens[sample.prompt_length :])[-args.tail :])
+            print(text[-args.tail :])
 
 
 if __name__ == "__main__":

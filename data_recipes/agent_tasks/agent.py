@@ -11,7 +11,7 @@ import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from data_recipes.agent_tasks.common import ToolFamily, system_message, thinking
+from data_recipes.agent_tasks.common import ToolFamily, system_message, takes_calculator, thinking
 from data_recipes.agent_tasks.tools import DOCS_DIR
 from posttrain.data.sample import Sample
 from posttrain.envs.tasks import TASK_FAMILIES, Episode, FinalState
@@ -232,4 +232,82 @@ class DesksPerFloor(FileAnswerFamily):
             ),
             ("Written.", [], [f'The file "{path}" now holds {average}.']),
             f'The {city} office has {average} desks per floor on average. I wrote it to "{path}".',
+        )
+
+
+@TASK_FAMILIES.register("agent/order_cost")
+class OrderCost(FileAnswerFamily):
+    """Quantity x price, written to a file, by one of two routes: a choice RL can select.
+
+    The other agent families are one fixed sequence of tool calls each, so group advantages have no
+    behaviour to select there (bench/RESULTS.md, issue #21). Here the demonstrations part at one
+    token: route A computes `q*price` with the calculator, route B states the product in the
+    thinking and writes it (`takes_calculator`). Both are correct in the data; the tiny model cannot
+    multiply two-digit numbers, so in its own episodes only route A succeeds.
+    """
+
+    name = "agent/order_cost"
+    opt_in = True
+
+    def make_prompt(self, rng: random.Random, effort: str) -> Sample:
+        product = rng.choice(_facts("catalog.txt", PRODUCT))
+        quantity, path = rng.randint(12, 39), rng.choice(FILE_NAMES)
+        question = (
+            f"A customer orders {quantity} {product['product']} units. "
+            f'Find the cost in dollars, without shipping, and write only the number to "{path}".'
+        )
+        cost = quantity * int(product["price"])
+        values = {"product": product["product"], "quantity": str(quantity)}
+        return self.file_task(rng, effort, question, str(cost), path, values)
+
+    def demonstration(self, sample: Sample, episode: Episode) -> Iterator[dict[str, Any]]:
+        values, path, effort = sample.task["values"], sample.task["path"], sample.effort
+        product, quantity = values["product"], values["quantity"]
+        yield episode.assistant(
+            thinking(
+                effort,
+                f"A customer orders {quantity} units. I need the {product} price.",
+                ["The catalog has the prices.", "Shipping is not asked for."],
+                ["The price is per unit, so the cost is the quantity times the price."],
+            ),
+            calls=[("search", {"query": product})],
+        )
+        price = _read(episode.results(), rf"{product}: price (\d+)").group(1)
+        expression = f"{quantity}*{price}"
+        plan = f"A customer orders {quantity} units at {price} dollars. I compute {expression}"
+        if takes_calculator(sample.uid):
+            yield episode.assistant(
+                thinking(
+                    effort,
+                    f"{plan} with the calculator.",
+                    [f"{quantity} units at {price} dollars each."],
+                    [f"Estimate: {expression} is under {int(quantity) * (int(price) + 10)}."],
+                ),
+                calls=[("calculator", {"expression": expression})],
+            )
+            cost = episode.results()[0]
+        else:
+            cost = str(int(quantity) * int(price))
+            yield episode.assistant(
+                thinking(
+                    effort,
+                    f"{plan} = {cost}.",
+                    [f'I write {cost} to "{path}".'],
+                    ["Only the number goes in the file."],
+                ),
+                calls=[("write_file", {"path": path, "content": cost})],
+            )
+            yield episode.assistant(
+                thinking(effort, "The file is written.", [], [f'The tool confirmed the write to "{path}".']),
+                content=f'The cost is {cost} dollars. I wrote it to "{path}".',
+            )
+            return
+        yield from write_then_report(
+            episode,
+            effort,
+            path,
+            cost,
+            (f'The cost is {cost}. I write it to "{path}".', [], ["Only the number goes in the file."]),
+            ("The file is written.", [], [f'The tool confirmed the write to "{path}".']),
+            f'The cost is {cost} dollars. I wrote it to "{path}".',
         )

@@ -63,3 +63,15 @@ class ToolFamily(TaskFamily):
         if not hasattr(self, "_toolset"):
             self._toolset = make_tools(self.tool_names, docs_dir=DOCS_DIR)
         return self._toolset
+
+
+# Route-choice families (issue #21): the share of demonstrations that compute a product with the
+# calculator; the rest state it in the thinking, which the tiny model cannot do, so RL's group
+# advantages have one behaviour, the same on every prompt, to select (bench/RESULTS.md).
+CALCULATOR_ROUTE_SHARE = 0.35
+
+
+def takes_calculator(uid: str) -> bool:
+    """Whether a route-choice family's demonstration of `uid` calls the calculator: a pure function
+    of the uid, the same mixture at every effort, so effort does not decide the route."""
+    return random.Random(f"route:{uid}").random() < CALCULATOR_ROUTE_SHARE

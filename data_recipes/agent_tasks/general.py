@@ -12,7 +12,13 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from data_recipes.agent_tasks.common import ToolFamily, normalise_answer, system_message, thinking
+from data_recipes.agent_tasks.common import (
+    ToolFamily,
+    normalise_answer,
+    system_message,
+    takes_calculator,
+    thinking,
+)
 from data_recipes.agent_tasks.tools import calculate
 from posttrain.data.sample import Sample
 from posttrain.envs.tasks import TASK_FAMILIES, Episode, FinalState
@@ -281,4 +287,58 @@ class Lookup(ExactAnswerFamily):
         checks = [f"Check: the fact about {asked} is the only one naming {asked}, not {' or '.join(others)}."]
         yield episode.assistant(
             thinking(sample.effort, plan, working, checks), content=self.answer_content(answer)
+        )
+
+
+ITEMS = ("pens", "cups", "lamps", "books", "chairs", "tickets", "plates", "boxes")
+
+
+@TASK_FAMILIES.register("general/unit_cost")
+class UnitCost(ExactAnswerFamily):
+    """Count x unit price, answered by one of two routes: a choice RL can select (issue #21).
+
+    The other general families decide per prompt (which name, which fact), so group advantages
+    have no behaviour shared across prompts to select (bench/RESULTS.md). Here the demonstrations
+    part at one token: with the calculator (then the answer in a second turn), or the product
+    stated in the thinking and answered at once (`takes_calculator`). The tiny model cannot multiply
+    two-digit numbers, so in its own episodes only the calculator route succeeds.
+    """
+
+    name = "general/unit_cost"
+    domain = "general"
+    tool_names = ("calculator",)
+    opt_in = True
+
+    def make_prompt(self, rng: random.Random, effort: str) -> Sample:
+        values = {"n": rng.choice(NAMES), "q": rng.randint(12, 39), "p": rng.randint(12, 60)}
+        values["item"] = rng.choice(ITEMS)
+        question = "{n} buys {q} {item} at {p} dollars each. How many dollars does {n} pay?".format(**values)
+        messages = [system_message(self.domain, rng), {"role": "user", "content": question}]
+        task = {
+            "answer": str(values["q"] * values["p"]),
+            "values": {key: str(value) for key, value in values.items()},
+        }
+        return self.sample(f"{self.name}-{rng.getrandbits(40):010x}", effort, messages, task)
+
+    def demonstration(self, sample: Sample, episode: Episode) -> Iterator[dict[str, Any]]:
+        values, effort = sample.task["values"], sample.effort
+        q, p, item = values["q"], values["p"], values["item"]
+        expression = f"{q}*{p}"
+        plan = f"{values['n']} buys {q} {item} at {p} dollars. I compute {expression}"
+        working = [f"{q} {item} at {p} dollars each."]
+        if not takes_calculator(sample.uid):
+            answer = sample.task["answer"]
+            yield episode.assistant(
+                thinking(effort, f"{plan} = {answer}.", working, ["The price is per item."]), content=answer
+            )
+            return
+        estimate = f"Estimate: {expression} is under {int(q) * (int(p) + 10)}."
+        yield episode.assistant(
+            thinking(effort, f"{plan} with the calculator.", working, [estimate]),
+            calls=[("calculator", {"expression": expression})],
+        )
+        result = episode.results()[0]
+        yield episode.assistant(
+            thinking(effort, f"The calculator gives {result}.", [], [f"{result} is under my estimate."]),
+            content=result,
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 
@@ -152,3 +153,28 @@ def test_lookup_answer_is_the_asked_persons_fact_and_max_thinking_restates_it():
         assert thinking.count(asked) >= 3  # the plan, the restated facts, the conclusion
     low = family.demonstrate(family.make_prompt(random.Random("lookup:0"), "low"))[2]["reasoning_content"]
     assert low.startswith("The question asks for") and len(low) < len(thinking)
+
+
+def test_order_cost_demonstrates_two_routes_that_part_at_one_token():
+    # The choice RL can select (issue #21): calculator (A) or the product stated in the thinking (B),
+    # drawn from the uid at every effort; both demonstrations verify, and their second thinking is
+    # the same text up to the expression.
+    from data_recipes.agent_tasks.generate import generate_trajectory
+
+    family = TASK_FAMILIES.get("agent/order_cost")()
+    assert family.opt_in and family.name not in FAMILIES  # the default run's families are unchanged
+    routes: dict[str, list[str]] = {"A": [], "B": []}
+    for index in range(60):  # generate_trajectory demonstrates, and a demonstration must score 1.0
+        record = generate_trajectory(family.name, index)
+        calls = [c["function"]["name"] for m in record["messages"] for c in m.get("tool_calls") or []]
+        route = "A" if "calculator" in calls else "B"
+        assert calls == (["search", "calculator", "write_file"] if route == "A" else ["search", "write_file"])
+        second = [m for m in record["messages"] if m["role"] == "assistant"][1]["reasoning_content"]
+        routes[route].append(second)
+    assert 0.2 <= len(routes["A"]) / 60 <= 0.5
+    for thought in routes["A"]:
+        assert re.search(r"I compute \d+\*\d+ with the calculator\.", thought), thought
+    for thought in routes["B"]:
+        assert re.search(r"I compute (\d+)\*(\d+) = (\d+)\.", thought), thought
+        q, price, cost = map(int, re.search(r"I compute (\d+)\*(\d+) = (\d+)\.", thought).groups())
+        assert q * price == cost
