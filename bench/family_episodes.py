@@ -48,8 +48,12 @@ def main() -> None:
     parser.add_argument("family", help="a registered task family, e.g. agent/order_total")
     parser.add_argument("--effort", default="high", choices=("low", "high", "max"))
     parser.add_argument("--prompts", type=int, default=12)
-    parser.add_argument("--tail", type=int, default=700, help="characters of each failure shown")
+    parser.add_argument("--tail", type=int, default=700, help="characters of each failure shown (0: none)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help="0: greedy; the RL rollouts sample at 0.6"
+    )
+    parser.add_argument("--samples", type=int, default=1, help="episodes per prompt (when sampling)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     domain = args.family.split("/")[0]
@@ -62,12 +66,18 @@ def main() -> None:
         make_environment(domain, renderer, stage_harness(domain, args.family), sandbox_dir=Path(root)) as env,
     ):
         prompts = env.prompts("eval", args.prompts, seed=0)
-        samples = [env.start(p, uid=p.uid, group=p.uid, effort=args.effort) for p in prompts]
-        env.play(EmbeddedEngine(model, pad_token_id=renderer.pad_id), samples, env.turn_sampling(0.0, seed=0))
+        samples = [
+            env.start(p, uid=f"{p.uid}/{k}", group=p.uid, effort=args.effort)
+            for p in prompts
+            for k in range(args.samples)
+        ]
+        sampling = env.turn_sampling(args.temperature, seed=0)
+        env.play(EmbeddedEngine(model, pad_token_id=renderer.pad_id), samples, sampling)
     solved = [s.reward == 1.0 for s in samples]
     p = sum(solved) / len(solved)
     print(
-        f"{args.family} at {args.effort}: solved {sum(solved)}/{len(solved)} = {p:.3f} ± "
+        f"{args.family} at {args.effort}, temperature {args.temperature}: "
+        f"solved {sum(solved)}/{len(solved)} = {p:.3f} ± "
         f"{math.sqrt(p * (1 - p) / len(solved)):.3f}"
     )
     texts = [tokenizer.decode(s.tokens[s.prompt_length :]) for s in samples]
@@ -79,7 +89,7 @@ def main() -> None:
     for route, count in taken.most_common():
         print(f"  calls {route}: {count} episodes, {route_solved[route]} solved")
     for sample, ok, text in zip(samples, solved, texts, strict=True):
-        if not ok:
+        if not ok and args.tail > 0:
             hidden = {k: v for k, v in sample.task.items() if k != "family"}
             print(f"\n--- {sample.uid} reward {sample.reward} task {hidden}")
             print(text[-args.tail :])
