@@ -1,7 +1,7 @@
 """The shipped data recipes (registered in posttrain.data.mixture.DATA_RECIPES).
 
-agent_sft: the default run's SFT data, every shipped trajectory once (all three domains), with 5%
-held out for eval loss and tool-task success. agent_sft_agentic: the same trajectories with the
+agent_sft: the default run's SFT data, every shipped trajectory once (all three domains, 2040 rows),
+with 5% held out for eval loss and tool-task success. agent_sft_agentic: the same trajectories with the
 multi-turn agent domain weighted twice, an example of a weighted mixture. visual_sft: the
 general/visual questions (images drawn with Pillow from each prompt's seed, nothing downloaded),
 demonstrated and written to a local file on every call (a pure function of the seed), for a stage
@@ -66,37 +66,4 @@ def visual_sft() -> Recipe:
     path = write_visual_sft(Path(tempfile.gettempdir()) / "posttrain-recipes" / name)
     return Recipe(
         sources=(MixtureSource(str(path)),), eval_fraction=0.05, description="drawn visual questions"
-    )
-
-
-# The route-choice families' demonstrations beside the shipped set (an issue #21 experiment,
-# opt-in): 120 rows each, 0.6 of a shipped family's 200, as on the first branch that measured
-# agent/order_cost (bench/RESULTS.md).
-ROUTE_CHOICE_ROWS = 120
-ROUTE_CHOICE_FAMILIES = ("agent/order_cost", "general/unit_cost")
-
-
-def write_family_rows(families: tuple[str, ...], out: Path, rows: int, seed: int = 0) -> Path:
-    """Write `rows` demonstrated trajectories of each family (byte-identical for a seed) to `out`,
-    through a temporary file renamed into place, so concurrent stages never read half a file."""
-    from data_recipes.agent_tasks.generate import generate_trajectory, to_jsonl
-
-    records = [generate_trajectory(name, index, seed) for name in families for index in range(rows)]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}")
-    tmp.write_text(to_jsonl(records))
-    tmp.replace(out)
-    return out
-
-
-@DATA_RECIPES.register("agent_sft_route_choice")
-def agent_sft_route_choice() -> Recipe:
-    name = f"route_choice-{ROUTE_CHOICE_ROWS}.jsonl"
-    rows = write_family_rows(
-        ROUTE_CHOICE_FAMILIES, Path(tempfile.gettempdir()) / "posttrain-recipes" / name, ROUTE_CHOICE_ROWS
-    )
-    return Recipe(
-        sources=(MixtureSource(SHIPPED_SFT), MixtureSource(str(rows))),
-        eval_fraction=0.05,
-        description="shipped agent SFT set and the route-choice families' rows",
     )

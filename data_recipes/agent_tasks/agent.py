@@ -243,11 +243,11 @@ class OrderCost(FileAnswerFamily):
     behaviour to select there (bench/RESULTS.md, issue #21). Here the demonstrations part at one
     token: route A computes `q*price` with the calculator, route B states the product in the
     thinking and writes it (`takes_calculator`). Both are correct in the data; the tiny model cannot
-    multiply two-digit numbers, so in its own episodes only route A succeeds.
+    multiply two-digit numbers, so in its own episodes only route A succeeds, and RL's max
+    specialist learns to take it (bench/RESULTS.md).
     """
 
     name = "agent/order_cost"
-    opt_in = True
 
     def make_prompt(self, rng: random.Random, effort: str) -> Sample:
         product = rng.choice(_facts("catalog.txt", PRODUCT))

@@ -307,7 +307,6 @@ class UnitCost(ExactAnswerFamily):
     name = "general/unit_cost"
     domain = "general"
     tool_names = ("calculator",)
-    opt_in = True
 
     def make_prompt(self, rng: random.Random, effort: str) -> Sample:
         values = {"n": rng.choice(NAMES), "q": rng.randint(12, 39), "p": rng.randint(12, 60)}

@@ -2,7 +2,9 @@
 
 Each trajectory depends only on (seed, family, index): its own `random.Random` is seeded from that
 string and its tools run in a fresh sandbox, so any row can be regenerated alone and the whole
-file is byte-identical on every run. Efforts cycle low/high/max over the index.
+file is byte-identical on every run. Efforts cycle low/high/max over the index. The route-choice
+families ship ROUTE_CHOICE_ROW_SHARE of a family's rows: the share measured (bench/RESULTS.md); a
+larger one cost the other agent families more of the SFT model's accuracy on the first branch.
 """
 
 from __future__ import annotations
@@ -19,6 +21,12 @@ from posttrain.envs.tasks import TASK_FAMILIES
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parents[1] / "data" / "agent_sft.jsonl"
 DEFAULT_PER_FAMILY = 200
+ROUTE_CHOICE_ROW_SHARE = {"agent/order_cost": 0.6, "general/unit_cost": 0.6}
+
+
+def family_rows(family_name: str, per_family: int) -> int:
+    """How many rows `family_name` ships when the other families ship `per_family`."""
+    return round(per_family * ROUTE_CHOICE_ROW_SHARE.get(family_name, 1.0))
 
 
 def generate_trajectory(family_name: str, index: int, seed: int = 0) -> dict[str, Any]:
@@ -41,7 +49,11 @@ def generate_trajectory(family_name: str, index: int, seed: int = 0) -> dict[str
 
 
 def generate(seed: int = 0, per_family: int = DEFAULT_PER_FAMILY) -> list[dict[str, Any]]:
-    return [generate_trajectory(name, index, seed) for name in FAMILIES for index in range(per_family)]
+    return [
+        generate_trajectory(name, index, seed)
+        for name in FAMILIES
+        for index in range(family_rows(name, per_family))
+    ]
 
 
 def to_jsonl(records: list[dict[str, Any]]) -> str:

@@ -7,18 +7,24 @@ import json
 import statistics
 
 from data_recipes.agent_tasks import FAMILIES
-from data_recipes.agent_tasks.generate import DEFAULT_OUTPUT, DEFAULT_PER_FAMILY, generate_trajectory
+from data_recipes.agent_tasks.generate import (
+    DEFAULT_OUTPUT,
+    DEFAULT_PER_FAMILY,
+    family_rows,
+    generate_trajectory,
+)
 from posttrain.data.sample import DOMAINS, EFFORTS
 from posttrain.data.trajectory import clean_record, validate_trajectory
 
 
 def test_regenerating_rows_gives_the_shipped_lines(shipped):
     lines = DEFAULT_OUTPUT.read_text().splitlines()
-    assert len(lines) == len(FAMILIES) * DEFAULT_PER_FAMILY
+    counts = [family_rows(family, DEFAULT_PER_FAMILY) for family in FAMILIES]
+    assert len(lines) == sum(counts) == 9 * 200 + 2 * 120
     # Rows depend only on (seed, family, index): one row per family and effort covers every code path.
     for number, family in enumerate(FAMILIES):
         for index in (0, 1, 2):
-            row = number * DEFAULT_PER_FAMILY + index
+            row = sum(counts[:number]) + index
             assert json.dumps(generate_trajectory(family, index, seed=0), ensure_ascii=False) == lines[row]
 
 
@@ -27,7 +33,8 @@ def test_domains_efforts_and_size(shipped):
     assert {r["effort"] for r in shipped} == set(EFFORTS)
     assert {r["task"]["family"] for r in shipped} == set(FAMILIES)
     assert len({r["uid"] for r in shipped}) == len(shipped)
-    # 200 rows per family: enough for the tiny K3 to learn to copy names and numbers; kept small.
+    # 200 rows per family (120 for the two route-choice ones): enough for the tiny K3 to learn to
+    # copy names and numbers; kept small.
     assert DEFAULT_OUTPUT.stat().st_size < 4_000_000
 
 

@@ -155,26 +155,26 @@ def test_lookup_answer_is_the_asked_persons_fact_and_max_thinking_restates_it():
     assert low.startswith("The question asks for") and len(low) < len(thinking)
 
 
-def test_order_cost_demonstrates_two_routes_that_part_at_one_token():
-    # The choice RL can select (issue #21): calculator (A) or the product stated in the thinking (B),
-    # drawn from the uid at every effort; both demonstrations verify, and their second thinking is
-    # the same text up to the expression.
+@pytest.mark.parametrize("name", ["agent/order_cost", "general/unit_cost"])
+def test_route_choice_families_demonstrate_two_routes_that_part_at_one_token(name):
+    # The choice RL can select (issue #21): the calculator, or the product stated in the thinking,
+    # drawn from the uid at every effort; both demonstrations verify (generate_trajectory raises on
+    # one that does not), and the thinking is the same text up to the expression.
     from data_recipes.agent_tasks.generate import generate_trajectory
 
-    family = TASK_FAMILIES.get("agent/order_cost")()
-    assert family.opt_in and family.name not in FAMILIES  # the default run's families are unchanged
-    routes: dict[str, list[str]] = {"A": [], "B": []}
-    for index in range(60):  # generate_trajectory demonstrates, and a demonstration must score 1.0
-        record = generate_trajectory(family.name, index)
+    assert name in FAMILIES and not TASK_FAMILIES.get(name).opt_in  # in the default run
+    calculator = 0
+    for index in range(60):
+        record = generate_trajectory(name, index)
         calls = [c["function"]["name"] for m in record["messages"] for c in m.get("tool_calls") or []]
-        route = "A" if "calculator" in calls else "B"
-        assert calls == (["search", "calculator", "write_file"] if route == "A" else ["search", "write_file"])
-        second = [m for m in record["messages"] if m["role"] == "assistant"][1]["reasoning_content"]
-        routes[route].append(second)
-    assert 0.2 <= len(routes["A"]) / 60 <= 0.5
-    for thought in routes["A"]:
-        assert re.search(r"I compute \d+\*\d+ with the calculator\.", thought), thought
-    for thought in routes["B"]:
-        assert re.search(r"I compute (\d+)\*(\d+) = (\d+)\.", thought), thought
-        q, price, cost = map(int, re.search(r"I compute (\d+)\*(\d+) = (\d+)\.", thought).groups())
-        assert q * price == cost
+        thoughts = " ".join(m.get("reasoning_content") or "" for m in record["messages"])
+        if "calculator" in calls:
+            calculator += 1
+            assert re.search(r"I compute \d+\*\d+ with the calculator\.", thoughts), thoughts
+        else:
+            q, price, product = map(int, re.search(r"I compute (\d+)\*(\d+) = (\d+)\.", thoughts).groups())
+            assert q * price == product
+        tools = [c for c in calls if c != "search"]  # order_cost looks the price up first
+        routes = ([["calculator", "write_file"], ["write_file"]], [["calculator"], []])
+        assert tools in routes[0 if name.startswith("agent") else 1]
+    assert 0.35 <= calculator / 60 <= 0.65  # CALCULATOR_ROUTE_SHARE 0.5: both routes well sampled
