@@ -8,7 +8,8 @@ training recorded. Prints the share solved with its binomial standard error, the
 copied, a truncated turn) can be read off. This is how `agent/order_total`'s wrong quantities and
 wrong files were found (bench/RESULTS.md). Before the failures it prints each sequence of tool calls
 the episodes made, with how many took it and how many of those were solved: the route a family like
-`agent/order_cost` offers (calculator or not) and which one RL moved the model to.
+`agent/order_cost` offers (calculator or not) and which one RL moved the model to; `--by KEY` adds
+the share solved per value of a task key (coding's `function`).
 
     PYTHONPATH=. python bench/family_episodes.py runs/mopd/sft/model agent/order_total --effort high
 """
@@ -54,6 +55,9 @@ def main() -> None:
         "--temperature", type=float, default=0.0, help="0: greedy; the RL rollouts sample at 0.6"
     )
     parser.add_argument("--samples", type=int, default=1, help="episodes per prompt (when sampling)")
+    parser.add_argument(
+        "--by", metavar="KEY", help="also print solved per value of this task key (e.g. function)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     domain = args.family.split("/")[0]
@@ -88,6 +92,11 @@ def main() -> None:
     taken, route_solved = Counter(routes), Counter(r for r, ok in zip(routes, solved, strict=True) if ok)
     for route, count in taken.most_common():
         print(f"  calls {route}: {count} episodes, {route_solved[route]} solved")
+    if args.by:
+        values = [str(s.task.get(args.by)) for s in samples]
+        count, value_solved = Counter(values), Counter(v for v, ok in zip(values, solved, strict=True) if ok)
+        for value, n in sorted(count.items()):
+            print(f"  {args.by} {value}: {value_solved[value]}/{n} solved")
     for sample, ok, text in zip(samples, solved, texts, strict=True):
         if not ok and args.tail > 0:
             hidden = {k: v for k, v in sample.task.items() if k != "family"}
