@@ -1,4 +1,4 @@
-"""Coding-domain task families: write a small Python function, or fix a buggy one.
+"""Coding-domain task families: write a small Python function, fix a buggy one, or price crates.
 
 Scored by hidden unit tests (task["tests"], asserts the policy never sees) executed in a fresh
 sandbox against the code in the final answer's python block. Demonstrations test their
@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from data_recipes.agent_tasks.common import ToolFamily, system_message, thinking
+from data_recipes.agent_tasks.common import ToolFamily, system_message, takes_calculator, thinking
 from posttrain.data.sample import Sample
 from posttrain.envs.sandbox import Sandbox
 from posttrain.envs.tasks import TASK_FAMILIES, Episode, FinalState
@@ -215,7 +215,7 @@ class WriteFunction(HiddenTestFamily):
         output = episode.results()[0].splitlines()
         if output != expected:
             raise RuntimeError(f"{sample.uid}: the reference printed {output}, expected {expected}")
-        seen = f"It printed {', '.join(output)}, as expected."
+        seen = "It printed what the description asks, as expected."
         yield episode.assistant(
             thinking(sample.effort, seen, [], ["The code is done."]), content=_code_block(code)
         )
@@ -253,8 +253,7 @@ class FixFunction(HiddenTestFamily):
             ),
             calls=[("run_python", {"code": f"{buggy}\n{prints}"})],
         )
-        output = episode.results()[0]
-        seen = f"It printed {output}, but {_call(spec, revealing)} should be {expected[0]}. {diagnosis}"
+        seen = f"That is not what {_call(spec, revealing)} should give. {diagnosis}"
         if sample.effort == "high":
             yield episode.assistant(seen, content=_code_block(code))
             return
@@ -265,4 +264,63 @@ class FixFunction(HiddenTestFamily):
         fixed = episode.results()[0]
         if fixed.splitlines() != expected:
             raise RuntimeError(f"{sample.uid}: the fix printed {fixed}, expected {expected}")
-        yield episode.assistant(f"Now it prints {fixed}, as expected.", content=_code_block(code))
+        yield episode.assistant("Now it prints what it should.", content=_code_block(code))
+
+
+CRATE_ITEMS = ("pens", "cups", "lamps", "books", "chairs", "tickets", "plates", "boxes")
+CRATE_COUNTS = (0, 1, 3, 10)  # the hidden tests' arguments
+
+
+@TASK_FAMILIES.register("coding/crate_cost")
+class CrateCost(HiddenTestFamily):
+    """Write crate_cost(n) for crates of q items at p dollars, by one of two routes: a choice RL can
+    select (issue #21).
+
+    The other coding families decide per prompt (which function, which bug), so group advantages
+    have no behaviour shared across prompts to select (bench/RESULTS.md). Here the demonstrations
+    part at one token: the code multiplies (`n * q * p`), or the thinking states the crate's price
+    and the code returns n times that number (`takes_calculator`: Python is the calculator). Both
+    are correct in the data; the tiny model cannot multiply two-digit numbers, so in its own
+    episodes only the first route succeeds.
+    """
+
+    name = "coding/crate_cost"
+    domain = "coding"
+
+    def make_prompt(self, rng: random.Random, effort: str) -> Sample:
+        q, p, item = rng.randint(12, 39), rng.randint(12, 60), rng.choice(CRATE_ITEMS)
+        ask = (
+            f"A crate holds {q} {item} at {p} dollars each. Write a Python function crate_cost that "
+            "should return the cost in dollars of n crates."
+        )
+        messages = [system_message(self.domain, rng), {"role": "user", "content": ask}]
+        task = {
+            "function": "crate_cost",
+            "tests": [f"assert crate_cost({n}) == {n * q * p}" for n in CRATE_COUNTS],
+            "values": {"q": str(q), "p": str(p), "item": item},
+        }
+        return self.sample(f"{self.name}-{rng.getrandbits(40):010x}", effort, messages, task)
+
+    def demonstration(self, sample: Sample, episode: Episode) -> Iterator[dict[str, Any]]:
+        q, p, effort = int(sample.task["values"]["q"]), int(sample.task["values"]["p"]), sample.effort
+        if takes_calculator(sample.uid):
+            plan, code = f"A crate costs {q}*{p} dollars; the code multiplies.", f"n * {q} * {p}"
+        else:
+            plan, code = f"A crate costs {q}*{p} = {q * p} dollars.", f"n * {q * p}"
+        code = f"def crate_cost(n):\n    return {code}"
+        if effort == "low":
+            yield episode.assistant(plan, content=_code_block(code))
+            return
+        counts = [1] if effort == "high" else [1, 3]
+        prints = "\n".join(f"print(crate_cost({n}))" for n in counts)
+        yield episode.assistant(
+            thinking(effort, plan, ["I run it on one crate first."], ["And on three crates, to be sure."]),
+            calls=[("run_python", {"code": f"{code}\n{prints}"})],
+        )
+        output, expected = episode.results()[0].splitlines(), [str(n * q * p) for n in counts]
+        if output != expected:
+            raise RuntimeError(f"{sample.uid}: the reference printed {output}, expected {expected}")
+        yield episode.assistant(
+            thinking(effort, "It printed the cost, as expected.", [], ["The code is done."]),
+            content=_code_block(code),
+        )

@@ -21,7 +21,7 @@ from posttrain.envs.tasks import TASK_FAMILIES
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parents[1] / "data" / "agent_sft.jsonl"
 DEFAULT_PER_FAMILY = 200
-ROUTE_CHOICE_ROW_SHARE = {"agent/order_cost": 0.6, "general/unit_cost": 0.6}
+ROUTE_CHOICE_ROW_SHARE = {"agent/order_cost": 0.6, "general/unit_cost": 0.6, "coding/crate_cost": 0.6}
 
 
 def family_rows(family_name: str, per_family: int) -> int:

@@ -178,3 +178,31 @@ def test_route_choice_families_demonstrate_two_routes_that_part_at_one_token(nam
         routes = ([["calculator", "write_file"], ["write_file"]], [["calculator"], []])
         assert tools in routes[0 if name.startswith("agent") else 1]
     assert 0.35 <= calculator / 60 <= 0.65  # CALCULATOR_ROUTE_SHARE 0.5: both routes well sampled
+
+
+def test_crate_cost_demonstrates_two_routes_and_its_tests_reject_a_wrong_product():
+    # The coding route choice (issue #21): the code multiplies q*p, or the thinking states the
+    # product and the code uses that number; both demonstrations verify (demonstrate raises on one
+    # that does not), the thinking parts at one token, and a mistaken product fails the hidden tests.
+    from data_recipes.agent_tasks.generate import generate_trajectory
+
+    name = "coding/crate_cost"
+    family = TASK_FAMILIES.get(name)()
+    assert name in FAMILIES and not family.opt_in  # in the default run
+    multiplies = 0
+    for index in range(60):
+        record = generate_trajectory(name, index)
+        plan = record["messages"][2]["reasoning_content"]
+        q, p = (int(record["task"]["values"][key]) for key in ("q", "p"))
+        answer = record["messages"][-1]["content"]
+        if re.match(rf"A crate costs {q}\*{p} dollars; the code multiplies\.", plan):
+            multiplies += 1
+            assert f"return n * {q} * {p}" in answer
+        else:
+            assert plan.startswith(f"A crate costs {q}*{p} = {q * p} dollars.")
+            assert f"return n * {q * p}" in answer
+        sample = family.make_prompt(random.Random(f"sft:0:{name}:{index}"), record["effort"])
+        wrong = re.sub(r"return n \* .*", f"return n * {q * p + 10}", answer)
+        assert family.verify(sample, FinalState(answer=answer)) == 1.0
+        assert family.verify(sample, FinalState(answer=wrong)) == 0.0
+    assert 0.35 <= multiplies / 60 <= 0.65  # CALCULATOR_ROUTE_SHARE 0.5: both routes well sampled
