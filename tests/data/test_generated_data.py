@@ -20,7 +20,7 @@ from posttrain.data.trajectory import clean_record, validate_trajectory
 def test_regenerating_rows_gives_the_shipped_lines(shipped):
     lines = DEFAULT_OUTPUT.read_text().splitlines()
     counts = [family_rows(family, DEFAULT_PER_FAMILY) for family in FAMILIES]
-    assert len(lines) == sum(counts) == 9 * 200 + 2 * 120
+    assert len(lines) == sum(counts) == 9 * 200 + 3 * 120
     # Rows depend only on (seed, family, index): one row per family and effort covers every code path.
     for number, family in enumerate(FAMILIES):
         for index in (0, 1, 2):
@@ -33,7 +33,7 @@ def test_domains_efforts_and_size(shipped):
     assert {r["effort"] for r in shipped} == set(EFFORTS)
     assert {r["task"]["family"] for r in shipped} == set(FAMILIES)
     assert len({r["uid"] for r in shipped}) == len(shipped)
-    # 200 rows per family (120 for the two route-choice ones): enough for the tiny K3 to learn to
+    # 200 rows per family (120 for the three route-choice ones): enough for the tiny K3 to learn to
     # copy names and numbers; kept small.
     assert DEFAULT_OUTPUT.stat().st_size < 4_000_000
 

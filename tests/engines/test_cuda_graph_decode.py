@@ -89,10 +89,13 @@ def test_bad_sizes_are_clear_errors() -> None:
 @gpu
 def test_captured_step_equals_uncached_greedy_on_gpu() -> None:
     """Captured == eager static step, bit for bit. Against the uncached decode the bar is bf16's
-    own: on the H200 this sharp (init_scale 4) model's bf16 uncached greedy already picks tokens
-    up to 3.7 logits off the fp32 argmax (a fp32 twin of the same weights), so the decoder's
-    tokens, scored by that fp32 twin, must be as close to its argmax as the bf16 uncached
-    greedy's are (a wrong mask or cache diverges after a step and is far off everywhere)."""
+    own: this sharp (init_scale 4) model has positions where bf16 noise picks a token 1.4-3.7
+    logits off the fp32 argmax (a fp32 twin of the same weights), and which of the two bf16 paths
+    lands on such a token moves with any kernel change (on the H200 the uncached greedy took the
+    3.7 one at row 2, step 5 when this test was written; on 9a275de the decoder did, the uncached
+    one the next-best). So no mean gap, which one such flip decides: the decoder's tokens must be
+    the fp32 argmax, and far from it, about as often as the bf16 uncached greedy's (a wrong mask
+    or cache diverges after a step and is off at most positions)."""
     model = _model("cuda", torch.bfloat16)
     twin = _model("cuda", torch.float32)
     twin.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
@@ -110,5 +113,6 @@ def test_captured_step_equals_uncached_greedy_on_gpu() -> None:
         return logits.max(-1).values - chosen  # 0 where the token is the fp32 argmax
 
     ours, reference = gaps(tokens), gaps(_uncached_greedy(model, ids, mask))
-    assert ours.mean() <= 1.5 * reference.mean() + 0.02, f"decoder gaps {ours}, uncached bf16 {reference}"
-    assert (ours == 0).float().mean() >= (reference == 0).float().mean() - 0.1
+    message = f"decoder gaps {ours}, uncached bf16 {reference}"
+    assert (ours == 0).float().mean() >= (reference == 0).float().mean() - 0.1, message
+    assert (ours > 0.5).float().mean() <= (reference > 0.5).float().mean() + 0.1, message
