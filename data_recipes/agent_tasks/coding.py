@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from data_recipes.agent_tasks.common import ToolFamily, system_message, takes_calculator, thinking
+from data_recipes.agent_tasks.general import ITEMS
 from posttrain.data.sample import Sample
 from posttrain.envs.sandbox import Sandbox
 from posttrain.envs.tasks import TASK_FAMILIES, Episode, FinalState
@@ -267,7 +268,6 @@ class FixFunction(HiddenTestFamily):
         yield episode.assistant("Now it prints what it should.", content=_code_block(code))
 
 
-CRATE_ITEMS = ("pens", "cups", "lamps", "books", "chairs", "tickets", "plates", "boxes")
 CRATE_COUNTS = (0, 1, 3, 10)  # the hidden tests' arguments
 
 
@@ -288,7 +288,7 @@ class CrateCost(HiddenTestFamily):
     domain = "coding"
 
     def make_prompt(self, rng: random.Random, effort: str) -> Sample:
-        q, p, item = rng.randint(12, 39), rng.randint(12, 60), rng.choice(CRATE_ITEMS)
+        q, p, item = rng.randint(12, 39), rng.randint(12, 60), rng.choice(ITEMS)
         ask = (
             f"A crate holds {q} {item} at {p} dollars each. Write a Python function crate_cost that "
             "should return the cost in dollars of n crates."
@@ -304,10 +304,10 @@ class CrateCost(HiddenTestFamily):
     def demonstration(self, sample: Sample, episode: Episode) -> Iterator[dict[str, Any]]:
         q, p, effort = int(sample.task["values"]["q"]), int(sample.task["values"]["p"]), sample.effort
         if takes_calculator(sample.uid):
-            plan, code = f"A crate costs {q}*{p} dollars; the code multiplies.", f"n * {q} * {p}"
+            plan, cost = f"A crate costs {q}*{p} dollars; the code multiplies.", f"n * {q} * {p}"
         else:
-            plan, code = f"A crate costs {q}*{p} = {q * p} dollars.", f"n * {q * p}"
-        code = f"def crate_cost(n):\n    return {code}"
+            plan, cost = f"A crate costs {q}*{p} = {q * p} dollars.", f"n * {q * p}"
+        code = f"def crate_cost(n):\n    return {cost}"
         if effort == "low":
             yield episode.assistant(plan, content=_code_block(code))
             return
