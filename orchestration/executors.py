@@ -208,6 +208,23 @@ def visible_gpus() -> list[str]:
     return [str(index) for index in range(torch.cuda.device_count())]
 
 
+BUSY_LOAD = 1.0  # a whole CPU's worth of other runnable work
+
+
+def busy_machine_warning(load: float, cpus: int, policy: str | None) -> str | None:
+    """The driver's warning for a busy machine: stage threads spin-wait by default (OpenMP's
+    policy), which is fastest alone and slowest beside other busy processes; None when the
+    1-minute load average `load` is under BUSY_LOAD or the user already chose a policy."""
+    if policy or load < BUSY_LOAD:
+        return None
+    return (
+        f"this machine's load average is {load:.1f} on {cpus} CPU(s) before any stage started: if other "
+        "work keeps running, stage threads that spin-wait between torch's parallel regions (OpenMP's "
+        "default) slow down several-fold beside it; OMP_WAIT_POLICY=PASSIVE posttrain run ... makes them "
+        "sleep instead (the same results; slower on an idle machine, bench/RESULTS.md)"
+    )
+
+
 class _Backend(Protocol):
     def launch(self, stage_id: str, resources: dict[str, float], devices: list[str] | None) -> Any: ...
     def poll(self, handle: Any) -> int | None: ...
@@ -229,14 +246,14 @@ def _fork_server() -> multiprocessing.context.ForkServerContext:
     plug-in packages once (orchestration/preload.py): seconds saved per stage, and no state of
     the driver (threads, open files, a running torch) leaks into a stage.
 
-    The server starts with OMP_WAIT_POLICY=PASSIVE (unless it is set): an OpenMP thread of a
-    stage with cpus > 1 then sleeps between torch's parallel regions instead of spinning for the
-    CPU. Spinning threads starve whatever else runs on the machine (the stage's own sandbox and
-    test processes, another stage, another user): a 2-thread training step of the tiny K3 beside
-    another 2-thread process took 10.8 s spinning against 0.40 s passive (bench/RESULTS.md). Only
-    how idle threads wait changes, never how work is split, so results are bit-identical. The
-    OpenMP runtime reads it once, when torch loads, hence here, before the server imports it."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    How a stage's idle OpenMP threads wait between torch's parallel regions is left to OpenMP
+    (`OMP_WAIT_POLICY` as the user set it; unset, libgomp spins briefly, then sleeps). Both
+    policies give the same bits; the speed depends on the machine (bench/omp_wait.py, numbers in
+    bench/RESULTS.md): on an otherwise idle 2-core VM, 60 SFT steps of the shipped base took 8-12 s
+    with the default against 35-41 s with PASSIVE, which sleeps at once and pays a wake-up per
+    region; beside another spinning 2-thread process PASSIVE wins (16 s against 106 s). The driver
+    warns when the machine is busy at start (`busy_machine_warning`) and names the switch.
+    """
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["orchestration.preload"])
     return context

@@ -223,9 +223,9 @@ def _context(
 def _set_threads(cpus: float) -> None:
     """One intra-op thread per requested CPU. The count is part of what makes a resumed run
     bit-identical (reductions split differently across threads), and oversubscribing a small
-    machine with concurrent stages made a stage about 10x slower than one thread (measured). The
-    local executor's stages also wait passively between parallel regions (OMP_WAIT_POLICY,
-    orchestration.executors._fork_server), so their idle threads leave the CPUs to other work."""
+    machine with concurrent stages made a stage about 10x slower than one thread (measured). How
+    idle threads wait (OMP_WAIT_POLICY) is the user's: it changes speed, never a number
+    (orchestration.executors._fork_server says what was measured)."""
     import torch
 
     torch.set_num_threads(max(1, int(cpus)))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -36,7 +37,7 @@ from orchestration.console import (
     summary_lines,
     summary_table,
 )
-from orchestration.executors import execute
+from orchestration.executors import busy_machine_warning, execute
 from orchestration.pipeline import Pipeline, load_pipeline
 from orchestration.report import REPORT, write_report
 from orchestration.rundir import StageLock, StageState, plan_states, read_manifest
@@ -226,6 +227,14 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
                 markup=False,
                 highlight=False,
             )
+        busy = (
+            busy_machine_warning(os.getloadavg()[0], os.cpu_count() or 1, os.environ.get("OMP_WAIT_POLICY"))
+            if args.executor == "local"
+            else None
+        )
+        if busy:
+            log.warning(busy)
+            console.print(f"[yellow]warning[/] {escape(busy)}", highlight=False, soft_wrap=True)
         live = RichDisplay if console.is_terminal else LineDisplay
         with live(console, len(scope)) as display:
             outcome = execute(

@@ -1,6 +1,7 @@
-"""The local executor's stage processes wait passively between torch's parallel regions
-(OMP_WAIT_POLICY=PASSIVE, set before the fork server imports torch), and how idle threads wait
-changes no number: a 2-thread training step of the tiny K3 gives the same bits either way."""
+"""How a stage's idle OpenMP threads wait is the user's choice: the local executor's stage
+processes see OMP_WAIT_POLICY exactly as the driver had it (set or unset), the driver warns on a
+busy machine when none is set, and how idle threads wait changes no number: a 2-thread training
+step of the tiny K3 gives the same bits either way."""
 
 from __future__ import annotations
 
@@ -35,13 +36,20 @@ def _policy(path: str) -> None:
     Path(path).write_text(os.environ.get("OMP_WAIT_POLICY", ""))
 
 
-def test_stage_processes_wait_passively(tmp_path):
-    expected = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
+def test_stage_processes_see_the_users_wait_policy(tmp_path):
+    expected = os.environ.get("OMP_WAIT_POLICY", "")
     process = executors._fork_server().Process(target=_policy, args=(str(tmp_path / "policy"),))
     process.start()
     process.join(timeout=120)
     assert process.exitcode == 0
     assert (tmp_path / "policy").read_text() == expected
+
+
+def test_busy_machine_warning_names_the_switch_only_when_needed():
+    warning = executors.busy_machine_warning(2.4, 2, None)
+    assert warning is not None and "2.4 on 2 CPU(s)" in warning and "OMP_WAIT_POLICY=PASSIVE" in warning
+    assert executors.busy_machine_warning(0.3, 2, None) is None  # idle: spinning is the fast choice
+    assert executors.busy_machine_warning(2.4, 2, "PASSIVE") is None  # the user chose
 
 
 def test_the_wait_policy_changes_no_bit_of_a_two_thread_step():
