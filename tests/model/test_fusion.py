@@ -4,16 +4,19 @@ region on odd shapes, and a whole tiny K3's loss and gradients with padding."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
+import posttrain.model.kda as kda_layer
 from posttrain.model import KimiK3Config, KimiK3ForCausalLM
 from posttrain.model.kda import conv_qkv, gated_rms_norm
 from posttrain.model.mlp import rms_norm
 from posttrain.ops.attn_res import attn_res_mix, naive_attn_res
 from posttrain.ops.attn_res.fused import mix_by_sources
 from posttrain.ops.fusion import compiled, use_compiled
-from posttrain.ops.kda import kda_gate
+from posttrain.ops.kda import chunk_kda, kda_gate
 
 
 def _grads(fn, *inputs):
@@ -103,22 +106,29 @@ def test_bad_setting_is_a_clear_error(tiny_config: KimiK3Config) -> None:
         KimiK3Config(**{**tiny_config.to_dict(), "compile_regions": "yes"})
 
 
+_ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
 @pytest.mark.parametrize(
-    "device",
+    ("device", "kda_backend"),
     [
-        "cpu",
-        pytest.param(
-            "cuda",
-            marks=[
-                pytest.mark.gpu,
-                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-            ],
-        ),
+        ("cpu", "auto"),
+        pytest.param("cuda", "torch", marks=_ON_GPU),
+        pytest.param("cuda", "auto", marks=_ON_GPU),
     ],
 )
-def test_tiny_model_compiled_matches_eager(tiny_config: KimiK3Config, device: str) -> None:
-    """The whole model with every region compiled: same loss and gradients, left padding included
-    (on CUDA the regions are inductor's Triton kernels and KDA is fla's)."""
+def test_tiny_model_compiled_matches_eager(
+    tiny_config: KimiK3Config, device: str, kda_backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole model with every region compiled: same loss and gradients, left padding included.
+    On CUDA the regions are inductor's Triton kernels; KDA runs our torch chunk path ("torch", the
+    same float32 arithmetic as on the CPU, held to the elementwise tolerance) or fla's kernel ("auto").
+    fla's KDA kernels run their float32 `tl.dot`s at Triton's default precision (TF32 on Hopper) and
+    magnify the regions' last-bit differences in the backward: on an H200 up to 1.4e-3 of a
+    parameter's largest gradient (embed_tokens elements 1.3e-3 apart at 1.16) against 8.5e-5 with the
+    torch path, so that case is held per parameter to a fraction of its largest gradient."""
+    if kda_backend != "auto":
+        monkeypatch.setattr(kda_layer, "chunk_kda", functools.partial(chunk_kda, backend=kda_backend))
     losses, grads = [], []
     for setting in (False, True):
         config = KimiK3Config(**{**tiny_config.to_dict(), "compile_regions": setting})
@@ -140,8 +150,15 @@ def test_tiny_model_compiled_matches_eager(tiny_config: KimiK3Config, device: st
     torch.testing.assert_close(losses[1], losses[0], atol=1e-5, rtol=1e-5)
     assert grads[0].keys() == grads[1].keys()
     for name in grads[0]:
-        atol = 1e-5 if device == "cpu" else 1e-4  # fla's and inductor's reduction orders on CUDA
-        torch.testing.assert_close(grads[1][name], grads[0][name], atol=atol, rtol=1e-3, msg=name)
+        if device == "cuda" and kda_backend == "auto":
+            scale = grads[0][name].abs().max().clamp_min(1e-6)
+            gap = ((grads[1][name] - grads[0][name]).abs().max() / scale).item()
+            assert gap < 5e-3, f"{name}: largest gradient difference {gap:.2e} of the largest gradient"
+            continue
+        atol = 1e-5 if device == "cpu" else 1e-4  # inductor's reduction orders on CUDA
+        torch.testing.assert_close(
+            grads[1][name], grads[0][name], atol=atol, rtol=1e-3, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 def test_norms_feeding_matmuls_give_autocast_dtype_and_same_loss(tiny_config: KimiK3Config) -> None:
