@@ -208,20 +208,40 @@ def visible_gpus() -> list[str]:
     return [str(index) for index in range(torch.cuda.device_count())]
 
 
-BUSY_LOAD = 1.0  # a whole CPU's worth of other runnable work
+BUSY_CPUS = 1.0  # a whole CPU's worth of other work
 
 
-def busy_machine_warning(load: float, cpus: int, policy: str | None) -> str | None:
+def busy_cpus(interval_s: float = 0.25, stat: Path = Path("/proc/stat")) -> float:
+    """How many CPUs' worth of work runs on this machine now: the non-idle share of the CPU time
+    in /proc/stat over `interval_s`, times the CPU count. Not the load average, which still
+    counts a job that ended a minute ago. Where /proc/stat is missing: the 1-minute load average."""
+
+    def ticks() -> tuple[int, int]:
+        values = [int(v) for v in stat.read_text().split("\n", 1)[0].split()[1:]]
+        idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
+        return sum(values), idle
+
+    try:
+        total0, idle0 = ticks()
+        time.sleep(interval_s)
+        total1, idle1 = ticks()
+    except (OSError, ValueError, IndexError):
+        return os.getloadavg()[0]
+    total = total1 - total0
+    return 0.0 if total <= 0 else (1.0 - (idle1 - idle0) / total) * (os.cpu_count() or 1)
+
+
+def busy_machine_warning(busy: float, cpus: int, policy: str | None) -> str | None:
     """The driver's warning for a busy machine: stage threads spin-wait by default (OpenMP's
-    policy), which is fastest alone and slowest beside other busy processes; None when the
-    1-minute load average `load` is under BUSY_LOAD or the user already chose a policy."""
-    if policy or load < BUSY_LOAD:
+    policy), which is fastest alone and slowest beside other busy processes; None when under
+    BUSY_CPUS of other work (`busy`, from busy_cpus) runs or the user already chose a policy."""
+    if policy or busy < BUSY_CPUS:
         return None
     return (
-        f"this machine's load average is {load:.1f} on {cpus} CPU(s) before any stage started: if other "
-        "work keeps running, stage threads that spin-wait between torch's parallel regions (OpenMP's "
-        "default) slow down several-fold beside it; OMP_WAIT_POLICY=PASSIVE posttrain run ... makes them "
-        "sleep instead (the same results; slower on an idle machine, bench/RESULTS.md)"
+        f"other work is using {busy:.1f} of this machine's {cpus} CPU(s): if it keeps running, stage "
+        "threads that spin-wait between torch's parallel regions (OpenMP's default) slow down several-fold "
+        "beside it; OMP_WAIT_POLICY=PASSIVE posttrain run ... makes them sleep instead (the same results; "
+        "slower on an idle machine, bench/RESULTS.md)"
     )
 
 
@@ -252,7 +272,7 @@ def _fork_server() -> multiprocessing.context.ForkServerContext:
     bench/RESULTS.md): on an otherwise idle 2-core VM, 60 SFT steps of the shipped base took 8-12 s
     with the default against 35-41 s with PASSIVE, which sleeps at once and pays a wake-up per
     region; beside another spinning 2-thread process PASSIVE wins (16 s against 106 s). The driver
-    warns when the machine is busy at start (`busy_machine_warning`) and names the switch.
+    warns when other work runs at start (`busy_cpus`, `busy_machine_warning`) and names the switch.
     """
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["orchestration.preload"])

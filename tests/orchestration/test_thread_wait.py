@@ -8,7 +8,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 from orchestration import executors
 
@@ -46,10 +49,37 @@ def test_stage_processes_see_the_users_wait_policy(tmp_path):
 
 
 def test_busy_machine_warning_names_the_switch_only_when_needed():
-    warning = executors.busy_machine_warning(2.4, 2, None)
-    assert warning is not None and "2.4 on 2 CPU(s)" in warning and "OMP_WAIT_POLICY=PASSIVE" in warning
+    warning = executors.busy_machine_warning(1.6, 2, None)
+    assert warning is not None and "1.6 of this machine's 2 CPU(s)" in warning
+    assert "OMP_WAIT_POLICY=PASSIVE" in warning
     assert executors.busy_machine_warning(0.3, 2, None) is None  # idle: spinning is the fast choice
-    assert executors.busy_machine_warning(2.4, 2, "PASSIVE") is None  # the user chose
+    assert executors.busy_machine_warning(1.6, 2, "PASSIVE") is None  # the user chose
+
+
+def test_busy_cpus_reads_the_non_idle_share_of_cpu_time(tmp_path, monkeypatch):
+    """/proc/stat's first line: user nice system idle iowait ...; 300 of 400 ticks idle or
+    iowait in the interval on 2 CPUs is half a CPU's worth of work."""
+    stat = tmp_path / "stat"
+    lines = iter(["cpu 100 0 100 700 100 0 0\n", "cpu 150 0 150 950 150 0 0\n"])
+    monkeypatch.setattr(executors.time, "sleep", lambda s: stat.write_text(next(lines)))
+    monkeypatch.setattr(executors.os, "cpu_count", lambda: 2)
+    stat.write_text(next(lines))
+    assert executors.busy_cpus(stat=stat) == 0.5
+
+
+def test_busy_cpus_sees_a_busy_process():
+    """Against this machine's own /proc/stat: with one spinning process running, at least most of
+    a CPU is busy (whatever else runs), and never more than the machine has."""
+    if not Path("/proc/stat").exists():
+        pytest.skip("no /proc/stat (not Linux): busy_cpus falls back to the load average")
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        busy = executors.busy_cpus(0.5)
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert 0.6 <= busy <= (os.cpu_count() or 1) + 1e-6, busy
 
 
 def test_the_wait_policy_changes_no_bit_of_a_two_thread_step():
