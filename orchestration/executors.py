@@ -231,17 +231,20 @@ def busy_cpus(interval_s: float = 0.25, stat: Path = Path("/proc/stat")) -> floa
     return 0.0 if total <= 0 else (1.0 - (idle1 - idle0) / total) * (os.cpu_count() or 1)
 
 
-def busy_machine_warning(busy: float, cpus: int, policy: str | None) -> str | None:
+def busy_machine_warning(policy: str | None) -> str | None:
     """The driver's warning for a busy machine: stage threads spin-wait by default (OpenMP's
-    policy), which is fastest alone and slowest beside other busy processes; None when under
-    BUSY_CPUS of other work (`busy`, from busy_cpus) runs or the user already chose a policy."""
-    if policy or busy < BUSY_CPUS:
+    policy), which is fastest alone and slowest beside other busy processes. None when the user
+    already chose a `policy` (then nothing is sampled) or under BUSY_CPUS of work runs now."""
+    if policy:
+        return None
+    busy = busy_cpus()
+    if busy < BUSY_CPUS:
         return None
     return (
-        f"other work is using {busy:.1f} of this machine's {cpus} CPU(s): if it keeps running, stage "
-        "threads that spin-wait between torch's parallel regions (OpenMP's default) slow down several-fold "
-        "beside it; OMP_WAIT_POLICY=PASSIVE posttrain run ... makes them sleep instead (the same results; "
-        "slower on an idle machine, bench/RESULTS.md)"
+        f"other work is using {busy:.1f} of this machine's {os.cpu_count() or 1} CPU(s): if it keeps "
+        "running, stage threads that spin-wait between torch's parallel regions (OpenMP's default) slow "
+        "down several-fold beside it; OMP_WAIT_POLICY=PASSIVE posttrain run ... makes them sleep instead "
+        "(the same results; slower on an idle machine, bench/RESULTS.md)"
     )
 
 

@@ -37,7 +37,7 @@ from orchestration.console import (
     summary_lines,
     summary_table,
 )
-from orchestration.executors import busy_cpus, busy_machine_warning, execute
+from orchestration.executors import busy_machine_warning, execute
 from orchestration.pipeline import Pipeline, load_pipeline
 from orchestration.report import REPORT, write_report
 from orchestration.rundir import StageLock, StageState, plan_states, read_manifest
@@ -227,11 +227,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
                 markup=False,
                 highlight=False,
             )
-        busy = (
-            busy_machine_warning(busy_cpus(), os.cpu_count() or 1, os.environ.get("OMP_WAIT_POLICY"))
-            if args.executor == "local"
-            else None
-        )
+        busy = busy_machine_warning(os.environ.get("OMP_WAIT_POLICY")) if args.executor == "local" else None
         if busy:
             log.warning(busy)
             console.print(f"[yellow]warning[/] {escape(busy)}", highlight=False, soft_wrap=True)

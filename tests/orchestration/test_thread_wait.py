@@ -11,8 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from orchestration import executors
 
 REPO = Path(__file__).resolve().parents[2]
@@ -48,12 +46,20 @@ def test_stage_processes_see_the_users_wait_policy(tmp_path):
     assert (tmp_path / "policy").read_text() == expected
 
 
-def test_busy_machine_warning_names_the_switch_only_when_needed():
-    warning = executors.busy_machine_warning(1.6, 2, None)
+def test_busy_machine_warning_names_the_switch_only_when_needed(monkeypatch):
+    monkeypatch.setattr(executors.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(executors, "busy_cpus", lambda: 1.6)
+    warning = executors.busy_machine_warning(None)
     assert warning is not None and "1.6 of this machine's 2 CPU(s)" in warning
     assert "OMP_WAIT_POLICY=PASSIVE" in warning
-    assert executors.busy_machine_warning(0.3, 2, None) is None  # idle: spinning is the fast choice
-    assert executors.busy_machine_warning(1.6, 2, "PASSIVE") is None  # the user chose
+    monkeypatch.setattr(executors, "busy_cpus", lambda: 0.3)
+    assert executors.busy_machine_warning(None) is None  # idle: spinning is the fast choice
+
+    def not_sampled() -> float:
+        raise AssertionError("the machine was sampled although the user chose a policy")
+
+    monkeypatch.setattr(executors, "busy_cpus", not_sampled)
+    assert executors.busy_machine_warning("PASSIVE") is None  # the user chose: no 0.25 s sample
 
 
 def test_busy_cpus_reads_the_non_idle_share_of_cpu_time(tmp_path, monkeypatch):
@@ -70,8 +76,6 @@ def test_busy_cpus_reads_the_non_idle_share_of_cpu_time(tmp_path, monkeypatch):
 def test_busy_cpus_sees_a_busy_process():
     """Against this machine's own /proc/stat: with one spinning process running, at least most of
     a CPU is busy (whatever else runs), and never more than the machine has."""
-    if not Path("/proc/stat").exists():
-        pytest.skip("no /proc/stat (not Linux): busy_cpus falls back to the load average")
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         time.sleep(0.3)
