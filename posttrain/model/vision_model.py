@@ -80,6 +80,11 @@ class KimiK3VLConfig(PretrainedConfig):
     def to_dict(self) -> dict[str, Any]:
         data = super().to_dict()
         data["text_config"]["model_type"] = TEXT_MODEL_TYPE  # what vLLM parses text_config as
+        for key in ("text_config", "vision_config"):
+            # transformers drops the top level's load path but not a sub-config's: the text config
+            # read from the base model would publish that machine's path, so equal weights got
+            # unequal config.json files (and model hashes) on two machines or run dirs.
+            data[key].pop("_name_or_path", None)
         return data
 
 

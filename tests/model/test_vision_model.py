@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 from safetensors import safe_open
-from vision_fixtures import MEDIA_PAD_ID, tiny_vl_model
+from vision_fixtures import MEDIA_PAD_ID, tiny_vl_config, tiny_vl_model
 
 from posttrain.data.chat import ChatRenderer, load_tokenizer
 from posttrain.data.images import MoonViTImageProcessor
-from posttrain.model.vision_model import KimiK3ForConditionalGeneration
+from posttrain.model.modeling_kimi_k3 import KimiK3ForCausalLM
+from posttrain.model.vision_model import KimiK3ForConditionalGeneration, with_vision
 from posttrain.qat.apply import apply_qat, routed_expert_modules
 
 
@@ -148,6 +150,21 @@ def test_save_load_round_trip_in_the_released_layout(tmp_path, media_renderer):
         logits = model(ids, batch.pixel_values, batch.grid_thws).logits
         logits_loaded = loaded(ids, batch.pixel_values, batch.grid_thws).logits
     assert torch.equal(logits, logits_loaded)
+
+
+def test_the_written_config_names_no_local_path(tmp_path):
+    # A stage puts a text base read from disk under the tower (with_vision); equal weights read from
+    # two places must publish equal config.json bytes (the manifest hashes them), so no sub-config
+    # may carry the directory it was read from.
+    tiny_vl_model(seed=5).language_model.save_pretrained(tmp_path / "a")
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    vision = tiny_vl_config().vision_config
+    for source in ("a", "b"):
+        text = KimiK3ForCausalLM.from_pretrained(tmp_path / source)
+        with_vision(text, vision, MEDIA_PAD_ID).save_pretrained(tmp_path / f"{source}2")
+    written = (tmp_path / "a2" / "config.json").read_text()
+    assert written == (tmp_path / "b2" / "config.json").read_text()
+    assert "_name_or_path" not in written and str(tmp_path) not in written
 
 
 def test_qat_hooks_touch_only_the_text_routed_experts(media_renderer):
