@@ -337,7 +337,13 @@ class UnitCost(ExactAnswerFamily):
             calls=[("calculator", {"expression": expression})],
         )
         result = episode.results()[0]
-        yield episode.assistant(
-            thinking(effort, f"The calculator gives {result}.", [], [f"{result} is under my estimate."]),
-            content=result,
+        # At low effort the answer follows the call without restating it: the calculator route then
+        # thinks no longer than the mental one, whose thinking is shorter by the call's turn, and the
+        # low budget no longer scores the working route's successes below the failing route's
+        # failures (bench/RESULTS.md, "Why seed 2's general-low specialist kept the failing route").
+        reading = (
+            ""
+            if effort == "low"
+            else thinking(effort, f"The calculator gives {result}.", [], [f"{result} is under my estimate."])
         )
+        yield episode.assistant(reading, content=result)

@@ -180,6 +180,27 @@ def test_route_choice_families_demonstrate_two_routes_that_part_at_one_token(nam
     assert 0.35 <= calculator / 60 <= 0.65  # CALCULATOR_ROUTE_SHARE 0.5: both routes well sampled
 
 
+def test_unit_cost_low_effort_calculator_route_answers_without_restating_the_result():
+    # The low budget (b0 x 0.4 late in the run) sits a few tokens under a calculator episode that
+    # restates the result, so the low specialist kept the failing mental route (bench/RESULTS.md):
+    # at low effort the answer follows the calculator's result with no thinking; above low the
+    # thinking still reads the result back.
+    from data_recipes.agent_tasks.common import takes_calculator
+
+    family = TASK_FAMILIES.get("general/unit_cost")()
+    rng = random.Random("unit_cost-low")
+    for effort in ("low", "high", "max"):
+        prompts = (family.make_prompt(rng, effort) for _ in range(50))
+        sample = next(s for s in prompts if takes_calculator(s.uid))
+        final = family.demonstrate(sample)[-1]
+        assert final["content"] == sample.task["answer"]
+        reading = final.get("reasoning_content") or ""
+        if effort == "low":
+            assert reading == ""
+        else:
+            assert reading.startswith(f"The calculator gives {sample.task['answer']}.")
+
+
 def test_crate_cost_demonstrates_two_routes_and_its_tests_reject_a_wrong_product():
     # The coding route choice (issue #21): the code multiplies q*p, or the thinking states the
     # product and the code uses that number; both demonstrations verify (demonstrate raises on one
