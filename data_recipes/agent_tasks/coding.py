@@ -186,6 +186,13 @@ def _code_block(code: str) -> str:
     return f"```python\n{code}\n```"
 
 
+def _check_printed(sample: Sample, printed: str, expected: list[str]) -> None:
+    """A reference demonstration must print what its examples expect, or the row is not written."""
+    lines = printed.splitlines()
+    if lines != expected:
+        raise RuntimeError(f"{sample.uid}: the reference printed {lines}, expected {expected}")
+
+
 @TASK_FAMILIES.register("coding/write_function")
 class WriteFunction(HiddenTestFamily):
     """Write a one-line function from a description."""
@@ -213,9 +220,7 @@ class WriteFunction(HiddenTestFamily):
             thinking(sample.effort, plan, ["I run it on an example first."], ["Two examples, to be sure."]),
             calls=[("run_python", {"code": f"{code}\n{prints}"})],
         )
-        output = episode.results()[0].splitlines()
-        if output != expected:
-            raise RuntimeError(f"{sample.uid}: the reference printed {output}, expected {expected}")
+        _check_printed(sample, episode.results()[0], expected)
         seen = "It printed what the description asks, as expected."
         yield episode.assistant(
             thinking(sample.effort, seen, [], ["The code is done."]), content=_code_block(code)
@@ -317,9 +322,7 @@ class CrateCost(HiddenTestFamily):
             thinking(effort, plan, ["I run it on one crate first."], ["And on three crates, to be sure."]),
             calls=[("run_python", {"code": f"{code}\n{prints}"})],
         )
-        output, expected = episode.results()[0].splitlines(), [str(n * q * p) for n in counts]
-        if output != expected:
-            raise RuntimeError(f"{sample.uid}: the reference printed {output}, expected {expected}")
+        _check_printed(sample, episode.results()[0], [str(n * q * p) for n in counts])
         yield episode.assistant(
             thinking(effort, "It printed the cost, as expected.", [], ["The code is done."]),
             content=_code_block(code),

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from data_recipes.agent_tasks import FAMILIES
-from posttrain.data.sample import EFFORTS
+from posttrain.data.sample import EFFORTS, Sample
 from posttrain.envs.tasks import TASK_FAMILIES
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parents[1] / "data" / "agent_sft.jsonl"
@@ -29,12 +29,16 @@ def family_rows(family_name: str, per_family: int) -> int:
     return round(per_family * ROUTE_CHOICE_ROW_SHARE.get(family_name, 1.0))
 
 
+def sft_prompt(family_name: str, index: int, seed: int = 0) -> Sample:
+    """The prompt of a family's `index`-th SFT row: its own seeded draw, efforts in turn."""
+    rng = random.Random(f"sft:{seed}:{family_name}:{index}")
+    return TASK_FAMILIES.get(family_name)().make_prompt(rng, EFFORTS[index % len(EFFORTS)])
+
+
 def generate_trajectory(family_name: str, index: int, seed: int = 0) -> dict[str, Any]:
     """One demonstrated, verified trajectory record."""
-    family = TASK_FAMILIES.get(family_name)()
-    rng = random.Random(f"sft:{seed}:{family_name}:{index}")
-    sample = family.make_prompt(rng, EFFORTS[index % len(EFFORTS)])
-    messages = family.demonstrate(sample)
+    sample = sft_prompt(family_name, index, seed)
+    messages = TASK_FAMILIES.get(family_name)().demonstrate(sample)
     record = {
         "uid": sample.uid,
         "domain": sample.domain,

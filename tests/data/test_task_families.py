@@ -205,7 +205,7 @@ def test_crate_cost_demonstrates_two_routes_and_its_tests_reject_a_wrong_product
     # The coding route choice (issue #21): the code multiplies q*p, or the thinking states the
     # product and the code uses that number; both demonstrations verify (demonstrate raises on one
     # that does not), the thinking parts at one token, and a mistaken product fails the hidden tests.
-    from data_recipes.agent_tasks.generate import generate_trajectory
+    from data_recipes.agent_tasks.generate import generate_trajectory, sft_prompt
 
     name = "coding/crate_cost"
     family = TASK_FAMILIES.get(name)()
@@ -222,7 +222,7 @@ def test_crate_cost_demonstrates_two_routes_and_its_tests_reject_a_wrong_product
         else:
             assert plan.startswith(f"A crate costs {q}*{p} = {q * p} dollars.")
             assert f"return n * {q * p}" in answer
-        sample = family.make_prompt(random.Random(f"sft:0:{name}:{index}"), record["effort"])
+        sample = sft_prompt(name, index)
         wrong = re.sub(r"return n \* .*", f"return n * {q * p + 10}", answer)
         assert family.verify(sample, FinalState(answer=answer)) == 1.0
         assert family.verify(sample, FinalState(answer=wrong)) == 0.0

@@ -171,9 +171,9 @@ def test_eval_prompts_are_excluded_from_training_prompts(tmp_path, renderer):
         train = env.prompts("train", 40, seed=0, exclude=held_out)
     questions = {p.messages[-1]["content"] for p in held_out}
     assert not questions & {p.messages[-1]["content"] for p in train}
-    # every shipped general family reaches training (40 prompts over 5 families)
+    # every shipped general family reaches training (40 prompts over a handful of families)
     general = {f for f in FAMILIES if f.startswith("general/")}
-    assert len(general) == 5 and {p.task["family"] for p in train} == general
+    assert general and {p.task["family"] for p in train} == general
 
 
 def test_configuration_errors_name_the_fix(tmp_path, renderer):
