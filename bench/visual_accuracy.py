@@ -29,6 +29,7 @@ import torch
 import data_recipes  # noqa: F401  (registers the task families)
 from posttrain.data.chat import load_tokenizer
 from posttrain.engines import EmbeddedEngine
+from posttrain.envs.env_eval import paired_standard_error
 from posttrain.envs.environments import EnvironmentConfig, make_environment
 from posttrain.model.vision_model import KimiK3ForConditionalGeneration, load_pretrained
 from posttrain.qat import restore_qat
@@ -42,11 +43,9 @@ def share(hits: list[bool]) -> str:
 
 def paired(first: list[bool], later: list[bool]) -> str:
     """later - first on the same prompts, with the paired standard error."""
-    diffs = [float(b) - float(a) for a, b in zip(first, later, strict=True)]
-    n = len(diffs)
-    mean = sum(diffs) / n
-    var = sum((d - mean) ** 2 for d in diffs) / max(n - 1, 1)
-    return f"{mean:+.3f} ± {math.sqrt(var / n):.3f} (paired, n={n})"
+    before, after = [float(h) for h in first], [float(h) for h in later]
+    change = (sum(after) - sum(before)) / len(before)
+    return f"{change:+.3f} ± {paired_standard_error(before, after):.3f} (paired, n={len(before)})"
 
 
 def play(model_dir: Path, prompts_n: int, effort: str) -> list:
