@@ -71,7 +71,8 @@ def mopd_claims(run_dir: Path, stage: str = "mopd") -> dict[str, dict[str, Any]]
     """mopd_kl_down and mopd_keeps_90 per pair from DIR/<stage>/eval.json (empty without it). The
     teacher's accuracy is its RL stage's (DIR/rl-<pair>/eval.json) on the same first held-out
     prompts: the MOPD and RL evaluations draw them with the same eval seed, in the same order, and
-    play them greedily under the same harness (stages/mopd.yaml's environments are stages/rl.yaml's)."""
+    play them alike (the shipped files: sampled at 0.6 with the same uids and seed) under the same
+    harness (stages/mopd.yaml's environments are stages/rl.yaml's)."""
     report = _read(run_dir / stage / "eval.json")
     claims: dict[str, dict[str, Any]] = {}
     for pair, row in (report or {}).items():

@@ -187,6 +187,14 @@ def write_report(pipeline: Pipeline, run_dir: Path) -> Path:
     return report
 
 
+def _protocol(report: dict) -> str:
+    """How an RL eval.json's episodes were played (older files, without the keys, were greedy)."""
+    temperature, k = report.get("temperature", 0.0), report.get("samples_per_prompt", 1)
+    if not temperature:
+        return "greedy"
+    return f"sampled at temperature {temperature:g}, {k} episode{'s' if k > 1 else ''} a prompt"
+
+
 def _pm(value: float, se: float, digits: int = 3) -> str:
     return f"{value:.{digits}f} ± {se:.{digits}f}"
 
@@ -209,8 +217,8 @@ def evaluation_sections(pipeline: Pipeline, run_dir: Path) -> list[str]:
             "",
             "## RL evaluations",
             "",
-            "Held-out prompts, greedy; ± one standard error; changes paired (the same episodes "
-            "before and after).",
+            f"Held-out prompts, {_protocol(rl[0][1])}; ± one standard error over prompts; changes "
+            "paired (the same episodes before and after).",
             "",
             "| stage | prompts | SFT accuracy | accuracy | change | SFT tokens | tokens | change |",
             "| --- | ---: | --- | --- | --- | --- | --- | --- |",
@@ -235,8 +243,8 @@ def evaluation_sections(pipeline: Pipeline, run_dir: Path) -> list[str]:
             "",
             f"## MOPD evaluation: {sid}",
             "",
-            "Per pair: reverse KL to its teacher (exact where measured, else sampled) and greedy accuracy, "
-            "before -> after; changes ± paired standard error.",
+            "Per pair: reverse KL to its teacher (exact where measured, else sampled) and accuracy "
+            "(played as the RL evaluations play it), before -> after; changes ± paired standard error.",
             "",
             "| pair | KL before | KL after | change | accuracy before | accuracy after | change |",
             "| --- | --- | --- | --- | --- | --- | --- |",

@@ -3,15 +3,23 @@
 Every RL specialist (and the SFT model it starts from) is measured on the same held-out prompts of
 its domain, drawn with the eval seed and not the stage's, so the three efforts of a domain see the
 same prompts; episodes are played through the domain's environment exactly as in training (real
-tools, sandboxes, hidden verifiers). Each estimate comes with its standard error over episodes, and a
+tools, sandboxes, hidden verifiers). Each estimate comes with its standard error over prompts, and a
 change between two evaluations of the same episodes (before and after training) with the paired
 one: the prompts' difficulty, shared by both, cancels from it.
 
-A greedy evaluation is fixed by what `greedy_protocol` records (the policy's weights, how it is
-run, the environment and each episode's rendered prompt): the RL stages write their "before"
+A sampled evaluation measures what RL optimizes, the expected reward at the sampling temperature,
+where a greedy one measures only the policy's most likely path: on a prompt whose two routes the
+SFT model weighs about evenly, greedy decoding turns that near tie into all or nothing, decided by
+the training seed (bench/RESULTS.md). The embedded engine draws each token's noise from (seed, uid,
+position), so the before and after evaluations of an episode share their noise (common random
+numbers): where training left a token's distribution unchanged the same token is drawn, and the
+paired error stays near a greedy evaluation's.
+
+An evaluation is fixed by what `eval_protocol` records (the policy's weights, how it is run and
+sampled, the environment and each episode's rendered prompt): the RL stages write their "before"
 evaluation's protocol beside its episodes in eval.json, and MOPD, whose student is the same SFT
 model on the RL stages' first held-out prompts, takes those episodes instead of replaying them
-(posttrain.trainers.mopd_eval.reusable_greedy_rows).
+(posttrain.trainers.mopd_eval.taken_rows).
 """
 
 from __future__ import annotations
@@ -39,7 +47,12 @@ class EvalConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     prompts: int = Field(96, gt=0, description="held-out prompts of the domain")
     samples_per_prompt: int = Field(1, gt=0, description="episodes per held-out prompt")
-    temperature: float = Field(0.0, ge=0, description="0: greedy")
+    temperature: float = Field(
+        0.0,
+        ge=0,
+        description="0: greedy; above 0 sampled, each episode's noise fixed by (stage seed, uid, "
+        "position), so before and after draw the same noise (the embedded engine)",
+    )
     seed: int = Field(
         0, description="draws the held-out prompts (not the stage seed: every effort sees the same)"
     )
@@ -73,27 +86,37 @@ def episode_rows(samples: Sequence[Sample]) -> dict[str, list]:
     }
 
 
+def prompt_means(rows: Mapping[str, list], key: str) -> list[float]:
+    """Per held-out prompt, in order, the mean of `key` over its episodes: the units of a standard
+    error, since episodes of one prompt share its difficulty and are not independent draws. An
+    episode's prompt is its uid less the last "/<copy>" (`eval_episodes`); other uids stand alone."""
+    by_prompt: dict[str, list[float]] = {}
+    for uid, value in zip(rows["uid"], rows[key], strict=True):
+        by_prompt.setdefault(uid.rsplit("/", 1)[0], []).append(float(value))
+    return [sum(values) / len(values) for values in by_prompt.values()]
+
+
 def summary(rows: Mapping[str, list], suffix: str) -> dict[str, float]:
-    """accuracy and mean_response_tokens of episode rows, each with its standard error."""
+    """accuracy and mean_response_tokens of episode rows, each with its standard error over prompts."""
     n = max(len(rows["uid"]), 1)
     return {
         f"accuracy_{suffix}": sum(rows["reward"]) / n,
-        f"accuracy_se_{suffix}": mean_standard_error(rows["reward"]),
+        f"accuracy_se_{suffix}": mean_standard_error(prompt_means(rows, "reward")),
         f"mean_response_tokens_{suffix}": sum(rows["tokens"]) / n,
-        f"mean_response_tokens_se_{suffix}": mean_standard_error(rows["tokens"]),
+        f"mean_response_tokens_se_{suffix}": mean_standard_error(prompt_means(rows, "tokens")),
     }
 
 
 def paired_changes(before: Mapping[str, list], after: Mapping[str, list]) -> dict[str, float]:
     """accuracy_change and mean_response_tokens_change (after - before) with their paired standard
-    errors; the two evaluations must hold the same episodes in the same order."""
+    errors over prompts; the two evaluations must hold the same episodes in the same order."""
     if before["uid"] != after["uid"]:
         raise ValueError("the two evaluations played different episodes; a paired change needs the same")
     n = max(len(before["uid"]), 1)
     out = {}
     for key, name in (("reward", "accuracy"), ("tokens", "mean_response_tokens")):
         out[f"{name}_change"] = (sum(after[key]) - sum(before[key])) / n
-        out[f"{name}_change_se"] = paired_standard_error(before[key], after[key])
+        out[f"{name}_change_se"] = paired_standard_error(prompt_means(before, key), prompt_means(after, key))
     return out
 
 
@@ -101,9 +124,10 @@ def eval_episodes(
     env: Environment, prompts: Sequence[Sample], effort: str, samples_per_prompt: int
 ) -> list[Sample]:
     """The evaluation's episodes, fresh from Environment.start: each prompt `samples_per_prompt`
-    times, uids eval/<prompt uid>/<k>."""
+    times, uids eval/<prompt uid>/<effort>/<k> (the uid fixes a sampled episode's noise: one
+    prompt's episodes at the three efforts, played together by MOPD, draw apart)."""
     return [
-        env.start(p, uid=f"eval/{p.uid}/{k}", group=f"eval/{p.uid}", effort=effort)
+        env.start(p, uid=f"eval/{p.uid}/{effort}/{k}", group=f"eval/{p.uid}", effort=effort)
         for p in prompts
         for k in range(samples_per_prompt)
     ]
@@ -111,12 +135,13 @@ def eval_episodes(
 
 def eval_family(uid: str) -> str:
     """The task family of an evaluation episode or group from its uid (`eval_episodes`: eval/<prompt
-    uid>[/<k>], a task family drawing prompt uids <family>-<hex>): eval/general/ordering-677fd05656/0
-    -> general/ordering. eval.json keeps only the uids, so per-family tables read it from them."""
+    uid>[/<effort>/<k>], a task family drawing prompt uids <family>-<hex>):
+    eval/general/ordering-677fd05656/max/0 -> general/ordering. eval.json keeps only the uids, so
+    per-family tables read it from them."""
     return uid.removeprefix("eval/").rsplit("-", 1)[0]
 
 
-def greedy_protocol(
+def eval_protocol(
     env: Environment,
     samples: Sequence[Sample],
     *,
@@ -124,20 +149,24 @@ def greedy_protocol(
     policy: str,
     engine: str,
     autocast: object,
+    temperature: float,
+    seed: int,
 ) -> dict[str, Any]:
-    """What fixes the episodes of a greedy evaluation (temperature 0, one episode per prompt):
-    the policy (`policy`: its weights' digest, posttrain.rewards.budget.model_digest), how it is
-    run (the engine backend, the device type and QAT config of `model`, the autocast dtype), the
-    domain's environment (turns, tokens per turn, submissions, harness), how a turn ends, and each
-    episode's rendered prompt (`samples` fresh from Environment.start: a digest of its tokens,
-    which hold the question, tools, system prompt and effort marker). JSON-safe. Two greedy
-    evaluations with equal protocols, one's prompts a prefix of the other's, play the same
-    episodes: greedy decoding draws no noise, so only the float rounding of their batch
-    composition differs between them (MOPD's and the RL stages' rows agreed episode for episode
-    on the default run; bench/RESULTS.md)."""
+    """What fixes the episodes of an evaluation with one episode per prompt: the policy (`policy`:
+    its weights' digest, posttrain.rewards.budget.model_digest), how it is run (the engine backend,
+    the device type and QAT config of `model`, the autocast dtype), how it samples (the
+    temperature; the seed when above 0), the domain's environment (turns, tokens per turn,
+    submissions, harness), how a turn ends, and each episode's uid and rendered prompt (`samples`
+    fresh from Environment.start: a digest of its tokens, which hold the question, tools, system
+    prompt and effort marker). JSON-safe. Two evaluations with equal protocols, one's episodes a
+    prefix of the other's, play the same episodes: greedy decoding draws no noise, and the embedded
+    engine draws a sampled token's from (seed, uid, position), so only the float rounding of their
+    batch composition differs between them (MOPD's and the RL stages' greedy rows agreed episode
+    for episode on the default run; bench/RESULTS.md). Another engine's sampled episodes are the
+    same draw in distribution only; the engine is part of the protocol."""
     from posttrain.qat.apply import QAT_CONFIG_KEY  # here: posttrain.qat imports torch
 
-    turn = env.turn_sampling(0.0, 0)
+    turn = env.turn_sampling(temperature, seed)
     device = next(model.parameters()).device.type
     qat = getattr(getattr(model, "config", None), QAT_CONFIG_KEY, None)
     return json.loads(
@@ -148,6 +177,7 @@ def greedy_protocol(
                 "device": device,
                 "autocast": str(autocast),
                 "qat": qat,
+                "sampling": {"temperature": temperature, "seed": seed if temperature > 0 else None},
                 "domain": env.domain,
                 "environment": env.config.model_dump(mode="json"),
                 "turn": {
@@ -155,7 +185,9 @@ def greedy_protocol(
                     "stop_token_ids": list(turn.stop_token_ids),
                     "tool_call_token_ids": list(turn.tool_call_token_ids),
                 },
-                "prompts": [hashlib.sha256(json.dumps(s.tokens).encode()).hexdigest()[:16] for s in samples],
+                "prompts": [
+                    hashlib.sha256(json.dumps([s.uid, s.tokens]).encode()).hexdigest()[:16] for s in samples
+                ],
             },
             default=str,
         )
@@ -164,7 +196,7 @@ def greedy_protocol(
 
 def same_episodes(protocol: Mapping[str, Any], played: Mapping[str, Any]) -> bool:
     """Whether an evaluation of `protocol` would play the first episodes of one `played` already
-    (greedy_protocol): everything equal, and its prompts the first of the played ones."""
+    (eval_protocol): everything equal, and its episodes the first of the played ones."""
     n = len(protocol["prompts"])
     return {k: v for k, v in protocol.items() if k != "prompts"} == {
         k: v for k, v in played.items() if k != "prompts"
@@ -185,7 +217,8 @@ def evaluate(
     evaluation with another of the same prompts (`paired_changes`)."""
     samples = eval_episodes(env, prompts, effort, cfg.samples_per_prompt)
     started = time.perf_counter()
-    env.play(engine, samples, env.turn_sampling(cfg.temperature, seed))
+    # Processed log-probs, the rollouts' kind: a vLLM engine records one kind (the eval reads none).
+    env.play(engine, samples, env.turn_sampling(cfg.temperature, seed, logprobs="processed"))
     rows = episode_rows(samples)
     metrics = {
         **summary(rows, suffix),

@@ -34,7 +34,7 @@ from posttrain.data.batch import left_pad_values
 from posttrain.data.chat import ChatRenderer, load_tokenizer
 from posttrain.data.sample import Sample
 from posttrain.engines import EmbeddedEngine
-from posttrain.envs.env_eval import greedy_protocol
+from posttrain.envs.env_eval import eval_episodes, eval_protocol
 from posttrain.envs.environments import EnvironmentConfig, play_episodes
 from posttrain.files import remove_tree
 from posttrain.rewards.budget import model_digest
@@ -53,13 +53,13 @@ from posttrain.trainers.common import (
 )
 from posttrain.trainers.mopd_eval import (
     EVAL_FILE,
+    accuracy_rows,
     by_pair,
     episode_table,
     exact_results,
     final_metrics,
-    greedy_rows,
     pair_results,
-    played_greedy,
+    played_before,
     row_results,
     taken_rows,
     write_eval,
@@ -102,15 +102,21 @@ class MOPDTrainConfig(OptimConfig):
 
 class EvalConfig(BaseModel):
     """Held-out prompts of each domain, played at every effort before and after (sampled at
-    temperature 1 for the KL, greedy for accuracy and length)."""
+    temperature 1 for the KL; for accuracy and length, as the RL stages' evaluation plays them)."""
 
     model_config = ConfigDict(extra="forbid")
     prompts_per_domain: int = Field(4, gt=0, description="held-out prompts per domain for the KL")
     accuracy_prompts_per_domain: int = Field(
         96,
         gt=0,
-        description="held-out prompts per domain played greedily at every effort for accuracy and "
+        description="held-out prompts per domain played once at every effort for accuracy and "
         "length (the first prompts_per_domain are the KL's; the RL stages' first held-out prompts)",
+    )
+    accuracy_temperature: float = Field(
+        0.0,
+        ge=0,
+        description="their sampling temperature, 0 greedy: the RL stages' eval.temperature, so the "
+        "student's accuracy compares with its teachers' (the same uids and seed draw the same noise)",
     )
     samples_per_prompt: int = Field(
         4,
@@ -119,9 +125,9 @@ class EvalConfig(BaseModel):
         "averages the student's tokens, so its noise falls as 1/sqrt(samples)",
     )
     seed: int = Field(0, description="draws them; the RL stages' held-out prompts use the same default")
-    reuse_greedy: bool = Field(
+    reuse_before: bool = Field(
         True,
-        description="before training, take a pair's greedy episodes from a need's eval.json that played "
+        description="before training, take a pair's accuracy episodes from a need's eval.json that played "
         "the same ones (an RL stage's before-evaluation: the same student weights, engine, harness and "
         "rendered prompts) instead of replaying them; false: always play them",
     )
@@ -285,17 +291,17 @@ class Distiller:
         policy: str | None = None,
     ) -> None:
         """policy: the starting weights' digest (posttrain.rewards.budget.model_digest), with
-        which the first evaluation takes the greedy episodes the needs already played
-        (`eval.reuse_greedy`); None: it plays them all."""
+        which the first evaluation takes the accuracy episodes the needs already played
+        (`eval.reuse_before`); None: it plays them all."""
         self.cfg, self.renderer, self.pool, self.seed = cfg, renderer, pool, ctx.seed
         self.policy, self.log = policy, ctx.log
         # what the needs played (their stage dirs: DIR/<need>, the parent of DIR/<need>/model)
         self.played = (
-            played_greedy(dict.fromkeys(path.parent for path in ctx.inputs.values()))
-            if policy is not None and cfg.eval.reuse_greedy
+            played_before(dict.fromkeys(path.parent for path in ctx.inputs.values()))
+            if policy is not None and cfg.eval.reuse_before
             else []
         )
-        self.reused: dict[str, str] = {}  # pair -> the need whose greedy episodes it took
+        self.reused: dict[str, str] = {}  # pair -> the need whose accuracy episodes it took
         self.student = EmbeddedEngine(
             model, pad_token_id=renderer.pad_id, autocast_dtype=engine_autocast(cfg.accelerate)
         )
@@ -305,7 +311,7 @@ class Distiller:
             d: TEACHER_DOMAINS.get(d).environment(renderer, cfg.environment_of(d), sandbox_dir=sandboxes)
             for d in cfg.domains
         }
-        # One draw: prompts() is prefix-stable, so the KL's prompts are the first of the greedy ones.
+        # One draw: prompts() is prefix-stable, so the KL's prompts are the first of the accuracy ones.
         held_out = {
             d: e.prompts(
                 "eval", max(cfg.eval.prompts_per_domain, cfg.eval.accuracy_prompts_per_domain), cfg.eval.seed
@@ -342,7 +348,7 @@ class Distiller:
 
     def rollout(self, samples: list[Sample], temperature: float, scored: bool = True) -> dict[str, float]:
         """Play every episode; each is teacher-scored in the turn it ends (unless not `scored`: the
-        greedy eval pass measures accuracy and length only). Returns timings and throughput: the
+        accuracy pass measures accuracy and length only). Returns timings and throughput: the
         student's sampled tokens over rollout_s (tools and verifiers included), the tokens the
         teachers prefilled (whole trajectories) over teacher_score_s (retries included)."""
         started, scoring = time.perf_counter(), [0.0]
@@ -374,24 +380,26 @@ class Distiller:
     def evaluate(self, reuse: bool = False) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, list]]]:
         """Per pair on the held-out prompts: kl from episodes sampled at temperature 1 (the
         student's own distribution, which the reverse KL is defined on), accuracy and tokens from
-        greedy episodes, the protocol of the RL stages' eval.json so the two compare. Same uids,
-        hence the same sampling noise, every time. Also returns the sampled episodes' table
-        (`episode_table`), which pairs the before and after evaluations episode by episode.
-        reuse: the student still holds the starting weights, so a pair's greedy episodes that a
-        need played already (`taken_greedy`) are taken, not replayed."""
+        one episode a prompt at `eval.accuracy_temperature`, the RL stages' evaluation (uids, seed,
+        harness) so the two compare. Same uids, hence the same sampling noise, every time. Also
+        returns the sampled episodes' table (`episode_table`), which pairs the before and after
+        evaluations episode by episode. reuse: the student still holds the starting weights, so a
+        pair's accuracy episodes that a need played already (`taken_before`) are taken, not
+        replayed."""
         sampled = self.episodes(self.eval_prompts, "eval", copies=self.cfg.eval.samples_per_prompt)
         self.rollout(sampled, temperature=1.0)
-        greedy = self.episodes(self.accuracy_prompts, "eval-greedy")
-        taken = self.taken_greedy(greedy) if reuse else {}
-        played = [s for s in greedy if pair_name((s.domain, s.effort)) not in taken]
+        decoding = self.accuracy_episodes()
+        taken = self.taken_before(decoding) if reuse else {}
+        played = [s for s in decoding if pair_name((s.domain, s.effort)) not in taken]
         if played:
-            self.rollout(played, temperature=0.0, scored=False)
-        greedy_table = {**greedy_rows(played), **taken}
-        kl, decoded = pair_results(sampled), {pair: row_results(rows) for pair, rows in greedy_table.items()}
+            self.rollout(played, temperature=self.cfg.eval.accuracy_temperature, scored=False)
+        accuracy_table = {**accuracy_rows(played), **taken}
+        kl = pair_results(sampled)
+        decoded = {pair: row_results(rows) for pair, rows in accuracy_table.items()}
         exact_sums = self.exact_kl_sums(sampled)
         table = episode_table(sampled, exact_sums)
-        for pair, rows in greedy_table.items():
-            table[pair]["greedy"] = rows
+        for pair, rows in accuracy_table.items():
+            table[pair]["accuracy"] = rows
         exact = exact_results(table) if exact_sums is not None else {}
         results = {
             pair: {
@@ -403,21 +411,37 @@ class Distiller:
         }
         return results, table
 
-    def taken_greedy(self, greedy: list[Sample]) -> dict[str, dict[str, list]]:
-        """Per pair whose greedy episodes a need already played with the starting weights (the
-        same greedy_protocol, its prompts among the first the need played), those episodes' rows
-        (posttrain.trainers.mopd_eval.taken_rows) under this evaluation's uids."""
+    def accuracy_episodes(self) -> list[Sample]:
+        """The accuracy pass's fresh episodes: each domain's accuracy prompts at every effort, one
+        episode each with the RL stages' evaluation uids (posttrain.envs.env_eval.eval_episodes),
+        routed to their teachers like every episode of the stage."""
+        samples = [
+            sample
+            for d, prompts in self.accuracy_prompts.items()
+            for e in self.cfg.efforts
+            for sample in eval_episodes(self.envs[d], prompts, e, 1)
+        ]
+        for sample in samples:
+            self.pool.teacher_for(sample)
+        return samples
+
+    def taken_before(self, decoding: list[Sample]) -> dict[str, dict[str, list]]:
+        """Per pair whose accuracy episodes a need already played with the starting weights (the
+        same eval_protocol, its episodes among the first the need played), those episodes' rows
+        (posttrain.trainers.mopd_eval.taken_rows)."""
         if self.policy is None or not self.played:
             return {}
         taken = {}
-        for name, group in by_pair(greedy).items():
-            protocol = greedy_protocol(
+        for name, group in by_pair(decoding).items():
+            protocol = eval_protocol(
                 self.envs[group[0].domain],
                 group,
                 model=self.student.model,
                 policy=self.policy,
                 engine="embedded",
                 autocast=self.student.autocast_dtype,
+                temperature=self.cfg.eval.accuracy_temperature,
+                seed=self.seed,
             )
             found = taken_rows(protocol, [s.uid for s in group], self.played)
             if found is not None:
@@ -425,10 +449,10 @@ class Distiller:
         if taken:
             sources = sorted(set(self.reused.values()))
             self.log.info(
-                "evaluation before training: the greedy episodes of %d of %d pairs taken from %s "
+                "evaluation before training: the accuracy episodes of %d of %d pairs taken from %s "
                 "(the same student, engine, harness and prompts), not replayed",
                 len(taken),
-                len(by_pair(greedy)),
+                len(by_pair(decoding)),
                 ", ".join(sources),
             )
         return taken

@@ -3,8 +3,9 @@
 Before and after training the student plays the held-out prompts of every domain at every effort:
 sampled episodes (temperature 1, the student's own distribution) for the reverse KL to each pair's
 teacher, by the sampled estimate and, where the engines give full distributions, the exact one;
-greedy ones (on more prompts) for accuracy and length. The two evaluations play the same episode
-uids, so the change of each estimate gets a paired standard error. Pure functions of scored
+one episode a prompt (on more prompts), played as the RL stages' evaluation plays them, for
+accuracy and length. The two evaluations play the same episode uids, so the change of each estimate
+gets a paired standard error. Pure functions of scored
 Samples; the stage (posttrain.trainers.mopd) plays the episodes.
 """
 
@@ -70,9 +71,9 @@ def row_results(rows: Mapping[str, list]) -> dict[str, float]:
     }
 
 
-def played_greedy(stage_dirs: Iterable[Path]) -> list[tuple[str, dict, dict[str, list]]]:
-    """(stage dir name, greedy_protocol, episode rows) of every "before" evaluation recorded in
-    the eval.json of `stage_dirs` (an RL stage's: its init model, greedy, one episode per prompt,
+def played_before(stage_dirs: Iterable[Path]) -> list[tuple[str, dict, dict[str, list]]]:
+    """(stage dir name, eval_protocol, episode rows) of every "before" evaluation recorded in
+    the eval.json of `stage_dirs` (an RL stage's: its init model, one episode per prompt,
     posttrain.trainers.rl); what MOPD's before evaluation may take instead of replaying."""
     found = []
     for directory in stage_dirs:
@@ -91,8 +92,9 @@ def played_greedy(stage_dirs: Iterable[Path]) -> list[tuple[str, dict, dict[str,
 def taken_rows(
     protocol: Mapping[str, Any], uids: list[str], played: list[tuple[str, dict, dict[str, list]]]
 ) -> tuple[str, dict[str, list]] | None:
-    """(source, rows) for a greedy evaluation of `protocol` whose episodes one of `played`
-    (played_greedy) already played: its first rows, renamed to `uids`; None if none did."""
+    """(source, rows) for an evaluation of `protocol` whose episodes one of `played`
+    (played_before) already played: its first rows, under `uids` (the same ones: the protocol
+    holds each episode's uid); None if none did."""
     for source, recorded, rows in played:
         if same_episodes(protocol, recorded):
             n = len(uids)
@@ -160,8 +162,8 @@ def by_pair(samples: list[Sample]) -> dict[str, list[Sample]]:
     return groups
 
 
-def greedy_rows(samples: list[Sample]) -> dict[str, dict[str, list]]:
-    """Per pair, its greedy episodes' rows (posttrain.envs.env_eval.episode_rows), in order."""
+def accuracy_rows(samples: list[Sample]) -> dict[str, dict[str, list]]:
+    """Per pair, its accuracy episodes' rows (posttrain.envs.env_eval.episode_rows), in order."""
     return {name: episode_rows(group) for name, group in by_pair(samples).items()}
 
 
@@ -178,8 +180,8 @@ def write_eval(
     errors accuracy_se_* / tokens_se_* and, where a pair has two or more sampled episodes,
     kl_se_* / kl_exact_se_* of each estimate; kl_change_se / kl_exact_change_se of the KL's change
     (the same episodes before and after, `paired_change_standard_error`), accuracy_change(_se) and
-    tokens_change(_se) from the greedy episodes (`greedy` rows of the episode tables, paired), and
-    accuracy_episodes, how many greedy episodes (one per held-out prompt, in the RL stages' order)."""
+    tokens_change(_se) from the accuracy episodes (`accuracy` rows of the episode tables, paired),
+    and accuracy_episodes, how many (one per held-out prompt, in the RL stages' order)."""
     report = {
         name: {
             f"{key}_{when}": float(values[name][key])
@@ -191,10 +193,10 @@ def write_eval(
     }
     for name, values in report.items():
         rows = before_episodes[name], after_episodes[name]
-        if all("greedy" in r for r in rows):
-            changes = paired_changes(rows[0]["greedy"], rows[1]["greedy"])
+        if all("accuracy" in r for r in rows):
+            changes = paired_changes(rows[0]["accuracy"], rows[1]["accuracy"])
             values.update({k.replace("mean_response_tokens", "tokens"): v for k, v in changes.items()})
-            values["accuracy_episodes"] = float(len(rows[1]["greedy"]["uid"]))
+            values["accuracy_episodes"] = float(len(rows[1]["accuracy"]["uid"]))
         if (
             rows[0]["uid"] != rows[1]["uid"]
             or len(rows[0]["uid"]) < 2

@@ -43,7 +43,7 @@ from posttrain.algos.policy_loss import PolicyLossConfig
 from posttrain.data.chat import ChatRenderer, load_tokenizer
 from posttrain.data.sample import DOMAINS, EFFORTS, Sample
 from posttrain.engines import Engine
-from posttrain.envs.env_eval import EvalConfig, eval_episodes, evaluate, greedy_protocol, paired_changes
+from posttrain.envs.env_eval import EvalConfig, eval_episodes, eval_protocol, evaluate, paired_changes
 from posttrain.envs.environments import Environment, EnvironmentConfig, make_environment
 from posttrain.files import atomic_write_text, remove_tree
 from posttrain.rewards.budget import BudgetConfig, base_budgets, model_digest, trajectory_rewards
@@ -162,20 +162,18 @@ class RLConfig(BaseModel):
 
     @model_validator(mode="after")
     def _one_logprob_kind_per_vllm_engine(self) -> RLConfig:
-        # vLLM records one kind of log-prob per engine: processed ones, for the rollouts. The cold
-        # start and evaluation request raw ones, the same numbers only when sampling is plain.
+        # vLLM records one kind of log-prob per engine: processed ones, for the rollouts (and the
+        # evaluation, which reads none). The cold start requests raw ones, the same numbers only
+        # when sampling is plain.
         if self.rollout.engine == "embedded":
             return self
-        for key, temperature in (
-            ("eval.temperature", self.eval.temperature),
-            ("budget.cold_start.temperature", self.budget.cold_start.temperature),
-        ):
-            if temperature not in (0.0, 1.0):
-                raise ValueError(
-                    f"{key} is {temperature} but rollout.engine {self.rollout.engine!r} can only sample "
-                    "the cold start and evaluation at temperature 0 (greedy) or 1; set it to one of "
-                    "those, or use rollout.engine: embedded"
-                )
+        temperature = self.budget.cold_start.temperature
+        if temperature not in (0.0, 1.0):
+            raise ValueError(
+                f"budget.cold_start.temperature is {temperature} but rollout.engine "
+                f"{self.rollout.engine!r} can only sample the cold start at temperature 0 (greedy) or 1; "
+                "set it to one of those, or use rollout.engine: embedded"
+            )
         return self
 
 
@@ -259,7 +257,7 @@ def run_rl(ctx: StageContext) -> dict[str, float]:
         )
         # Before restoring: the policy still holds the init weights, the cold-start policy.
         init_digest = model_digest(init)
-        before_protocol = _before_protocol(env, held_out, effort, cfg, model, init_digest)
+        before_protocol = _before_protocol(env, held_out, effort, cfg, model, init_digest, ctx.seed)
         budgets, budget_metrics = base_budgets(
             env,
             engine,
@@ -334,6 +332,8 @@ def run_rl(ctx: StageContext) -> dict[str, float]:
         "domain": domain,
         "effort": effort,
         "prompts": len(held_out),
+        "temperature": cfg.eval.temperature,  # 0: greedy
+        "samples_per_prompt": cfg.eval.samples_per_prompt,
         "accuracy": after["accuracy_after"],
         "accuracy_se": after["accuracy_se_after"],
         "mean_response_tokens": after["mean_response_tokens_after"],
@@ -371,18 +371,21 @@ def _before_protocol(
     cfg: RLConfig,
     model: torch.nn.Module,
     init_digest: str,
+    seed: int,
 ) -> dict[str, Any] | None:
-    """The "before" evaluation's greedy_protocol (the init model's episodes, which the MOPD stage
-    reuses); None unless it is greedy with one episode per prompt."""
-    if cfg.eval.temperature != 0.0 or cfg.eval.samples_per_prompt != 1:
+    """The "before" evaluation's eval_protocol (the init model's episodes, which the MOPD stage
+    reuses); None unless it plays one episode per prompt."""
+    if cfg.eval.samples_per_prompt != 1:
         return None
-    return greedy_protocol(
+    return eval_protocol(
         env,
         eval_episodes(env, held_out, effort, 1),
         model=model,
         policy=init_digest,
         engine=cfg.rollout.engine,
         autocast=engine_autocast(cfg.accelerate),
+        temperature=cfg.eval.temperature,
+        seed=seed,
     )
 
 

@@ -12,6 +12,7 @@ from posttrain.envs.env_eval import (
     mean_standard_error,
     paired_changes,
     paired_standard_error,
+    prompt_means,
     summary,
 )
 
@@ -50,6 +51,53 @@ def test_paired_changes_and_summary_on_episode_rows():
         paired_changes(before, {**after, "uid": ["a", "b", "d"]})
 
 
+def test_episodes_of_one_prompt_are_one_unit_of_the_standard_error():
+    # two prompts, two episodes each: prompt a solved 2 of 2, prompt b 0 of 2
+    rows = {
+        "uid": ["eval/g/x-a/max/0", "eval/g/x-a/max/1", "eval/g/x-b/max/0", "eval/g/x-b/max/1"],
+        "reward": [1.0, 1.0, 0.0, 0.0],
+        "tokens": [4.0, 6.0, 8.0, 8.0],
+    }
+    assert prompt_means(rows, "reward") == [1.0, 0.0] and prompt_means(rows, "tokens") == [5.0, 8.0]
+    stats = summary(rows, "x")
+    assert stats["accuracy_x"] == 0.5
+    # over the two prompt means (0.5), not the four episodes as if independent (sqrt(1/12))
+    assert stats["accuracy_se_x"] == pytest.approx(0.5)
+    after = {**rows, "reward": [1.0, 0.0, 1.0, 1.0]}  # a -0.5, b +1.0
+    changes = paired_changes(rows, after)
+    assert changes["accuracy_change"] == 0.25
+    assert changes["accuracy_change_se"] == pytest.approx(mean_standard_error([-0.5, 1.0]))
+
+
 def test_eval_family_reads_the_family_from_episode_and_group_uids():
-    assert eval_family("eval/general/ordering-677fd05656/0") == "general/ordering"
+    assert eval_family("eval/general/ordering-677fd05656/max/0") == "general/ordering"
+    assert eval_family("eval/general/ordering-677fd05656/0") == "general/ordering"  # before 2026-12-03
     assert eval_family("eval/agent/order_total-0f3a170d35") == "agent/order_total"
+
+
+def test_a_sampled_evaluation_draws_the_same_episodes_again_and_pairs_them_exactly(
+    renderer, tiny_k3_engine, tmp_path
+):
+    from posttrain.envs.env_eval import EvalConfig, eval_episodes, evaluate
+    from posttrain.envs.environments import EnvironmentConfig, make_environment
+
+    config = EvalConfig(prompts=5, temperature=0.6, samples_per_prompt=2)
+    harness = EnvironmentConfig(max_tokens_per_turn=12, max_turns=1)
+    with make_environment("general", renderer, harness, sandbox_dir=tmp_path) as env:
+        prompts = env.prompts("eval", config.prompts, config.seed)
+        (_, first), (_, again) = (
+            evaluate(env, tiny_k3_engine, prompts, "max", config, 0, when) for when in ("before", "after")
+        )
+        # the engine's noise is a function of (seed, uid, position): the same weights draw the same
+        # episodes, so an unchanged policy's change is exactly 0 with no error
+        assert first == again
+        assert first["uid"][:2] == [f"eval/{prompts[0].uid}/max/0", f"eval/{prompts[0].uid}/max/1"]
+        changes = paired_changes(first, again)
+        assert changes["accuracy_change"] == changes["accuracy_change_se"] == 0.0
+        # ... and the tokens drawn are the seed's: another seed draws other episodes
+        played = {}
+        for seed in (0, 0, 1):
+            samples = eval_episodes(env, prompts, "max", 1)
+            env.play(tiny_k3_engine, samples, env.turn_sampling(0.6, seed))
+            played.setdefault(seed, []).append([s.tokens for s in samples])
+        assert played[0][0] == played[0][1] and played[1][0] != played[0][0]

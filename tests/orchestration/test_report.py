@@ -11,7 +11,7 @@ import pytest
 
 from orchestration.console import _metrics_text
 from orchestration.pipeline import load_pipeline
-from orchestration.report import PLOTS, draw, plot_groups, write_report
+from orchestration.report import PLOTS, _protocol, draw, plot_groups, write_report
 
 REPO = Path(__file__).resolve().parents[2]
 RECORDED = Path(__file__).resolve().parent / "recorded_run"
@@ -92,6 +92,8 @@ def test_the_report_shows_each_evaluation_with_its_errors_and_the_claims(run) ->
     per pair; the claims those files support are listed (a domain needs all three efforts)."""
     pipeline, run_dir = run
     report = write_report(pipeline, run_dir).read_text()
+    # written before the eval.json files named their protocol: greedy, as they were played
+    assert "Held-out prompts, greedy; ± one standard error over prompts" in report
     rl = row(report.split("## RL evaluations")[1], "rl-general-low")
     cells = [c.strip() for c in rl.strip("|").split("|")]
     assert cells[1] == "6" and all("±" in c for c in cells[2:])
@@ -99,3 +101,10 @@ def test_the_report_shows_each_evaluation_with_its_errors_and_the_claims(run) ->
     assert sum(line.startswith("| general-") for line in mopd.splitlines()) == 3
     claims = report.split("## Claims of the default recipe (this run)")[1]
     assert "| mopd_kl_down/coding-max |" in claims and "max_beats_sft" not in claims
+
+
+def test_the_rl_table_names_how_its_episodes_were_played() -> None:
+    assert _protocol({"temperature": 0.0, "samples_per_prompt": 1}) == "greedy"
+    sampled = "sampled at temperature 0.6, 1 episode a prompt"
+    assert _protocol({"temperature": 0.6, "samples_per_prompt": 1}) == sampled
+    assert _protocol({"temperature": 1.0, "samples_per_prompt": 4}).endswith("1, 4 episodes a prompt")

@@ -419,7 +419,12 @@ def test_eval_json_carries_the_paired_error_of_each_change(tmp_path):
 
 def test_two_evaluations_of_one_student_pair_episode_by_episode(dirs, renderer, stage_runner, tmp_path):
     body = stage_body() | {
-        "eval": {"prompts_per_domain": 1, "accuracy_prompts_per_domain": 3, "samples_per_prompt": 2}
+        "eval": {
+            "prompts_per_domain": 1,
+            "accuracy_prompts_per_domain": 3,
+            "accuracy_temperature": 0.6,
+            "samples_per_prompt": 2,
+        }
     }
     ctx = stage_runner.context("mopd", tmp_path, body, inputs=stage_inputs(dirs))
     pool = TeacherPool(route_teachers(ctx.config, ctx.inputs), tmp_path, 0, logging.getLogger("test-mopd"))
@@ -432,8 +437,8 @@ def test_two_evaluations_of_one_student_pair_episode_by_episode(dirs, renderer, 
         pool.close()
     # the same uids, hence the same sampling noise: the same episodes, row by row
     assert before_rows == after_rows and sorted(before_rows) == sorted(before)
-    # greedy episodes on more prompts than the KL's, also paired
-    assert all(len(rows["greedy"]["uid"]) == 3 for rows in before_rows.values())
+    # accuracy episodes on more prompts than the KL's, sampled with the same noise, also paired
+    assert all(len(rows["accuracy"]["uid"]) == 3 for rows in before_rows.values())
     report = write_eval(tmp_path / "eval.json", before, after, before_rows, after_rows)
     for name, rows in before_rows.items():
         assert len(rows["uid"]) == 2 and rows["kl"] != [0.0, 0.0]
@@ -444,7 +449,7 @@ def test_two_evaluations_of_one_student_pair_episode_by_episode(dirs, renderer, 
         assert values["kl_se_before"] > 0 and values["kl_change_se"] == 0.0
         assert values["kl_exact_change_se"] == 0.0
         assert values["accuracy_change"] == values["accuracy_change_se"] == values["tokens_change_se"] == 0.0
-        assert values["tokens_se_before"] == pytest.approx(mean_standard_error(rows["greedy"]["tokens"]))
+        assert values["tokens_se_before"] == pytest.approx(mean_standard_error(rows["accuracy"]["tokens"]))
 
 
 def test_pair_balance_gives_every_domain_effort_pair_the_same_share_of_the_loss():

@@ -1,6 +1,7 @@
-"""MOPD's evaluation before training takes the greedy episodes an RL stage's own before-evaluation
-already played with the same student (posttrain.envs.env_eval.greedy_protocol), and what it takes
-is what replaying them gives: the stage's eval.json is the same byte for byte either way."""
+"""MOPD's evaluation before training takes the accuracy episodes an RL stage's own before-evaluation
+already played with the same student (posttrain.envs.env_eval.eval_protocol), and what it takes
+is what replaying them gives: the stage's eval.json is the same byte for byte either way, greedy
+and sampled (the embedded engine draws an episode's noise from its seed, uid and positions)."""
 
 from __future__ import annotations
 
@@ -16,12 +17,12 @@ from posttrain.data.sample import DOMAINS, EFFORTS
 from posttrain.engines.testing import save_tiny_k3
 from posttrain.envs.env_eval import same_episodes
 from posttrain.testing import TINY_RL_BODY
-from posttrain.trainers.mopd_eval import played_greedy, taken_rows
+from posttrain.trainers.mopd_eval import played_before, taken_rows
 
 HARNESS = {"max_tokens_per_turn": 12, "max_turns": 1}  # the RL stage's and the student's
 
 
-def mopd_body(reuse: bool) -> dict:
+def mopd_body(reuse: bool, temperature: float) -> dict:
     return {
         "train": {"steps": 1, "lr": 1e-4},
         "rollout": {"prompts_per_domain": 1},
@@ -29,22 +30,24 @@ def mopd_body(reuse: bool) -> dict:
             "prompts_per_domain": 1,
             "accuracy_prompts_per_domain": 3,
             "samples_per_prompt": 1,
-            "reuse_greedy": reuse,
+            "accuracy_temperature": temperature,
+            "reuse_before": reuse,
         },
         "environments": {d: dict(HARNESS) for d in DOMAINS},
         "checkpoint_every": 1,
     }
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory, renderer, stage_runner) -> dict[str, Path]:
+@pytest.fixture(scope="module", params=[0.0, 0.6], ids=["greedy", "sampled"])
+def run(request, tmp_path_factory, renderer, stage_runner) -> dict:
     """An SFT model, a teacher per effort, and rl-general-low trained from the SFT model (its
-    eval.json holds its before-evaluation: the SFT model's greedy episodes on 4 held-out prompts)."""
+    eval.json holds its before-evaluation: the SFT model's episodes on 4 held-out prompts, greedy
+    or sampled at 0.6)."""
     root = tmp_path_factory.mktemp("mopd-reuse")
     found = {"sft": save_tiny_k3(root / "sft", renderer.tokenizer, seed=0, sharpen=4.0)}
     for seed, effort in enumerate(EFFORTS, start=1):
         found[effort] = save_tiny_k3(root / effort, renderer.tokenizer, seed=seed, sharpen=4.0)
-    body = copy.deepcopy(TINY_RL_BODY) | {"eval": {"prompts": 4}}
+    body = copy.deepcopy(TINY_RL_BODY) | {"eval": {"prompts": 4, "temperature": request.param}}
     body["environments"] = {d: dict(HARNESS) for d in DOMAINS}
     rl = stage_runner.context(
         "rl",
@@ -56,7 +59,7 @@ def run(tmp_path_factory, renderer, stage_runner) -> dict[str, Path]:
     )
     stage_runner.run(rl)
     found["rl"] = rl.stage_dir
-    return found
+    return {**found, "temperature": request.param}
 
 
 def inputs(run: dict[str, Path]) -> dict[str, Path]:
@@ -64,26 +67,29 @@ def inputs(run: dict[str, Path]) -> dict[str, Path]:
     return {"sft": run["sft"], **teachers, "rl-general-low": run["rl"] / ".model-tmp"}
 
 
-def test_the_rl_stage_records_what_its_greedy_before_episodes_were_played_with(run):
+def test_the_rl_stage_records_what_its_before_episodes_were_played_with(run):
     report = json.loads((run["rl"] / "eval.json").read_text())
     protocol, rows = report["before_protocol"], report["episodes"]["before"]
     assert len(protocol["prompts"]) == len(rows["uid"]) == 4
     assert protocol["domain"] == "general" and protocol["engine"] == "embedded"
     assert protocol["environment"]["max_tokens_per_turn"] == 12 and protocol["qat"]["scheme"] == "k3"
-    [(source, recorded, found)] = played_greedy([run["rl"], run["sft"]])  # the sft dir has no eval.json
+    sampled = run["temperature"] > 0
+    assert protocol["sampling"] == {"temperature": run["temperature"], "seed": 0 if sampled else None}
+    [(source, recorded, found)] = played_before([run["rl"], run["sft"]])  # the sft dir has no eval.json
     assert source == "rl-general-low" and recorded == protocol and found == rows
 
 
-def test_taken_greedy_episodes_equal_replayed_ones(run, tmp_path, stage_runner, caplog):
+def test_taken_episodes_equal_replayed_ones(run, tmp_path, stage_runner, caplog):
     reports = {}
     for reuse in (True, False):
-        ctx = stage_runner.context("mopd", tmp_path / str(reuse), mopd_body(reuse), inputs=inputs(run))
+        body = mopd_body(reuse, run["temperature"])
+        ctx = stage_runner.context("mopd", tmp_path / str(reuse), body, inputs=inputs(run))
         with caplog.at_level(logging.INFO, logger=ctx.log.name):
             caplog.clear()
             stage_runner.run(ctx)
         taken = [r.getMessage() for r in caplog.records if "not replayed" in r.getMessage()]
         # only general-low's student is the RL stage's init model at its effort
-        assert taken == (["evaluation before training: the greedy episodes of 1 of 9 pairs taken from "
+        assert taken == (["evaluation before training: the accuracy episodes of 1 of 9 pairs taken from "
                           "rl-general-low (the same student, engine, harness and prompts), not replayed"]
                          if reuse else [])  # fmt: skip
         reports[reuse] = (ctx.stage_dir / "eval.json").read_text()
@@ -101,7 +107,7 @@ def test_the_rows_taken_are_the_rl_stages_first_ones(run, tmp_path, stage_runner
     ctx = stage_runner.context(
         "mopd",
         tmp_path / "run",
-        mopd_body(True),
+        mopd_body(True, run["temperature"]),
         inputs={**inputs(run), "rl-general-low": copied / ".model-tmp"},
     )
     stage_runner.run(ctx)
@@ -111,7 +117,7 @@ def test_the_rows_taken_are_the_rl_stages_first_ones(run, tmp_path, stage_runner
 
 
 def test_episodes_are_taken_only_when_everything_that_fixes_them_matches(run):
-    [(_, played, rows)] = played_greedy([run["rl"]])
+    [(_, played, rows)] = played_before([run["rl"]])
     prefix = {**played, "prompts": played["prompts"][:2]}
     assert same_episodes(prefix, played) and same_episodes(played, played)
     source, taken = taken_rows(prefix, ["a", "b"], [("rl", played, rows)])
@@ -125,6 +131,7 @@ def test_episodes_are_taken_only_when_everything_that_fixes_them_matches(run):
     other_weights = {**played, "policy": "0" * 16}
     other_harness = {**played, "environment": {**played["environment"], "max_tokens_per_turn": 11}}
     other_engine = {**played, "engine": "vllm"}
-    for protocol in (more, other_prompts, other_weights, other_harness, other_engine):
+    other_sampling = {**played, "sampling": {"temperature": 1.0, "seed": 0}}
+    for protocol in (more, other_prompts, other_weights, other_harness, other_engine, other_sampling):
         assert not same_episodes(protocol, played)
         assert taken_rows(protocol, ["a"] * len(protocol["prompts"]), [("rl", played, rows)]) is None
