@@ -120,25 +120,6 @@ def subtract_group_mean(
     return torch.where(mask, advantages - means[index, None], torch.zeros_like(advantages))
 
 
-def scale_by_group_rms(
-    advantages: torch.Tensor, mask: torch.Tensor, group_ids: Sequence[Hashable]
-) -> torch.Tensor:
-    """[B, T] each generated token's advantage divided by the root mean square of its row's group's
-    advantages over their generated tokens (MOPD: the (domain, effort) pair), so every group pushes
-    the shared weights with the same size of signal however near its teacher is; a group whose
-    advantages are all 0 stays 0. Other tokens 0."""
-    mask = mask.bool()
-    index, num_groups = group_indices(group_ids)
-    masked = torch.where(mask, advantages, torch.zeros_like(advantages))
-    squares = torch.zeros(num_groups, dtype=advantages.dtype).index_add_(0, index, (masked**2).sum(-1))
-    counts = torch.zeros(num_groups, dtype=advantages.dtype).index_add_(
-        0, index, mask.sum(-1).to(advantages.dtype)
-    )
-    rms = (squares / counts.clamp(min=1)).sqrt()
-    scale = torch.where(rms > 0, 1.0 / rms, torch.zeros_like(rms))
-    return masked * scale[index, None]
-
-
 def group_balance_weights(mask: torch.Tensor, group_ids: Sequence[Hashable]) -> torch.Tensor:
     """[B] float64 per row total / (groups x its group's generated tokens): a token-mean loss
     weighted by these is the mean over groups of each group's token mean."""

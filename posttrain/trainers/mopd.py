@@ -26,12 +26,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from posttrain.algos.advantages import (
-    group_balance_weights,
-    returns_to_go,
-    scale_by_group_rms,
-    subtract_group_mean,
-)
+from posttrain.algos.advantages import group_balance_weights, returns_to_go, subtract_group_mean
 from posttrain.algos.mopd_reward import NonFiniteLogprobError, exact_reverse_kl, mopd_token_rewards
 from posttrain.algos.policy_loss import PolicyLossConfig
 from posttrain.config.stage_file import check_model_reference
@@ -161,12 +156,6 @@ class MOPDConfig(TeacherRoutingConfig):
         description="pair_mean: subtract from each A_t the mean A over its (domain, effort) pair's "
         "student tokens of the step (a control variate: same expected gradient, less noise)",
     )
-    pair_scale: bool = Field(
-        False,
-        description="divide each pair's A_t (after the baseline) by their root mean square over its "
-        "student tokens of the step: every pair pulls the shared weights as hard, a teacher near the "
-        "student as much as a far one (a pair's signal otherwise scales with its distance)",
-    )
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     environments: dict[str, EnvironmentConfig] = Field(
         default_factory=dict, description="domain -> environment settings (turns, tokens, harness)"
@@ -233,14 +222,10 @@ def advantages_of(
     samples: list[Sample], rewards: torch.Tensor, mask: torch.Tensor, cfg: MOPDConfig
 ) -> torch.Tensor:
     """[N, T] A_t: the discounted return of the rewards from each student token on (`discount`),
-    minus its (domain, effort) pair's mean under `baseline: pair_mean`, divided by the pair's root
-    mean square under `pair_scale`."""
+    minus its (domain, effort) pair's mean under `baseline: pair_mean`."""
     advantages = returns_to_go(rewards, mask, cfg.discount)
-    pairs = [(s.domain, s.effort) for s in samples]
     if cfg.baseline == "pair_mean":
-        advantages = subtract_group_mean(advantages, mask, pairs)
-    if cfg.pair_scale:
-        advantages = scale_by_group_rms(advantages, mask, pairs)
+        advantages = subtract_group_mean(advantages, mask, [(s.domain, s.effort) for s in samples])
     return advantages
 
 

@@ -18,12 +18,7 @@ from transformers import AutoModelForCausalLM
 
 import posttrain.model  # noqa: F401  (registers kimi_k3 with AutoModelForCausalLM)
 from posttrain.algos import paired_change_standard_error, token_mean_standard_error
-from posttrain.algos.advantages import (
-    group_balance_weights,
-    returns_to_go,
-    scale_by_group_rms,
-    subtract_group_mean,
-)
+from posttrain.algos.advantages import group_balance_weights, returns_to_go, subtract_group_mean
 from posttrain.algos.policy_loss import PolicyLossConfig
 from posttrain.data.batch import TokenBatch
 from posttrain.data.chat import ChatRenderer
@@ -504,22 +499,6 @@ def test_the_pair_mean_baseline_centres_each_pairs_student_advantages():
     centred = subtract_group_mean(advantages, mask, [s.domain for s in samples])
     assert centred.tolist() == [[0.0, 0.0, -2.0, 0.0], [0.0, 0.0, 0.0, 2.0], [0.0, 3.0, 0.0, -3.0]]
     assert advantages[0].tolist() == [0.0, 0.0, 1.0, 3.0]  # the input is left as it was
-
-
-def test_pair_scale_gives_a_near_pair_the_same_size_of_signal_as_a_far_one():
-    # a far pair (advantages 3, -3 | 6) and a near one (0.01, -0.02 around a tool result); a third all 0
-    advantages = torch.tensor(
-        [[0.0, 0.0, 3.0, -3.0], [0.0, 0.0, 0.0, 6.0], [0.0, 0.01, 0.0, -0.02], [0.0, 0.0, 0.0, 0.0]],
-        dtype=torch.float64,
-    )  # left-padded
-    mask = torch.tensor([[0, 0, 1, 1], [0, 0, 0, 1], [0, 1, 0, 1], [0, 0, 1, 1]])
-    scaled = scale_by_group_rms(advantages, mask, ["far", "far", "near", "none"])
-    for rows in ([0, 1], [2]):
-        tokens = scaled[rows][mask[rows].bool()]
-        assert float(tokens.pow(2).mean().sqrt()) == pytest.approx(1.0)  # each pair's RMS is 1
-    assert scaled[0, 2:].tolist() == pytest.approx([3 / 18**0.5, -3 / 18**0.5])  # RMS of 3, -3, 6 is sqrt(18)
-    assert (scaled.sign() == advantages.sign()).all()  # directions kept, sizes equalised
-    assert scaled[2, 0] == 0.0 and scaled[3].tolist() == [0.0] * 4  # masked tokens and an all-0 pair stay 0
 
 
 def test_returns_to_go_discount_over_later_student_tokens_and_skip_tool_results():
