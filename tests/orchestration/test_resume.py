@@ -62,13 +62,17 @@ def metrics(run: Path) -> list[tuple[int, float]]:
 
 
 def test_kill_9_at_random_moments_then_rerun_is_bit_identical(write, tmp_path: Path) -> None:
-    stage = write("train.yaml", STAGE)
+    # Each step sleeps 20 ms, so every kill lands before the stage ends: the first (at most 2 s
+    # after start) before its 100 steps can have taken 2 s, the others (at most 50 ms after step 95)
+    # before step 100. Bare, 100 steps took 0.33 s on a fast machine and a kill planned past step 76
+    # found the stage done, leaving nothing to resume (a CI run, 2026-12-03). Sleep leaves the bits.
+    stage = write("train.yaml", STAGE + "pause: 0.02\n")
     reference, resumed = tmp_path / "reference", tmp_path / "resumed"
     uninterrupted = start_cli("run", stage, "--run-dir", reference, cwd=tmp_path)  # alongside the kills
 
     rng = random.Random()
     plan = [(None, rng.uniform(0.0, 2.0))] + [
-        (s, rng.uniform(0.0, 0.05)) for s in sorted(rng.sample(range(2, 99), 2))
+        (s, rng.uniform(0.0, 0.05)) for s in sorted(rng.sample(range(2, 96), 2))
     ]
     events = [kill_when(stage, resumed, step, delay) for step, delay in plan]
     finish(start_cli("run", stage, "--run-dir", resumed, cwd=tmp_path))

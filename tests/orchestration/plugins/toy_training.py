@@ -6,6 +6,8 @@ RNG). It checkpoints every `every` steps and resumes from the newest intact chec
 
 from __future__ import annotations
 
+import time
+
 import torch
 from pydantic import BaseModel, ConfigDict
 from safetensors.torch import save_file
@@ -19,6 +21,7 @@ class ToyTrain(BaseModel):
     every: int = 4
     width: int = 256
     batch: int = 64
+    pause: float = 0.0  # seconds slept after each step: a floor on a step's time, whatever the machine
 
 
 @stage_kind("toy-train", config=ToyTrain)
@@ -48,6 +51,8 @@ def run_toy_train(ctx: StageContext) -> dict[str, float]:
         loss.backward()
         optimizer.step()
         scheduler.step()
+        if cfg.pause:
+            time.sleep(cfg.pause)
         seen += cfg.batch
         ctx.metrics.log(step + 1, loss=loss.item(), lr=scheduler.get_last_lr()[0])
         ctx.progress(step + 1, cfg.steps, loss=loss.item())
