@@ -20,7 +20,7 @@ import torch
 
 from posttrain.algos.mopd_reward import paired_change_standard_error, reverse_kl, token_mean_standard_error
 from posttrain.data.sample import Sample
-from posttrain.envs.env_eval import episode_rows, mean_standard_error, paired_changes, same_episodes
+from posttrain.envs.env_eval import episode_rows, paired_changes, same_episodes, summary
 from posttrain.files import atomic_write_text
 from posttrain.trainers.mopd_teachers import pair_name
 
@@ -62,12 +62,14 @@ def pair_results(samples: list[Sample], with_kl: bool = True) -> dict[str, dict[
 
 
 def row_results(rows: Mapping[str, list]) -> dict[str, float]:
-    """accuracy, accuracy_se, tokens, tokens_se of one pair's episode rows (episode_rows)."""
+    """accuracy, accuracy_se, tokens, tokens_se of one pair's episode rows (episode_rows): the RL
+    stages' summary (posttrain.envs.env_eval.summary, errors over prompts) under MOPD's names."""
+    stats = summary(rows, "pair")
     return {
-        "accuracy": sum(rows["reward"]) / len(rows["uid"]),
-        "accuracy_se": mean_standard_error(rows["reward"]),
-        "tokens": sum(rows["tokens"]) / len(rows["uid"]),
-        "tokens_se": mean_standard_error(rows["tokens"]),
+        "accuracy": stats["accuracy_pair"],
+        "accuracy_se": stats["accuracy_se_pair"],
+        "tokens": stats["mean_response_tokens_pair"],
+        "tokens_se": stats["mean_response_tokens_se_pair"],
     }
 
 
