@@ -131,7 +131,7 @@ class OrderTotal(FileAnswerFamily):
                 effort,
                 f"A customer orders {quantity} units, price {price}, fee {fee}: the total is {expression}.",
                 [f"{quantity} units at {price} dollars each, plus one fee of {fee}."],
-                [f"Estimate: {quantity}*{price} is under {int(quantity) * (int(price) + 10)}."],
+                [f"Check: {expression} adds the fee once."],
             ),
             calls=[("calculator", {"expression": expression})],
         )
@@ -281,7 +281,7 @@ class OrderCost(FileAnswerFamily):
                     effort,
                     f"{plan} with the calculator.",
                     [f"{quantity} units at {price} dollars each."],
-                    [f"Estimate: {expression} is under {int(quantity) * (int(price) + 10)}."],
+                    [f"Check: {expression} multiplies the units by the price."],
                 ),
                 calls=[("calculator", {"expression": expression})],
             )

@@ -43,10 +43,6 @@ class ExactAnswerFamily(ToolFamily):
         return float(normalise_answer(state.answer) == normalise_answer(sample.task["answer"]))
 
 
-def _round10(value: int) -> int:
-    return max(10, round(value, -1))
-
-
 # (question, expression, working) with a, b, c the numbers and n a person's name.
 ARITHMETIC_TEMPLATES = (
     (
@@ -113,14 +109,14 @@ class Arithmetic(ExactAnswerFamily):
         values = sample.task["values"]
         working = [line.format(**values) for line in template[2]]
         a, b = int(values["a"]), int(values["b"])
-        estimate = f"Estimate: {a}*{b} is about {_round10(a)}*{_round10(b)} = {_round10(a) * _round10(b)}."
+        check = f"Check: the calculator computes {a}*{b} exactly."
         plan = f"The answer is {expression}; I will use the calculator."
         yield episode.assistant(
-            thinking(sample.effort, plan, working, [estimate]),
+            thinking(sample.effort, plan, working, [check]),
             calls=[("calculator", {"expression": expression})],
         )
         result = episode.results()[0]
-        checks = [f"Check: {result} is near my estimate, and a count must be a whole number, so it stands."]
+        checks = [f"Check: {result} is a whole number, as a count must be, so it stands."]
         yield episode.assistant(
             thinking(sample.effort, f"The calculator gives {result}.", ["That is the final count."], checks),
             content=result,
@@ -331,9 +327,9 @@ class UnitCost(ExactAnswerFamily):
                 thinking(effort, f"{plan} = {answer}.", working, ["The price is per item."]), content=answer
             )
             return
-        estimate = f"Estimate: {expression} is under {int(q) * (int(p) + 10)}."
+        check = f"Check: {expression} multiplies the count by the price."
         yield episode.assistant(
-            thinking(effort, f"{plan} with the calculator.", working, [estimate]),
+            thinking(effort, f"{plan} with the calculator.", working, [check]),
             calls=[("calculator", {"expression": expression})],
         )
         result = episode.results()[0]
@@ -344,6 +340,6 @@ class UnitCost(ExactAnswerFamily):
         reading = (
             ""
             if effort == "low"
-            else thinking(effort, f"The calculator gives {result}.", [], [f"{result} is under my estimate."])
+            else thinking(effort, f"The calculator gives {result}.", [], ["That is the total price."])
         )
         yield episode.assistant(reading, content=result)
