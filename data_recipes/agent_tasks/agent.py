@@ -86,6 +86,18 @@ class FileAnswerFamily(ToolFamily):
         return float(written is not None and written.strip() == sample.task["answer"])
 
 
+def product_query(product: str) -> str:
+    """The catalog search for `product`, a verbatim piece of the thinking ("I need the X price").
+
+    A query that opens with the product name tokenises its first word without the leading space it
+    has in the prompt and the thinking ('Canyon' against ' Canyon'), so the call cannot copy the
+    name token for token; one SFT seed learnt that mapping badly and searched another product in
+    three of four order_cost and order_total episodes (bench/RESULTS.md). After "the" the name's
+    tokens are the prompt's own.
+    """
+    return f"the {product} price"
+
+
 PRODUCT = r"(?P<product>[A-Z]\w+ [A-Z]\w+): price (?P<price>\d+) dollars, weight (?P<weight>\d+) grams\."
 REGION = r"(?P<region>\w+) region: shipping fee (?P<fee>\d+) dollars per order\."
 STAFF = r"(?P<person>\w+ \w+) works in the (?P<team>\w+) team at the (?P<city>\w+) office\."
@@ -121,7 +133,10 @@ class OrderTotal(FileAnswerFamily):
                 ["The catalog has prices and the shipping document has fees.", "I search both at once."],
                 ["The fee is charged once per order, not per unit."],
             ),
-            calls=[("search", {"query": product}), ("search", {"query": f"{region} region shipping fee"})],
+            calls=[
+                ("search", {"query": product_query(product)}),
+                ("search", {"query": f"{region} region shipping fee"}),
+            ],
         )
         price = _read(episode.results(), rf"{product}: price (\d+)").group(1)
         fee = _read(episode.results(), rf"{region} region: shipping fee (\d+)").group(1)
@@ -270,7 +285,7 @@ class OrderCost(FileAnswerFamily):
                 ["The catalog has the prices.", "Shipping is not asked for."],
                 ["The price is per unit, so the cost is the quantity times the price."],
             ),
-            calls=[("search", {"query": product})],
+            calls=[("search", {"query": product_query(product)})],
         )
         price = _read(episode.results(), rf"{product}: price (\d+)").group(1)
         expression = f"{quantity}*{price}"

@@ -140,3 +140,23 @@ def test_order_total_states_the_quantity_beside_the_call_that_uses_it(renderer, 
         assert expression.startswith(f"{quantity}*"), record["uid"]
         checked += 1
     assert checked == DEFAULT_PER_FAMILY
+
+
+def test_catalog_searches_name_the_product_in_the_tokens_of_the_thinking(renderer, shipped):
+    """A catalog search's query holds the product in the very tokens the thinking names it with
+    (`the Canyon Boots price`): a query opening with the name starts with its bare first word
+    ('Canyon' against the thinking's ' Canyon'), and one SFT seed searched another product in three
+    of four order_cost and order_total episodes (bench/RESULTS.md)."""
+    checked = 0
+    for record in shipped:
+        if record["task"]["family"] not in ("agent/order_cost", "agent/order_total"):
+            continue
+        product = record["task"]["values"]["product"]
+        call = next(m for m in record["messages"] if _calls(m, "search"))
+        arguments = renderer.encode(_calls(call, "search")[0]["function"]["arguments"])
+        name = renderer.encode(f" {product}")
+        assert any(arguments[i : i + len(name)] == name for i in range(len(arguments))), record["uid"]
+        thought = renderer.encode(call["reasoning_content"])
+        assert any(thought[i : i + len(name)] == name for i in range(len(thought))), record["uid"]
+        checked += 1
+    assert checked == DEFAULT_PER_FAMILY + 120
