@@ -314,7 +314,9 @@ class ChatRenderer:
     def parse_assistant(self, ids: list[int]) -> dict[str, Any]:
         """Generated ids after an assistant header -> {"role", "reasoning_content", "content", and
         "tool_calls" when there are any}. Inverts `render_assistant`; tolerates output cut short
-        (finish "length"): an unclosed think block is all reasoning, an unclosed call is dropped.
+        (finish "length"): an unclosed think block is all reasoning, an unclosed call is dropped, and
+        so is a call without an id (a tool message answers an id; sampled at temperature 1, one
+        MOPD evaluation episode wrote the argument token straight after the call token).
         Tokens after the end of turn are ignored."""
         t = self.token_ids
         position = 0
@@ -345,6 +347,9 @@ class ChatRenderer:
             if end >= len(ids):
                 break
             call_id = self.decode(ids[position + 1 : argument])
+            position = end + 1
+            if not call_id:  # sampled without an id: no tool message could answer it, so no call
+                continue
             calls.append(
                 {
                     "id": call_id,
@@ -355,7 +360,6 @@ class ChatRenderer:
                     },
                 }
             )
-            position = end + 1
         return calls
 
 

@@ -134,6 +134,11 @@ def test_parse_assistant_on_cut_and_malformed_output(renderer):
     garbled = [t["tool_calls_begin"], t["tool_call_begin"], *encode("oops"), t["tool_call_argument"]]
     garbled += [*encode("{}"), t["tool_call_end"], t["tool_calls_end"]]
     assert renderer.parse_assistant(garbled)["tool_calls"][0]["function"]["name"] == "oops"
+    no_id = [t["tool_calls_begin"], t["tool_call_begin"], t["tool_call_argument"], *encode("{}")]
+    no_id += [t["tool_call_end"], *call, t["tool_call_end"], t["tool_calls_end"]]
+    assert [c["id"] for c in renderer.parse_assistant(no_id)["tool_calls"]] == ["functions.search:3"]
+    alone = [t["tool_calls_begin"], t["tool_call_begin"], t["tool_call_argument"], *encode("{}")]
+    assert "tool_calls" not in renderer.parse_assistant(alone + [t["tool_call_end"], t["tool_calls_end"]])
     trailing = [t["think_begin"], t["think_end"], *encode("done"), t["end_of_turn"], *encode("junk")]
     assert renderer.parse_assistant(trailing)["content"] == "done"
 

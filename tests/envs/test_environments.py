@@ -93,6 +93,23 @@ def test_tool_calls_run_for_real_and_results_are_appended_never_rerendered(
     assert sample.finish_reason in ("stop", "length", "tool_call")
 
 
+def test_a_call_sampled_without_an_id_ends_the_episode(tmp_path, renderer, tiny_k3_engine):
+    """No tool message can answer a call without an id (the renderer refuses one), so the turn has
+    no calls and the episode ends on it; a MOPD evaluation at temperature 1 crashed on this."""
+    t = renderer.token_ids
+    cfg = EnvironmentConfig(families=["agent/order_total"], max_turns=3)
+    with make_environment("agent", renderer, cfg, sandbox_dir=tmp_path) as env:
+        sample = env.start(env.prompts("train", 1, seed=3)[0], uid="n/0", group="n", effort="low")
+        engine = ScriptedTurns(tiny_k3_engine)
+        turn = [t["think_begin"], t["think_end"], t["tool_calls_begin"], t["tool_call_begin"]]
+        turn += [t["tool_call_argument"], *renderer.encode('{"query": "x"}'), t["tool_call_end"]]
+        engine.script(sample, turn + [t["tool_calls_end"]], "tool_call")
+        env.play(engine, [sample], sampling(renderer))
+    assert sample.done and sample.reward == 0.0
+    assert [m["role"] for m in sample.messages][-1] == "assistant"
+    assert "tool_calls" not in sample.messages[-1]
+
+
 def test_agent_is_scored_on_the_sandbox_files_it_wrote(tmp_path, renderer, tiny_k3_engine):
     cfg = EnvironmentConfig(families=["agent/staff_office"], max_turns=1)
     with make_environment("agent", renderer, cfg, sandbox_dir=tmp_path) as env:
