@@ -64,7 +64,11 @@ def markdown(summary: dict, runs: dict[int, dict]) -> list[str]:
             f"| {row['seeds_holding']}/{row['seeds']} | {'yes' if row['holds_mean'] else 'no'} |"
         )
     held = sum(r["holds_mean"] for r in summary.values())
-    return [*lines, "", f"{held} of {len(summary)} claims hold in the seed mean."]
+    verdict = f"{held} of {len(summary)} claims hold in the seed mean."
+    short = [name for name, row in summary.items() if row["seeds"] < len(seeds)]
+    if short:  # a seed whose stage failed or never ran: its claims are missing, not held
+        verdict += f" {len(short)} of them come from fewer than the {len(seeds)} seeds run (a blank cell)."
+    return [*lines, "", verdict]
 
 
 def main() -> None:
