@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import statistics
+from pathlib import Path
+
+import yaml
 
 from data_recipes.agent_tasks import FAMILIES
 from data_recipes.agent_tasks.generate import (
@@ -15,6 +18,8 @@ from data_recipes.agent_tasks.generate import (
 )
 from posttrain.data.sample import DOMAINS, EFFORTS
 from posttrain.data.trajectory import clean_record, validate_trajectory
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_regenerating_rows_gives_the_shipped_lines(shipped):
@@ -160,3 +165,27 @@ def test_catalog_searches_name_the_product_in_the_tokens_of_the_thinking(rendere
         assert any(thought[i : i + len(name)] == name for i in range(len(thought))), record["uid"]
         checked += 1
     assert checked == DEFAULT_PER_FAMILY + 120
+
+
+def test_every_demonstrated_turn_fits_the_rl_and_mopd_harness(renderer, shipped):
+    """Each assistant turn of the shipped data fits its domain's `max_tokens_per_turn` in the stages
+    that play those tasks: a turn the harness cuts is a demonstrated behaviour that fails by length
+    alone. At 96, general/lookup's max-effort turns over four people (110 tokens) were cut, so RL
+    and the evaluation scored the SFT model's faithful answers 0 (bench/RESULTS.md)."""
+    caps: dict[str, int] = {}
+    for name in ("rl.yaml", "mopd.yaml"):
+        stage = yaml.safe_load((REPO / "stages" / name).read_text())
+        for domain, harness in stage["environments"].items():
+            cap = harness["max_tokens_per_turn"]
+            caps[domain] = min(caps.get(domain, cap), cap)
+    assert set(caps) == set(DOMAINS)
+    for record in shipped:
+        _, mask = renderer.render(record["messages"], record["tools"], record["effort"])[:2]
+        turns, run = [], 0
+        for trained in [*mask, 0]:  # assistant turns are the runs of trained tokens
+            if trained:
+                run += 1
+            elif run:
+                turns.append(run)
+                run = 0
+        assert max(turns) <= caps[record["domain"]], (record["uid"], max(turns), caps[record["domain"]])
