@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from itertools import groupby
 from pathlib import Path
 
 import yaml
@@ -180,12 +181,6 @@ def test_every_demonstrated_turn_fits_the_rl_and_mopd_harness(renderer, shipped)
             caps[domain] = min(caps.get(domain, cap), cap)
     assert set(caps) == set(DOMAINS)
     for record in shipped:
-        _, mask = renderer.render(record["messages"], record["tools"], record["effort"])[:2]
-        turns, run = [], 0
-        for trained in [*mask, 0]:  # assistant turns are the runs of trained tokens
-            if trained:
-                run += 1
-            elif run:
-                turns.append(run)
-                run = 0
+        _, mask = renderer.render(record["messages"], record["tools"], record["effort"])
+        turns = [len(list(run)) for trained, run in groupby(mask) if trained]  # assistant turns
         assert max(turns) <= caps[record["domain"]], (record["uid"], max(turns), caps[record["domain"]])
