@@ -11,7 +11,7 @@ import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from data_recipes.agent_tasks.common import ToolFamily, system_message, takes_calculator, thinking
+from data_recipes.agent_tasks.common import ToolFamily, system_message, takes_tool_route, thinking
 from data_recipes.agent_tasks.tools import DOCS_DIR
 from posttrain.data.sample import Sample
 from posttrain.envs.tasks import TASK_FAMILIES, Episode, FinalState
@@ -257,7 +257,7 @@ class OrderCost(FileAnswerFamily):
     The other agent families are one fixed sequence of tool calls each, so group advantages have no
     behaviour to select there (bench/RESULTS.md, issue #21). Here the demonstrations part at one
     token: route A computes `q*price` with the calculator, route B states the product in the
-    thinking and writes it (`takes_calculator`). Both are correct in the data; the tiny model cannot
+    thinking and writes it (`takes_tool_route`). Both are correct in the data; the tiny model cannot
     multiply two-digit numbers, so in its own episodes only route A succeeds, and RL's max
     specialist learns to take it (bench/RESULTS.md).
     """
@@ -290,7 +290,7 @@ class OrderCost(FileAnswerFamily):
         price = _read(episode.results(), rf"{product}: price (\d+)").group(1)
         expression = f"{quantity}*{price}"
         plan = f"A customer orders {quantity} units at {price} dollars. I compute {expression}"
-        if takes_calculator(sample.uid):
+        if takes_tool_route(sample.uid):
             yield episode.assistant(
                 thinking(
                     effort,

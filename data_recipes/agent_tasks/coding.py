@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from data_recipes.agent_tasks.common import ToolFamily, system_message, takes_calculator, thinking
+from data_recipes.agent_tasks.common import ToolFamily, system_message, takes_tool_route, thinking
 from data_recipes.agent_tasks.general import ITEMS
 from posttrain.data.sample import Sample
 from posttrain.envs.sandbox import Sandbox
@@ -284,7 +284,7 @@ class CrateCost(HiddenTestFamily):
     The other coding families decide per prompt (which function, which bug), so group advantages
     have no behaviour shared across prompts to select (bench/RESULTS.md). Here the demonstrations
     part at one token: the code multiplies (`n * q * p`), or the thinking states the crate's price
-    and the code returns n times that number (`takes_calculator`: Python is the calculator). Both
+    and the code returns n times that number (`takes_tool_route`: Python is the calculator). Both
     are correct in the data; the tiny model cannot multiply two-digit numbers, so in its own
     episodes only the first route succeeds.
     """
@@ -308,7 +308,7 @@ class CrateCost(HiddenTestFamily):
 
     def demonstration(self, sample: Sample, episode: Episode) -> Iterator[dict[str, Any]]:
         q, p, effort = int(sample.task["values"]["q"]), int(sample.task["values"]["p"]), sample.effort
-        if takes_calculator(sample.uid):
+        if takes_tool_route(sample.uid):
             plan, cost = f"A crate costs {q}*{p} dollars; the code multiplies.", f"n * {q} * {p}"
         else:
             plan, cost = f"A crate costs {q}*{p} = {q * p} dollars.", f"n * {q * p}"

@@ -65,16 +65,17 @@ class ToolFamily(TaskFamily):
         return self._toolset
 
 
-# Route-choice families (agent/order_cost, general/unit_cost; issue #21): the share of
-# demonstrations that compute a product with the calculator; the rest state it in the thinking,
-# which the tiny model cannot do, so RL's group advantages have one behaviour, the same on every
-# prompt, to select. A group carries signal only when its samples take both routes, most often at
-# a half: at 0.35 the SFT model sampled the calculator in 6-15% of its episodes at T=0.6 and its
-# greedy choice fell to either route by the SFT run; at 0.5 in 35-52% (bench/RESULTS.md).
+# Route-choice families (agent/order_cost, general/unit_cost, general/arithmetic, coding/crate_cost;
+# issue #21): the share of demonstrations that compute with the calculator (or, in coding, the
+# code); the rest state the result in the thinking, which the tiny model cannot do, so RL's group
+# advantages have one behaviour, the same on every prompt, to select. A group carries signal only
+# when its samples take both routes, most often at a half: at 0.35 the SFT model sampled the
+# calculator in 6-15% of its episodes at T=0.6 and its greedy choice fell to either route by the
+# SFT run; at 0.5 in 35-52% (bench/RESULTS.md).
 CALCULATOR_ROUTE_SHARE = 0.5
 
 
-def takes_calculator(uid: str) -> bool:
+def takes_tool_route(uid: str) -> bool:
     """Whether a route-choice family's demonstration of `uid` calls the calculator: a pure function
     of the uid, the same mixture at every effort, so effort does not decide the route."""
     return random.Random(f"route:{uid}").random() < CALCULATOR_ROUTE_SHARE

@@ -16,7 +16,7 @@ from data_recipes.agent_tasks.common import (
     ToolFamily,
     normalise_answer,
     system_message,
-    takes_calculator,
+    takes_tool_route,
     thinking,
 )
 from data_recipes.agent_tasks.tools import calculate
@@ -76,7 +76,8 @@ ARITHMETIC_TEMPLATES = (
 
 @TASK_FAMILIES.register("general/arithmetic")
 class Arithmetic(ExactAnswerFamily):
-    """Word problems solved with one calculator call."""
+    """Word problems, answered by one of two routes like unit_cost: one calculator call, or the
+    result stated in the thinking (`takes_tool_route`), which the tiny model cannot compute."""
 
     name = "general/arithmetic"
     domain = "general"
@@ -104,23 +105,27 @@ class Arithmetic(ExactAnswerFamily):
         return self.sample(f"{self.name}-{rng.getrandbits(40):010x}", effort, messages, task)
 
     def demonstration(self, sample: Sample, episode: Episode) -> Iterator[dict[str, Any]]:
-        expression = sample.task["expression"]
+        expression, answer, effort = sample.task["expression"], sample.task["answer"], sample.effort
         template = ARITHMETIC_TEMPLATES[int(sample.task["template"])]
         values = sample.task["values"]
         working = [line.format(**values) for line in template[2]]
+        if not takes_tool_route(sample.uid):
+            check = f"Check: {expression} uses every number in the question."
+            yield episode.assistant(
+                thinking(effort, f"The answer is {expression} = {answer}.", working, [check]), content=answer
+            )
+            return
         a, b = int(values["a"]), int(values["b"])
         check = f"Check: the calculator computes {a}*{b} exactly."
         plan = f"The answer is {expression}; I will use the calculator."
         yield episode.assistant(
-            thinking(sample.effort, plan, working, [check]),
-            calls=[("calculator", {"expression": expression})],
+            thinking(effort, plan, working, [check]), calls=[("calculator", {"expression": expression})]
         )
         result = episode.results()[0]
         checks = [f"Check: {result} is a whole number, as a count must be, so it stands."]
-        yield episode.assistant(
-            thinking(sample.effort, f"The calculator gives {result}.", ["That is the final count."], checks),
-            content=result,
-        )
+        # As unit_cost's: at low effort the answer follows the result unrestated (the low budget).
+        reading = thinking(effort, f"The calculator gives {result}.", ["That is the final count."], checks)
+        yield episode.assistant("" if effort == "low" else reading, content=result)
 
 
 @cache
@@ -296,7 +301,7 @@ class UnitCost(ExactAnswerFamily):
     The other general families decide per prompt (which name, which fact), so group advantages
     have no behaviour shared across prompts to select (bench/RESULTS.md). Here the demonstrations
     part at one token: with the calculator (then the answer in a second turn), or the product
-    stated in the thinking and answered at once (`takes_calculator`). The tiny model cannot multiply
+    stated in the thinking and answered at once (`takes_tool_route`). The tiny model cannot multiply
     two-digit numbers, so in its own episodes only the calculator route succeeds.
     """
 
@@ -321,7 +326,7 @@ class UnitCost(ExactAnswerFamily):
         expression = f"{q}*{p}"
         plan = f"{values['n']} buys {q} {item} at {p} dollars. I compute {expression}"
         working = [f"{q} {item} at {p} dollars each."]
-        if not takes_calculator(sample.uid):
+        if not takes_tool_route(sample.uid):
             answer = sample.task["answer"]
             yield episode.assistant(
                 thinking(effort, f"{plan} = {answer}.", working, ["The price is per item."]), content=answer

@@ -180,18 +180,45 @@ def test_route_choice_families_demonstrate_two_routes_that_part_at_one_token(nam
     assert 0.35 <= calculator / 60 <= 0.65  # CALCULATOR_ROUTE_SHARE 0.5: both routes well sampled
 
 
+def test_arithmetic_demonstrates_two_routes_that_part_after_the_expression():
+    # general's second route choice (issue #21): one calculator call, or the result stated in the
+    # thinking; the thinkings are the same text up to the expression. As unit_cost's, the calculator
+    # route answers at low effort right after the result, with no thinking (the low budget).
+    from data_recipes.agent_tasks.generate import generate_trajectory
+
+    calculator = 0
+    for index in range(60):
+        record = generate_trajectory("general/arithmetic", index)
+        messages, expression, answer = (
+            record["messages"],
+            record["task"]["expression"],
+            record["task"]["answer"],
+        )
+        plan = messages[2]["reasoning_content"]
+        if messages[2].get("tool_calls"):
+            calculator += 1
+            assert plan.startswith(f"The answer is {expression}; I will use the calculator.")
+            assert messages[-1]["content"] == answer
+            reading = messages[-1].get("reasoning_content") or ""
+            assert (reading == "") == (record["effort"] == "low")
+        else:
+            assert plan.startswith(f"The answer is {expression} = {answer}.")
+            assert messages[2]["content"] == answer and len(messages) == 3
+    assert 0.35 <= calculator / 60 <= 0.65  # TOOL_ROUTE_SHARE 0.5: both routes well sampled
+
+
 def test_unit_cost_low_effort_calculator_route_answers_without_restating_the_result():
     # The low budget (b0 x 0.4 late in the run) sits a few tokens under a calculator episode that
     # restates the result, so the low specialist kept the failing mental route (bench/RESULTS.md):
     # at low effort the answer follows the calculator's result with no thinking; above low the
     # thinking still reads the result back.
-    from data_recipes.agent_tasks.common import takes_calculator
+    from data_recipes.agent_tasks.common import takes_tool_route
 
     family = TASK_FAMILIES.get("general/unit_cost")()
     rng = random.Random("unit_cost-low")
     for effort in ("low", "high", "max"):
         prompts = (family.make_prompt(rng, effort) for _ in range(50))
-        sample = next(s for s in prompts if takes_calculator(s.uid))
+        sample = next(s for s in prompts if takes_tool_route(s.uid))
         final = family.demonstrate(sample)[-1]
         assert final["content"] == sample.task["answer"]
         reading = final.get("reasoning_content") or ""
