@@ -64,6 +64,11 @@ def losses(stage_dir: Path) -> list[float]:
     return [r["loss"] for r in read_metrics(stage_dir / "metrics.jsonl") if "loss" in r]
 
 
+def relative_gap(values: list[float], reference: list[float]) -> float:
+    """The largest relative difference of two loss curves, step by step."""
+    return max(abs(v - r) / abs(r) for v, r in zip(values, reference, strict=True))
+
+
 def weights(model_dir: Path) -> dict[str, torch.Tensor]:
     return KimiK3ForCausalLM.from_pretrained(model_dir).state_dict()
 
@@ -177,15 +182,20 @@ def test_bf16_activation_checkpointing_and_qat_under_fsdp2(tmp_path, recipe) -> 
     launch({"recipe": name, "data": data, "runs": runs}, 2, tmp_path)
 
     reference = losses(tmp_path / "fp32" / "sft")
-    assert losses(tmp_path / "ac" / "sft") == pytest.approx(reference, rel=1e-5)
-    assert losses(tmp_path / "allreduce" / "sft") == pytest.approx(reference, rel=1e-5)
+    same_math = [losses(tmp_path / run / "sft") for run in ("ac", "allreduce")]
+    for run_losses in same_math:
+        assert run_losses == pytest.approx(reference, rel=1e-5)
+    # how far runs of the same math fall apart (reduction order): QAT's change must stand above it
+    float_noise = max(relative_gap(run_losses, reference) for run_losses in same_math)
     bf16 = losses(tmp_path / "bf16" / "sft")
     assert bf16 == pytest.approx(reference, rel=1e-2)
     # it did compute in bf16: on the shipped fixture rows its losses differ by 5e-6 to 8e-6 relative
     assert bf16 != pytest.approx(reference, rel=1e-6)
     qat_losses = losses(tmp_path / "qat" / "sft")
     assert losses(tmp_path / "qat2" / "sft") == pytest.approx(qat_losses, rel=1e-5)
-    assert qat_losses != pytest.approx(reference, rel=1e-5)  # the fake quantisation changed the loss
+    # the fake quantisation changed the loss: on the shipped fixture rows by 6e-6 relative at most
+    # in these first steps (under a fixed tolerance of 1e-5), while the same math gave equal losses
+    assert relative_gap(qat_losses, reference) > 10 * float_noise
     qat_out = tmp_path / "qat2" / "sft" / ".model-tmp"
     assert json.loads((qat_out / "config.json").read_text())["posttrain_qat"]["scheme"] == "k3"
     # MX fake quantisation is a step function: an fp32 rounding difference between the sharded and
