@@ -39,7 +39,11 @@ def small_recipe(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
         by_family.setdefault(row["task"]["family"], []).append(row)
     chosen = [row for family in sorted(by_family) for row in by_family[family][:3]]
     assert len(chosen) == BAD_ROW_INDEX
-    bad = json.loads(json.dumps(by_family["general/arithmetic"][5]))
+    # an arithmetic row the chosen ones leave out that takes the calculator route (the other states
+    # its result in the thinking, no tool call)
+    left_out = by_family["general/arithmetic"][3:]
+    calculator = next(row for row in left_out if "tool_calls" in row["messages"][2])
+    bad = json.loads(json.dumps(calculator))
     bad["uid"] = "bad-arguments"
     bad["messages"][2]["tool_calls"][0]["function"]["arguments"] = "{expression: 8*16"
     path = tmp_path_factory.mktemp("sft-data") / "small.jsonl"
