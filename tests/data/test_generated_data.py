@@ -170,11 +170,12 @@ def test_catalog_searches_name_the_product_in_the_tokens_of_the_thinking(rendere
 
 def test_every_demonstrated_turn_fits_the_rl_and_mopd_harness(renderer, shipped):
     """Each assistant turn of the shipped data fits its domain's `max_tokens_per_turn` in the stages
-    that play those tasks: a turn the harness cuts is a demonstrated behaviour that fails by length
-    alone. At 96, general/lookup's max-effort turns over four people (110 tokens) were cut, so RL
-    and the evaluation scored the SFT model's faithful answers 0 (bench/RESULTS.md)."""
+    that play those tasks (the default's and the vision option's RL and MOPD): a turn the harness
+    cuts is a demonstrated behaviour that fails by length alone. At 96, general/lookup's max-effort
+    turns over four people (110 tokens) were cut, so RL and the evaluation scored the SFT model's
+    faithful answers 0 (bench/RESULTS.md)."""
     caps: dict[str, int] = {}
-    for name in ("rl.yaml", "mopd.yaml"):
+    for name in ("rl.yaml", "mopd.yaml", "vision/rl.yaml", "vision/mopd.yaml"):
         stage = yaml.safe_load((REPO / "stages" / name).read_text())
         for domain, harness in stage["environments"].items():
             cap = harness["max_tokens_per_turn"]
