@@ -115,8 +115,7 @@ class Arithmetic(ExactAnswerFamily):
                 thinking(effort, f"The answer is {expression} = {answer}.", working, [check]), content=answer
             )
             return
-        a, b = int(values["a"]), int(values["b"])
-        check = f"Check: the calculator computes {a}*{b} exactly."
+        check = f"Check: the calculator computes {values['a']}*{values['b']} exactly."
         plan = f"The answer is {expression}; I will use the calculator."
         yield episode.assistant(
             thinking(effort, plan, working, [check]), calls=[("calculator", {"expression": expression})]
