@@ -204,7 +204,7 @@ def test_arithmetic_demonstrates_two_routes_that_part_after_the_expression():
         else:
             assert plan.startswith(f"The answer is {expression} = {answer}.")
             assert messages[2]["content"] == answer and len(messages) == 3
-    assert 0.35 <= calculator / 60 <= 0.65  # TOOL_ROUTE_SHARE 0.5: both routes well sampled
+    assert 0.35 <= calculator / 60 <= 0.65  # CALCULATOR_ROUTE_SHARE 0.5: both routes well sampled
 
 
 def test_unit_cost_low_effort_calculator_route_answers_without_restating_the_result():
