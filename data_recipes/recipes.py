@@ -43,15 +43,21 @@ def agent_sft_agentic() -> Recipe:
 # SFT's 1200 steps (240 gave about 600, and it read only the digits); 1440 give about 2400 (1.78
 # epochs) and answer more new drawn questions: greedy 0.500 -> 0.605 on 600 (issue #22).
 VISUAL_SFT_ROWS = 1440
+# general/visual_cost's route-choice rows (half each route), as many as a text route family's
+VISUAL_COST_SFT_ROWS = 240
 
 
-def write_visual_sft(out: Path, rows: int = VISUAL_SFT_ROWS, seed: int = 0) -> Path:
-    """Write `rows` demonstrated general/visual trajectories (byte-identical for a seed) to `out`,
-    through a temporary file renamed into place, so concurrent stages never read half a file."""
-    from data_recipes.agent_tasks import VISUAL_FAMILIES
+def write_visual_sft(
+    out: Path, rows: int = VISUAL_SFT_ROWS, cost_rows: int = VISUAL_COST_SFT_ROWS, seed: int = 0
+) -> Path:
+    """Write `rows` demonstrated general/visual trajectories and `cost_rows` general/visual_cost
+    ones (byte-identical for a seed) to `out`, through a temporary file renamed into place, so
+    concurrent stages never read half a file."""
+    from data_recipes.agent_tasks import visual
     from data_recipes.agent_tasks.generate import generate_trajectory, to_jsonl
 
-    records = [generate_trajectory(name, index, seed) for name in VISUAL_FAMILIES for index in range(rows)]
+    counts = {visual.VisualQuestions.name: rows, visual.VisualCost.name: cost_rows}
+    records = [generate_trajectory(name, index, seed) for name, n in counts.items() for index in range(n)]
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}")
     tmp.write_text(to_jsonl(records))
@@ -62,7 +68,7 @@ def write_visual_sft(out: Path, rows: int = VISUAL_SFT_ROWS, seed: int = 0) -> P
 @DATA_RECIPES.register("visual_sft")
 def visual_sft() -> Recipe:
     # the row count in the name: runs of another version of this file never read each other's rows
-    name = f"visual_sft-{VISUAL_SFT_ROWS}.jsonl"
+    name = f"visual_sft-{VISUAL_SFT_ROWS}-{VISUAL_COST_SFT_ROWS}.jsonl"
     path = write_visual_sft(Path(tempfile.gettempdir()) / "posttrain-recipes" / name)
     return Recipe(
         sources=(MixtureSource(str(path)),), eval_fraction=0.05, description="drawn visual questions"

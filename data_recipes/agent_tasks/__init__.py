@@ -1,10 +1,16 @@
 """Shipped task families for the default run (general, agent, coding) and their real tools.
 
 Importing this package registers the families in posttrain.envs.tasks.TASK_FAMILIES. FAMILIES are
-the default run's; `visual.VisualQuestions` (general/visual, images) is registered too but opt-in.
+the default run's; the visual families (general/visual, general/visual_cost: images) are
+registered too but opt-in.
 """
 
-from data_recipes.agent_tasks import agent, coding, general, visual
+from data_recipes.agent_tasks import (
+    agent,
+    coding,
+    general,
+    visual,  # noqa: F401  (registers the opt-in image families)
+)
 
 FAMILIES: tuple[str, ...] = (
     general.Arithmetic.name,
@@ -22,6 +28,4 @@ FAMILIES: tuple[str, ...] = (
     coding.CrateCost.name,
 )
 
-VISUAL_FAMILIES: tuple[str, ...] = (visual.VisualQuestions.name,)
-
-__all__ = ["FAMILIES", "VISUAL_FAMILIES"]
+__all__ = ["FAMILIES"]

@@ -320,30 +320,39 @@ class UnitCost(ExactAnswerFamily):
         return self.sample(f"{self.name}-{rng.getrandbits(40):010x}", effort, messages, task)
 
     def demonstration(self, sample: Sample, episode: Episode) -> Iterator[dict[str, Any]]:
-        values, effort = sample.task["values"], sample.effort
+        values = sample.task["values"]
         q, p, item = values["q"], values["p"], values["item"]
         expression = f"{q}*{p}"
         plan = f"{values['n']} buys {q} {item} at {p} dollars. I compute {expression}"
-        working = [f"{q} {item} at {p} dollars each."]
-        if not takes_tool_route(sample.uid):
-            answer = sample.task["answer"]
-            yield episode.assistant(
-                thinking(effort, f"{plan} = {answer}.", working, ["The price is per item."]), content=answer
-            )
-            return
-        check = f"Check: {expression} multiplies the count by the price."
+        yield from priced_routes(sample, episode, plan, [f"{q} {item} at {p} dollars each."], expression)
+
+
+def priced_routes(
+    sample: Sample, episode: Episode, plan: str, working: list[str], expression: str
+) -> Iterator[dict[str, Any]]:
+    """unit_cost's two routes after a plan ending at the product's expression (general/visual_cost
+    shares them): the product stated in the thinking and answered at once, or the calculator called
+    on `expression` and its result answered (`takes_tool_route` picks by uid)."""
+    effort = sample.effort
+    if not takes_tool_route(sample.uid):
+        answer = sample.task["answer"]
         yield episode.assistant(
-            thinking(effort, f"{plan} with the calculator.", working, [check]),
-            calls=[("calculator", {"expression": expression})],
+            thinking(effort, f"{plan} = {answer}.", working, ["The price is per item."]), content=answer
         )
-        result = episode.results()[0]
-        # At low effort the answer follows the call without restating it: the calculator route then
-        # thinks no longer than the mental one, whose thinking is shorter by the call's turn, and the
-        # low budget no longer scores the working route's successes below the failing route's
-        # failures (bench/RESULTS.md, "Why seed 2's general-low specialist kept the failing route").
-        reading = (
-            ""
-            if effort == "low"
-            else thinking(effort, f"The calculator gives {result}.", [], ["That is the total price."])
-        )
-        yield episode.assistant(reading, content=result)
+        return
+    check = f"Check: {expression} multiplies the count by the price."
+    yield episode.assistant(
+        thinking(effort, f"{plan} with the calculator.", working, [check]),
+        calls=[("calculator", {"expression": expression})],
+    )
+    result = episode.results()[0]
+    # At low effort the answer follows the call without restating it: the calculator route then
+    # thinks no longer than the mental one, whose thinking is shorter by the call's turn, and the
+    # low budget no longer scores the working route's successes below the failing route's
+    # failures (bench/RESULTS.md, "Why seed 2's general-low specialist kept the failing route").
+    reading = (
+        ""
+        if effort == "low"
+        else thinking(effort, f"The calculator gives {result}.", [], ["That is the total price."])
+    )
+    yield episode.assistant(reading, content=result)

@@ -7,8 +7,11 @@ are seven-segment glyphs (no font file), shapes never overlap, bars differ in he
 tenth of the chart. The image is 112 x 112 px: 8 x 8 patches of 14 px, 16 visual tokens after
 MoonViT's 2 x 2 merge, and exactly the tiny vision preset's position table (no resize).
 
-The family is opt-in (`TaskFamily.opt_in`): an environment offers it only when its config lists
-it (`environments.general.families`), so the text-only default run never meets an image.
+general/visual_cost reads a drawn digit as a count and prices it: the visual twin of
+general/unit_cost's route choice (the calculator, or the product stated in the thinking).
+
+Both families are opt-in (`TaskFamily.opt_in`): an environment offers one only when its config
+lists it (`environments.general.families`), so the text-only default run never meets an image.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any
 from PIL import Image, ImageDraw
 
 from data_recipes.agent_tasks.common import system_message, thinking
-from data_recipes.agent_tasks.general import ExactAnswerFamily
+from data_recipes.agent_tasks.general import ITEMS, NAMES, ExactAnswerFamily, priced_routes
 from posttrain.data.images import image_to_data_uri
 from posttrain.data.sample import Sample
 from posttrain.envs.tasks import TASK_FAMILIES, Episode
@@ -164,3 +167,54 @@ class VisualQuestions(ExactAnswerFamily):
             working = [f"Bar {answer} from the left is the tallest."]
         checks = [f"Check: the answer is a single number, {answer}."]
         yield episode.assistant(thinking(sample.effort, plan, working, checks), content=answer)
+
+
+@TASK_FAMILIES.register("general/visual_cost")
+class VisualCost(ExactAnswerFamily):
+    """A drawn digit (2-9) is how many items someone buys at a stated price: read the digit, then
+    multiply, by one of two routes (issue #22).
+
+    general/visual's specialists did not rise above the SFT model: with the tower fixed, RL moved
+    the answers' prior, not the reading (bench/RESULTS.md). Here, as in general/unit_cost, half the
+    demonstrations call the calculator on digit*price and half state the product in the thinking
+    (`takes_tool_route`); the tiny model cannot multiply a two-digit price in its head, so only the
+    calculator route succeeds, and group advantages have one behaviour, the same on every image, to
+    select. Both routes need the digit read right, so the gain stays a visual question's.
+    """
+
+    name = "general/visual_cost"
+    domain = "general"
+    opt_in = True
+    tool_names = ("calculator",)
+
+    def make_prompt(self, rng: random.Random, effort: str) -> Sample:
+        seed = rng.getrandbits(32)
+        while draw("digit", seed)[1]["digit"] in "01":  # 0 and 1 need no multiplying
+            seed = rng.getrandbits(32)
+        image, facts = draw("digit", seed)
+        values = {"n": rng.choice(NAMES), "price": str(rng.randint(12, 60)), "item": rng.choice(ITEMS)}
+        question = (
+            "{n} buys as many {item} as the digit in the image shows, at {price} dollars each. "
+            "How many dollars does {n} pay?"
+        ).format(**values)
+        user = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}
+        answer = str(int(facts["digit"]) * int(values["price"]))
+        task = {"answer": answer, "kind": "digit_cost", "seed": seed, "facts": facts, "values": values}
+        sample = self.sample(
+            f"{self.name}-{seed:08x}", effort, [system_message(self.domain, rng), user], task
+        )
+        sample.images = [image_to_data_uri(image)]
+        return sample
+
+    def demonstration(self, sample: Sample, episode: Episode) -> Iterator[dict[str, Any]]:
+        digit, values = sample.task["facts"]["digit"], sample.task["values"]
+        expression = f"{digit}*{values['price']}"
+        # The segments before the digit, at every effort (general/visual's digit demonstrations read
+        # them first too): named first, the digit was a guess the next words only rationalised, and
+        # two of three SFT seeds' calculator routes solved 11% (bench/RESULTS.md).
+        plan = (
+            f"The segments {SEGMENTS[digit]} are lit, which is {digit}, so {values['n']} buys {digit} "
+            f"{values['item']}. I compute {expression}"
+        )
+        working = [f"{digit} {values['item']} at {values['price']} dollars each."]
+        yield from priced_routes(sample, episode, plan, working, expression)

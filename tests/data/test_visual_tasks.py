@@ -99,3 +99,46 @@ def test_the_verifier_takes_only_the_answer_and_demonstrations_are_verified():
         assert FAMILY.verify(sample, FinalState(answer="I cannot see images.")) == 0.0
         messages = FAMILY.demonstrate(sample)  # raises unless the demonstration verifies
         assert messages[-1]["content"] == answer
+
+
+COST = TASK_FAMILIES.get("general/visual_cost")()
+
+
+def test_visual_cost_prices_the_drawn_digit_and_offers_the_calculator():
+    rng = random.Random("visual-cost-test")
+    first = [COST.make_prompt(rng, "max") for _ in range(40)]
+    rng = random.Random("visual-cost-test")
+    assert first == [COST.make_prompt(rng, "max") for _ in range(40)]
+    assert COST.opt_in and [t["function"]["name"] for t in first[0].tools] == ["calculator"]
+    for sample in first:
+        image, facts = draw("digit", sample.task["seed"])
+        assert image_to_data_uri(image) == sample.images[0] and facts == sample.task["facts"]
+        digit, price = int(facts["digit"]), int(sample.task["values"]["price"])
+        assert 2 <= digit <= 9 and 12 <= price <= 60  # a product the tiny model cannot state
+        assert sample.task["answer"] == str(digit * price)
+        question = sample.messages[-1]["content"][-1]["text"]
+        assert f"at {price} dollars" in question and facts["digit"] not in question.replace(str(price), "")
+        assert COST.verify(sample, FinalState(answer=str(digit * price + 1))) == 0.0
+
+
+def test_visual_cost_demonstrates_two_routes_that_part_at_one_token():
+    # As general/unit_cost (issue #21), the choice RL can select, on an image (issue #22): the
+    # calculator on digit*price, or the product stated in the thinking; both read the digit first.
+    from data_recipes.agent_tasks.generate import generate_trajectory
+
+    calculator = 0
+    for index in range(60):
+        record = generate_trajectory("general/visual_cost", index)
+        digit, price = record["task"]["facts"]["digit"], record["task"]["values"]["price"]
+        calls = [c["function"]["name"] for m in record["messages"] for c in m.get("tool_calls") or []]
+        thoughts = " ".join(m["reasoning_content"] for m in record["messages"] if m.get("reasoning_content"))
+        # the lit segments are read before the digit is named, at every effort
+        lit = f"The segments {SEGMENTS[digit]} are lit, which is {digit}, so "
+        assert thoughts.startswith(lit) and len(record["images"]) == 1
+        if calls:
+            calculator += 1
+            assert calls == ["calculator"] and f"I compute {digit}*{price} with the calculator." in thoughts
+        else:
+            assert f"I compute {digit}*{price} = {int(digit) * int(price)}." in thoughts
+        assert record["messages"][-1]["content"] == record["task"]["answer"]
+    assert 0.35 <= calculator / 60 <= 0.65  # CALCULATOR_ROUTE_SHARE 0.5: both routes well sampled

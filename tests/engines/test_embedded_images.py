@@ -59,10 +59,10 @@ def trainer_logprobs(model, samples: list[Sample], pad_id: int) -> torch.Tensor:
     return torch.cat([torch.zeros(len(samples), 1), logp], dim=1), batch
 
 
-def test_the_visual_family_is_opt_in(renderer, tmp_path):
+def test_the_visual_families_are_opt_in(renderer, tmp_path):
     with make_environment("general", renderer, EnvironmentConfig(), sandbox_dir=tmp_path) as env:
-        assert "general/visual" not in env.family_names and env.family_names
-    assert TASK_FAMILIES.get("general/visual").opt_in
+        assert env.family_names and not {"general/visual", "general/visual_cost"} & set(env.family_names)
+    assert TASK_FAMILIES.get("general/visual").opt_in and TASK_FAMILIES.get("general/visual_cost").opt_in
 
 
 @pytest.mark.parametrize("decode", ["dynamic", "static"])

@@ -34,11 +34,14 @@ from posttrain.trainers.sft_data import _render
 REPO = Path(__file__).resolve().parents[2]
 VISION_PRESET = "models/vision-tiny.yaml"
 LOADER = REPO / "tests" / "model" / "vllm_vision_load.py"
+VISUAL_ROWS, COST_ROWS = 32, 8  # general/visual and general/visual_cost rows of the test recipe
 
 
 @pytest.fixture(scope="module")
 def visual_recipe(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
-    path = write_visual_sft(tmp_path_factory.mktemp("visual-sft") / "visual.jsonl", rows=32)
+    path = write_visual_sft(
+        tmp_path_factory.mktemp("visual-sft") / "visual.jsonl", rows=VISUAL_ROWS, cost_rows=COST_ROWS
+    )
     name = f"test-visual-sft-{path.parent.name}"
     DATA_RECIPES.register(name)(lambda: Recipe(sources=(MixtureSource(str(path)),), eval_fraction=0.25))
     return name, path
@@ -46,10 +49,11 @@ def visual_recipe(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
 
 def test_the_visual_recipe_is_reproducible_and_holds_its_images(tmp_path, visual_recipe):
     _, path = visual_recipe
-    again = write_visual_sft(tmp_path / "again.jsonl", rows=32)
+    again = write_visual_sft(tmp_path / "again.jsonl", rows=VISUAL_ROWS, cost_rows=COST_ROWS)
     assert again.read_bytes() == path.read_bytes()
     records = [json.loads(line) for line in path.read_text().splitlines()]
-    assert len(records) == 32 and {r["task"]["kind"] for r in records} == {"count", "digit", "bar"}
+    kinds = {r["task"]["kind"] for r in records}
+    assert len(records) == VISUAL_ROWS + COST_ROWS and kinds == {"count", "digit", "bar", "digit_cost"}
     for record in records:
         parts = [p for m in record["messages"] if isinstance(m["content"], list) for p in m["content"]]
         assert [p["type"] for p in parts].count("image") == len(record["images"]) == 1
@@ -93,7 +97,7 @@ def vision_sft(tmp_path_factory, visual_recipe, stage_runner):
 def test_sft_with_images_learns_and_saves_the_vision_weights(vision_sft, stage_runner, tmp_path):
     ctx, final = vision_sft
     assert final["eval_loss_after"] < final["eval_loss_before"] - 0.5
-    assert final["data/kept"] == 32 and 0.0 <= final["tool_success_after"] <= 1.0
+    assert final["data/kept"] == VISUAL_ROWS + COST_ROWS and 0.0 <= final["tool_success_after"] <= 1.0
 
     config = json.loads((ctx.output_dir / "config.json").read_text())
     assert config["architectures"] == ["KimiK3ForConditionalGeneration"]
