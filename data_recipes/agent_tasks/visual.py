@@ -189,9 +189,10 @@ class VisualCost(ExactAnswerFamily):
 
     def make_prompt(self, rng: random.Random, effort: str) -> Sample:
         seed = rng.getrandbits(32)
-        while draw("digit", seed)[1]["digit"] in "01":  # 0 and 1 need no multiplying
-            seed = rng.getrandbits(32)
         image, facts = draw("digit", seed)
+        while facts["digit"] in "01":  # 0 and 1 need no multiplying
+            seed = rng.getrandbits(32)
+            image, facts = draw("digit", seed)
         values = {"n": rng.choice(NAMES), "price": str(rng.randint(12, 60)), "item": rng.choice(ITEMS)}
         question = (
             "{n} buys as many {item} as the digit in the image shows, at {price} dollars each. "
