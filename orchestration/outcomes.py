@@ -9,6 +9,9 @@ the standard error of that mean and how many seeds hold. The claims (issue #21's
 - low_within_5/<domain>: the low specialist loses at most 5 points of accuracy against the SFT
   model at low effort;
 - length_order/<domain>: the specialists' mean response tokens low < high < max;
+- <subset>_beats_sft/<domain>-<effort>: on a named eval subset of the RL stages (eval.subsets, e.g.
+  the visual questions), the specialist's accuracy minus the SFT model's at its effort, by at least
+  2 standard errors;
 - mopd_kl_down/<domain>-<effort>: MOPD lowers the exact reverse KL (the sampled one where no exact
   one was measured) to that pair's teacher by at least 1 paired standard error;
 - mopd_keeps_90/<domain>-<effort>: the student keeps at least 90% of its teacher's accuracy.
@@ -51,8 +54,8 @@ def claim(value: float, se: float, rule: str) -> dict[str, Any]:
 
 
 def rl_claims(run_dir: Path, domains: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """max_beats_sft, low_within_5 and length_order per domain from DIR/rl-<domain>-<effort>/eval.json;
-    a domain whose three evaluations are not all there is left out."""
+    """max_beats_sft, low_within_5, length_order and the eval subsets' claims per domain from
+    DIR/rl-<domain>-<effort>/eval.json; a domain whose three evaluations are not all there is left out."""
     claims: dict[str, dict[str, Any]] = {}
     for domain in domains:
         evals = {e: _read(run_dir / f"rl-{domain}-{e}" / "eval.json") for e in EFFORTS}
@@ -64,6 +67,10 @@ def rl_claims(run_dir: Path, domains: Sequence[str]) -> dict[str, dict[str, Any]
         tokens = [evals[e]["mean_response_tokens"] for e in EFFORTS]
         ordered = float(tokens[0] < tokens[1] < tokens[2])
         claims[f"length_order/{domain}"] = {**claim(ordered, 0.0, "order"), "tokens": tokens}
+        for effort, report in evals.items():
+            for name, subset in report.get("subsets", {}).items():
+                change, se = subset["accuracy_change"], subset["accuracy_change_se"]
+                claims[f"{name}_beats_sft/{domain}-{effort}"] = claim(change, se, "z>=2")
     return claims
 
 

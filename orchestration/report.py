@@ -218,16 +218,25 @@ def evaluation_sections(pipeline: Pipeline, run_dir: Path) -> list[str]:
             "## RL evaluations",
             "",
             f"Held-out prompts, {_protocol(rl[0][1])}; ± one standard error over prompts; changes "
-            "paired (the same episodes before and after).",
+            'paired (the same episodes before and after). A row "stage (subset)" is an eval subset: '
+            "its own prompts of some of the domain's families and episodes a prompt (eval.json).",
             "",
             "| stage | prompts | SFT accuracy | accuracy | change | SFT tokens | tokens | change |",
             "| --- | ---: | --- | --- | --- | --- | --- | --- |",
         ]
-        for sid, r in rl:
+        rows = [  # each stage, then its eval subsets (their own prompts) as "stage (subset)"
+            (label, r)
+            for sid, report in rl
+            for label, r in [
+                (sid, report),
+                *((f"{sid} ({n})", x) for n, x in report.get("subsets", {}).items()),
+            ]
+        ]
+        for label, r in rows:
             if "accuracy_change_se" not in r:
                 continue  # written by an older version, without errors
             lines.append(
-                f"| {sid} | {r['prompts']} | {_pm(r['sft']['accuracy'], r['sft']['accuracy_se'])} "
+                f"| {label} | {r['prompts']} | {_pm(r['sft']['accuracy'], r['sft']['accuracy_se'])} "
                 f"| {_pm(r['accuracy'], r['accuracy_se'])} "
                 f"| {_change(r['accuracy_change'], r['accuracy_change_se'])} "
                 f"| {_pm(r['sft']['mean_response_tokens'], r['sft']['mean_response_tokens_se'], 1)} "

@@ -36,9 +36,21 @@ from pydantic import BaseModel, ConfigDict, Field
 from posttrain.data.sample import Sample
 from posttrain.engines.base import Engine
 from posttrain.envs.environments import TRUNCATED, Environment
+from posttrain.envs.tasks import TASK_FAMILIES
 
 if TYPE_CHECKING:
     import torch
+
+
+class EvalSubset(BaseModel):
+    """A second held-out evaluation on some of the domain's families, larger than their share of
+    the domain's `prompts`: the visual questions are two of the general environment's seven
+    families, about 27 of 96 prompts, too few to tell a specialist's change on them."""
+
+    model_config = ConfigDict(extra="forbid")
+    families: list[str] = Field(min_length=1, description="task families of one domain, each offered there")
+    prompts: int = Field(96, gt=0, description="held-out prompts of these families, in turn")
+    samples_per_prompt: int = Field(1, gt=0, description="episodes per prompt")
 
 
 class EvalConfig(BaseModel):
@@ -56,6 +68,39 @@ class EvalConfig(BaseModel):
     seed: int = Field(
         0, description="draws the held-out prompts (not the stage seed: every effort sees the same)"
     )
+    subsets: dict[str, EvalSubset] = Field(
+        default_factory=dict,
+        description="named extra evaluations (before and after, in eval.json and the report); a stage "
+        "plays those whose families are its domain's, so one list serves a matrix over domains",
+    )
+
+
+def domain_subsets(cfg: EvalConfig, env: Environment) -> dict[str, EvalSubset]:
+    """The subsets `env`'s stages play: those whose families belong to its domain. A subset whose
+    families span domains, or name one the environment does not offer, is a config error."""
+    out = {}
+    for name, subset in cfg.subsets.items():
+        domains = {TASK_FAMILIES.get(family).domain for family in subset.families}
+        if len(domains) > 1:
+            raise ValueError(
+                f"eval.subsets.{name}: its families belong to the domains {sorted(domains)}; a subset "
+                "is evaluated by one domain's stages, so split it into one subset per domain"
+            )
+        if env.domain not in domains:
+            continue
+        missing = [family for family in subset.families if family not in env.family_names]
+        if missing:
+            raise ValueError(
+                f"eval.subsets.{name}: {missing} not offered by the {env.domain} environment; list "
+                f"them under environments.{env.domain}.families (its episodes need the family)"
+            )
+        out[name] = subset
+    return out
+
+
+def subset_config(cfg: EvalConfig, subset: EvalSubset) -> EvalConfig:
+    """The evaluation settings of one subset: the domain's, with its own episodes per prompt."""
+    return cfg.model_copy(update={"samples_per_prompt": subset.samples_per_prompt, "subsets": {}})
 
 
 def mean_standard_error(values: Sequence[float]) -> float:

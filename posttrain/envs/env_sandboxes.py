@@ -10,10 +10,17 @@ and /dev/shm (not part of snapshots) are emptied when a sandbox comes back to th
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
-from posttrain.envs.sandbox import Sandbox
+from posttrain.envs.sandbox import Sandbox, SandboxError
+
+# Starting a sandbox can fail for a moment (its pid 1 missing its start-up deadline on a loaded
+# machine, a process limit briefly reached): a failed start is retried after a pause before the
+# episode, and with it the stage, is given up. A start that fails every time is an error.
+START_ATTEMPTS = 3
+START_RETRY_PAUSE_S = 1.0
 
 # /tmp and /dev/shm are the sandbox's own memory-backed mounts, outside /workspace and so outside
 # snapshots; an agent could leave notes there for the next episode played in the same sandbox.
@@ -38,13 +45,14 @@ class SandboxPool:
         self._lent: set[int] = set()
         self._empty: str | None = None
         self.created = 0
+        self.start_retries = 0  # failed starts that a later attempt made good
 
     def acquire(self, snapshot: str | None = None) -> Sandbox:
         """A sandbox with an empty workspace, or with `snapshot`'s files when given."""
         if self._idle:
             sandbox = self._idle.pop()
         else:
-            sandbox = Sandbox(**self.limits, snapshot_root=self.snapshot_root)
+            sandbox = self._start()
             self.created += 1
             if self._empty is None:
                 self._empty = sandbox.snapshot()
@@ -55,6 +63,20 @@ class SandboxPool:
             raise
         self._lent.add(id(sandbox))
         return sandbox
+
+    def _start(self) -> Sandbox:
+        attempt = 1
+        while True:
+            try:
+                return Sandbox(**self.limits, snapshot_root=self.snapshot_root)
+            except SandboxError as error:
+                if attempt == START_ATTEMPTS:
+                    raise SandboxError(
+                        f"{error} (the start failed {START_ATTEMPTS} times in a row)"
+                    ) from error
+            self.start_retries += 1
+            time.sleep(START_RETRY_PAUSE_S * attempt)
+            attempt += 1
 
     def release(self, sandbox: Sandbox) -> None:
         """Take a lent sandbox back: its processes end and its files are dropped now."""

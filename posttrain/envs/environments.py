@@ -196,14 +196,26 @@ class Environment:
 
     # Prompts ---------------------------------------------------------------------------------
 
-    def prompts(self, split: str, count: int, seed: int, exclude: Sequence[Sample] = ()) -> list[Sample]:
-        """`count` distinct prompts, families in turn, harness applied; a pure function of
-        (domain, split, count, seed, exclude). Questions of `exclude` (e.g. the held-out set when
-        drawing training prompts) never appear."""
+    def prompts(
+        self,
+        split: str,
+        count: int,
+        seed: int,
+        exclude: Sequence[Sample] = (),
+        families: Sequence[str] | None = None,
+    ) -> list[Sample]:
+        """`count` distinct prompts, families in turn (`families`, a subset of those offered, or all
+        of them), harness applied; a pure function of its arguments. Questions of `exclude` (e.g.
+        the held-out set when drawing training prompts) never appear."""
         rng = random.Random(f"rl-prompts:{self.domain}:{split}:{seed}")
         seen = {_question(p) for p in exclude}
         out: list[Sample] = []
-        names = self.family_names
+        names = list(families) if families else self.family_names
+        unknown = [name for name in names if name not in self._families]
+        if unknown:
+            raise ValueError(
+                f"{self.domain}: {unknown} are not among the offered families {self.family_names}"
+            )
         for attempt in range(count * 50):
             if len(out) == count:
                 break

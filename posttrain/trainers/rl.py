@@ -43,7 +43,15 @@ from posttrain.algos.policy_loss import PolicyLossConfig
 from posttrain.data.chat import ChatRenderer, load_tokenizer
 from posttrain.data.sample import DOMAINS, EFFORTS, Sample
 from posttrain.engines import Engine
-from posttrain.envs.env_eval import EvalConfig, eval_episodes, eval_protocol, evaluate, paired_changes
+from posttrain.envs.env_eval import (
+    EvalConfig,
+    domain_subsets,
+    eval_episodes,
+    eval_protocol,
+    evaluate,
+    paired_changes,
+    subset_config,
+)
 from posttrain.envs.environments import Environment, EnvironmentConfig, make_environment
 from posttrain.files import atomic_write_text, remove_tree
 from posttrain.rewards.budget import BudgetConfig, base_budgets, model_digest, trajectory_rewards
@@ -246,7 +254,13 @@ def run_rl(ctx: StageContext) -> dict[str, float]:
         # Behaviour log-probs of the distribution actually sampled, which the trainer recomputes.
         sampling = env.turn_sampling(cfg.rollout.temperature, ctx.seed, logprobs="processed")
         held_out = env.prompts("eval", cfg.eval.prompts, cfg.eval.seed)
-        train_prompts = env.prompts("train", cfg.rollout.prompts, ctx.seed, exclude=held_out)
+        subsets = domain_subsets(cfg.eval, env)
+        subset_prompts = {
+            name: env.prompts("eval", s.prompts, cfg.eval.seed, families=s.families)
+            for name, s in subsets.items()
+        }
+        excluded = held_out + [p for prompts in subset_prompts.values() for p in prompts]
+        train_prompts = env.prompts("train", cfg.rollout.prompts, ctx.seed, exclude=excluded)
         ctx.log.info(
             "RL %s/%s from %s: %d training prompts, %d held out",
             domain,
@@ -276,6 +290,7 @@ def run_rl(ctx: StageContext) -> dict[str, float]:
         if checkpoint is not None:
             step, before = checkpoint.step, dict(checkpoint.extra["before"])
             before_rows = dict(checkpoint.extra["before_episodes"])
+            subsets_before = dict(checkpoint.extra["subsets_before"])
             last = dict(checkpoint.extra["last"])
             serve_policy(engine, model, version=int(checkpoint.extra["policy_version"]))
             queue.restore(checkpoint)
@@ -284,8 +299,16 @@ def run_rl(ctx: StageContext) -> dict[str, float]:
                 0,
                 evaluate(env, engine, held_out, effort, cfg.eval, ctx.seed, "before"),
             )
-            ctx.metrics.log(0, {**before, **budget_metrics})
+            subsets_before = {
+                name: evaluate(
+                    env, engine, subset_prompts[name], effort, subset_config(cfg.eval, s), ctx.seed, "before"
+                )
+                for name, s in subsets.items()
+            }
+            ctx.metrics.log(0, {**before, **_prefixed(subsets_before), **budget_metrics})
             ctx.log.info("before training (the %s model): %s", cfg.init, _shown(before))
+            for name, (metrics, _) in subsets_before.items():
+                ctx.log.info("before training, eval subset %s: %s", name, _shown(metrics))
         while step < cfg.train.steps:
             step += 1
             groups = _new_groups(env, train_prompts, step, cfg.rollout, effort, ctx.seed)
@@ -308,6 +331,7 @@ def run_rl(ctx: StageContext) -> dict[str, float]:
                     extra={
                         "before": before,
                         "before_episodes": before_rows,
+                        "subsets_before": subsets_before,
                         "policy_version": engine.policy_version,
                         "last": last,
                     },
@@ -322,9 +346,32 @@ def run_rl(ctx: StageContext) -> dict[str, float]:
             )
         last["rollout/discarded"] = float(queue.clear())
         after, after_rows = evaluate(env, engine, held_out, effort, cfg.eval, ctx.seed, "after")
+        subsets_after = {
+            name: evaluate(
+                env, engine, subset_prompts[name], effort, subset_config(cfg.eval, s), ctx.seed, "after"
+            )
+            for name, s in subsets.items()
+        }
     changes = paired_changes(before_rows, after_rows)
-    ctx.metrics.log(step, {**after, **changes})
+    subset_reports = {
+        name: {
+            "families": subsets[name].families,
+            "prompts": subsets[name].prompts,
+            "samples_per_prompt": subsets[name].samples_per_prompt,
+            **_evaluation(*subsets_before[name], *subsets_after[name]),
+        }
+        for name in subsets
+    }
+    subset_metrics = {  # the after estimates and the paired changes, with their errors
+        f"{name}/{key}": value
+        for name, report in subset_reports.items()
+        for key, value in report.items()
+        if isinstance(value, float)
+    }
+    ctx.metrics.log(step, {**after, **changes, **subset_metrics})
     ctx.log.info("after training: %s", _shown(after))
+    for name, report in subset_reports.items():
+        ctx.log.info("after training, eval subset %s: %s", name, _shown(report["after"]))
     throughput = ctx.metrics.medians(THROUGHPUT)
     ctx.log.info("tokens/s, median over iterations: %s", _shown(throughput))
     report = {
@@ -334,6 +381,35 @@ def run_rl(ctx: StageContext) -> dict[str, float]:
         "prompts": len(held_out),
         "temperature": cfg.eval.temperature,  # 0: greedy
         "samples_per_prompt": cfg.eval.samples_per_prompt,
+        **_evaluation(before, before_rows, after, after_rows),
+    }
+    if subset_reports:
+        report["subsets"] = subset_reports
+    if before_protocol is not None:  # MOPD takes these episodes instead of replaying them
+        report["before_protocol"] = before_protocol
+    atomic_write_text(ctx.stage_dir / EVAL_FILE, json.dumps(report, indent=1, sort_keys=True))
+    save_final_model(state.unwrapped, tokenizer, ctx.output_dir, renderer.stop_token_ids)
+    return {
+        **before,
+        **after,
+        **changes,
+        **subset_metrics,
+        **budget_metrics,
+        **throughput,
+        "steps": float(step),
+        **{k: v for k, v in last.items() if k in ("reward_mean", "task_reward_mean", "over_budget_fraction")},
+    }
+
+
+def _evaluation(
+    before: dict[str, float],
+    before_rows: dict[str, list],
+    after: dict[str, float],
+    after_rows: dict[str, list],
+) -> dict[str, Any]:
+    """eval.json's record of one held-out evaluation: the trained policy's accuracy and length, the
+    init model's, the paired changes (the same episodes before and after) and the episodes."""
+    return {
         "accuracy": after["accuracy_after"],
         "accuracy_se": after["accuracy_se_after"],
         "mean_response_tokens": after["mean_response_tokens_after"],
@@ -344,23 +420,17 @@ def run_rl(ctx: StageContext) -> dict[str, float]:
             "mean_response_tokens": before["mean_response_tokens_before"],
             "mean_response_tokens_se": before["mean_response_tokens_se_before"],
         },
-        **changes,  # after - before on the same episodes, with paired standard errors
+        **paired_changes(before_rows, after_rows),  # after - before, with paired standard errors
         "before": before,
         "after": after,
         "episodes": {"before": before_rows, "after": after_rows},
     }
-    if before_protocol is not None:  # MOPD takes these episodes instead of replaying them
-        report["before_protocol"] = before_protocol
-    atomic_write_text(ctx.stage_dir / EVAL_FILE, json.dumps(report, indent=1, sort_keys=True))
-    save_final_model(state.unwrapped, tokenizer, ctx.output_dir, renderer.stop_token_ids)
+
+
+def _prefixed(evaluations: dict[str, tuple[dict[str, float], dict[str, list]]]) -> dict[str, float]:
+    """Each named evaluation's metrics under "<name>/" (the eval subsets' in metrics.jsonl)."""
     return {
-        **before,
-        **after,
-        **changes,
-        **budget_metrics,
-        **throughput,
-        "steps": float(step),
-        **{k: v for k, v in last.items() if k in ("reward_mean", "task_reward_mean", "over_budget_fraction")},
+        f"{name}/{key}": value for name, (metrics, _) in evaluations.items() for key, value in metrics.items()
     }
 
 

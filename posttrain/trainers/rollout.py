@@ -141,6 +141,8 @@ class RolloutQueue:
             "rollout/generate_s": elapsed,
             "rollout/generated_tokens": float(generated),
             "rollout/tokens_per_s": generated / elapsed,  # tool calls, sandboxes and verifiers included
+            # failed sandbox starts that a retry made good, so far this stage (env_sandboxes.START_ATTEMPTS)
+            "rollout/sandbox_start_retries": float(self.env.sandboxes.start_retries),
         }
         return Rollout(complete, metrics)
 

@@ -101,3 +101,43 @@ def test_a_sampled_evaluation_draws_the_same_episodes_again_and_pairs_them_exact
             env.play(tiny_k3_engine, samples, env.turn_sampling(0.6, seed))
             played.setdefault(seed, []).append([s.tokens for s in samples])
         assert played[0][0] == played[0][1] and played[1][0] != played[0][0]
+
+
+def test_eval_subsets_are_played_by_their_domain_and_bad_ones_name_the_fix(renderer, tmp_path):
+    from posttrain.envs.env_eval import EvalConfig, domain_subsets, subset_config
+    from posttrain.envs.environments import EnvironmentConfig, make_environment
+
+    config = EvalConfig(
+        prompts=4,
+        temperature=0.6,
+        subsets={
+            "routes": {
+                "families": ["general/unit_cost", "general/arithmetic"],
+                "prompts": 6,
+                "samples_per_prompt": 3,
+            },
+            "orders": {"families": ["agent/order_cost"]},  # the agent stages' subset
+        },
+    )
+    harness = EnvironmentConfig(max_tokens_per_turn=12, max_turns=1)
+    with make_environment("general", renderer, harness, sandbox_dir=tmp_path) as env:
+        subsets = domain_subsets(config, env)
+        assert list(subsets) == ["routes"]
+        prompts = env.prompts("eval", 6, config.seed, families=subsets["routes"].families)
+        # the families in turn, and only them; a pure function of the arguments
+        assert [p.task["family"] for p in prompts] == ["general/unit_cost", "general/arithmetic"] * 3
+        assert [p.uid for p in prompts] == [
+            p.uid for p in env.prompts("eval", 6, config.seed, families=subsets["routes"].families)
+        ]
+        settings = subset_config(config, subsets["routes"])
+        assert (settings.samples_per_prompt, settings.temperature, settings.subsets) == (3, 0.6, {})
+        with pytest.raises(ValueError, match=r"\['general/visual'\] are not among the offered families"):
+            env.prompts("eval", 2, 0, families=["general/visual"])
+        mixed = EvalConfig(subsets={"both": {"families": ["general/lookup", "agent/order_cost"]}})
+        with pytest.raises(ValueError, match="eval.subsets.both: .*split it into one subset per domain"):
+            domain_subsets(mixed, env)
+        visual = EvalConfig(subsets={"visual": {"families": ["general/visual"]}})  # opt-in, not offered
+        with pytest.raises(
+            ValueError, match="eval.subsets.visual: .*list them under environments.general.families"
+        ):
+            domain_subsets(visual, env)

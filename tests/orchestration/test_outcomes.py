@@ -13,10 +13,14 @@ from orchestration.outcomes import claim, claims_table, run_claims, seed_summary
 from posttrain.envs.env_eval import mean_standard_error
 
 
-def _rl(run: Path, domain: str, effort: str, change: float, se: float, tokens: float) -> None:
+def _rl(
+    run: Path, domain: str, effort: str, change: float, se: float, tokens: float, subsets: dict | None = None
+) -> None:
     stage = run / f"rl-{domain}-{effort}"
     stage.mkdir(parents=True)
     report = {"accuracy_change": change, "accuracy_change_se": se, "mean_response_tokens": tokens}
+    if subsets:
+        report["subsets"] = subsets
     # the specialist's held-out episodes: on the first 4 prompts it solves 2 of 4
     report["episodes"] = {"after": {"reward": [1.0, 0.0, 1.0, 0.0, 1.0, 1.0]}}
     (stage / "eval.json").write_text(json.dumps(report))
@@ -28,9 +32,11 @@ def _mopd(run: Path, rows: dict) -> None:
 
 
 def test_claims_of_one_run_hold_and_fail_by_their_rules(tmp_path):
-    _rl(tmp_path, "general", "low", -0.04, 0.03, 20.0)
+    visual = {"visual": {"accuracy_change": 0.06, "accuracy_change_se": 0.02}}  # z 3
+    weak = {"visual": {"accuracy_change": 0.03, "accuracy_change_se": 0.02}}  # z 1.5
+    _rl(tmp_path, "general", "low", -0.04, 0.03, 20.0, visual)
     _rl(tmp_path, "general", "high", 0.0, 0.03, 40.0)
-    _rl(tmp_path, "general", "max", 0.10, 0.04, 60.0)  # z 2.5
+    _rl(tmp_path, "general", "max", 0.10, 0.04, 60.0, weak)  # z 2.5
     _rl(tmp_path, "agent", "low", -0.08, 0.03, 70.0)  # loses 8 points
     _rl(tmp_path, "agent", "high", 0.0, 0.03, 60.0)  # shorter than low: order broken
     _rl(tmp_path, "agent", "max", 0.05, 0.04, 90.0)  # z 1.25
@@ -48,6 +54,12 @@ def test_claims_of_one_run_hold_and_fail_by_their_rules(tmp_path):
     assert claims["length_order/general"]["holds"] and not claims["length_order/agent"]["holds"]
     assert claims["length_order/general"]["tokens"] == [20.0, 40.0, 60.0]
     assert not any(name.endswith("/coding") for name in claims)
+    # an eval subset's change is judged per specialist, at z >= 2
+    assert (
+        claims["visual_beats_sft/general-low"]["holds"]
+        and not claims["visual_beats_sft/general-max"]["holds"]
+    )
+    assert "visual_beats_sft/general-high" not in claims
     # the exact KL is the one judged: -0.02 over a paired error of 0.005; -0.002 is within it
     assert claims["mopd_kl_down/general-low"]["value"] == pytest.approx(-0.02)
     assert claims["mopd_kl_down/general-low"]["holds"] and not claims["mopd_kl_down/agent-high"]["holds"]

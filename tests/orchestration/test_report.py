@@ -4,6 +4,7 @@ the RL resume test, 2026-12-01), laid out as the shipped pipeline's run dir."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -101,6 +102,29 @@ def test_the_report_shows_each_evaluation_with_its_errors_and_the_claims(run) ->
     assert sum(line.startswith("| general-") for line in mopd.splitlines()) == 3
     claims = report.split("## Claims of the default recipe (this run)")[1]
     assert "| mopd_kl_down/coding-max |" in claims and "max_beats_sft" not in claims
+
+
+def test_an_eval_subset_is_a_row_under_its_stage(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    shutil.copytree(RECORDED, run_dir)
+    path = run_dir / "rl-general-low" / "eval.json"
+    report = json.loads(path.read_text())
+    subset = {
+        k: report[k]
+        for k in ("accuracy", "accuracy_se", "sft", "mean_response_tokens", "mean_response_tokens_se")
+    }
+    change = {"accuracy_change": 0.25, "accuracy_change_se": 0.05}
+    changes = {**change, "mean_response_tokens_change": 1.0, "mean_response_tokens_change_se": 0.5}
+    report["subsets"] = {"visual": {**subset, **changes, "prompts": 300}}
+    path.write_text(json.dumps(report))
+    text = write_report(load_pipeline(REPO / "stages" / "mopd.yaml"), run_dir).read_text()
+    rows = [
+        line
+        for line in text.split("## RL evaluations")[1].splitlines()
+        if line.startswith("| rl-general-low")
+    ]
+    assert [r.split("|")[1].strip() for r in rows] == ["rl-general-low", "rl-general-low (visual)"]
+    assert "| 300 |" in rows[1] and "+0.250 ± 0.050, z +5.0" in rows[1]
 
 
 def test_the_rl_table_names_how_its_episodes_were_played() -> None:

@@ -208,10 +208,16 @@ def test_unparsable_judgements_are_counted_and_never_trained_on(tmp_path, sft_di
 
 
 def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(tmp_path, sft_dir, make_ctx, stage_runner):
+    """... the eval subsets' "before" evaluations included: a resumed stage takes them from its checkpoint."""
+    subsets = {
+        "orders": {"families": ["agent/order_cost"], "prompts": 2, "samples_per_prompt": 2},
+        "routes": {"families": ["general/unit_cost"]},  # the general stages' subset: not played here
+    }
     body = {
         **TINY_BODY,
         "train": {"steps": 3, "lr": 1e-3},
         "rollout": {**TINY_BODY["rollout"], "partial": {"fraction": 0.5}},
+        "eval": {**TINY_BODY["eval"], "subsets": subsets},
     }
     straight = make_ctx(tmp_path / "straight", body, "agent", "high")
     stage_runner.run(straight)
@@ -232,7 +238,16 @@ def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(tmp_path, sft_dir, 
     for report in (a, b):
         for when in ("before", "after"):
             report[when].pop(f"eval_s_{when}")
+            report["subsets"]["orders"][when].pop(f"eval_s_{when}")
     assert a == b
+    assert list(a["subsets"]) == ["orders"] and a["subsets"]["orders"]["prompts"] == 2
+    orders = a["subsets"]["orders"]
+    assert len(orders["episodes"]["before"]["uid"]) == 4 and all(
+        "/order_cost-" in u for u in orders["episodes"]["after"]["uid"]
+    )
+    assert orders["accuracy_change"] == pytest.approx(orders["accuracy"] - orders["sft"]["accuracy"])
+    final = [r for r in read_metrics(resumed.stage_dir / "metrics.jsonl") if "orders/accuracy_change" in r]
+    assert final and final[-1]["orders/accuracy_change_se"] == orders["accuracy_change_se"]
     records = [r for r in read_metrics(resumed.stage_dir / "metrics.jsonl") if "reward_mean" in r]
     assert [r["step"] for r in records] == [1, 2, 3]
     assert any(r["rollout/resumed"] > 0 for r in records)  # the queue crossed the crash

@@ -24,6 +24,12 @@ def test_the_vision_pipeline_loads_and_validates():
         rl = STAGE_KINDS.get("rl").config.model_validate(stage.body)
         families = rl.environments["general"].families
         assert {"general/visual", "general/visual_cost"} <= set(families) and stage.needs == ["sft"]
+        # the visual questions' own evaluation, large enough to tell a change (issue #22's claim)
+        assert rl.eval.subsets["visual"].families == ["general/visual", "general/visual_cost"]
+        assert (
+            rl.eval.prompts == 96
+            and rl.eval.subsets["visual"].prompts * rl.eval.subsets["visual"].samples_per_prompt == 600
+        )
     mopd = pipeline.stages["mopd"]
     assert sorted(mopd.needs) == ["rl-general-high", "rl-general-low", "rl-general-max", "sft"]
     assert mopd.body["environments"]["general"]["families"] == families  # taught where its teachers were
