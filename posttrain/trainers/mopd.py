@@ -443,7 +443,7 @@ class Distiller:
                 temperature=self.cfg.eval.accuracy_temperature,
                 seed=self.seed,
             )
-            found = taken_rows(protocol, [s.uid for s in group], self.played)
+            found = taken_rows(protocol, self.played)
             if found is not None:
                 self.reused[name], taken[name] = found
         if taken:

@@ -92,15 +92,15 @@ def played_before(stage_dirs: Iterable[Path]) -> list[tuple[str, dict, dict[str,
 
 
 def taken_rows(
-    protocol: Mapping[str, Any], uids: list[str], played: list[tuple[str, dict, dict[str, list]]]
+    protocol: Mapping[str, Any], played: list[tuple[str, dict, dict[str, list]]]
 ) -> tuple[str, dict[str, list]] | None:
     """(source, rows) for an evaluation of `protocol` whose episodes one of `played`
-    (played_before) already played: its first rows, under `uids` (the same ones: the protocol
-    holds each episode's uid); None if none did."""
+    (played_before) already played: its first rows (the same episodes, uids included: the
+    protocol digests each episode's uid with its prompt); None if none did."""
+    n = len(protocol["prompts"])
     for source, recorded, rows in played:
         if same_episodes(protocol, recorded):
-            n = len(uids)
-            return source, {"uid": list(uids), "reward": rows["reward"][:n], "tokens": rows["tokens"][:n]}
+            return source, {key: list(rows[key][:n]) for key in ("uid", "reward", "tokens")}
     return None
 
 

@@ -120,9 +120,9 @@ def test_episodes_are_taken_only_when_everything_that_fixes_them_matches(run):
     [(_, played, rows)] = played_before([run["rl"]])
     prefix = {**played, "prompts": played["prompts"][:2]}
     assert same_episodes(prefix, played) and same_episodes(played, played)
-    source, taken = taken_rows(prefix, ["a", "b"], [("rl", played, rows)])
+    source, taken = taken_rows(prefix, [("rl", played, rows)])
     assert source == "rl" and taken == {
-        "uid": ["a", "b"],
+        "uid": rows["uid"][:2],
         "reward": rows["reward"][:2],
         "tokens": rows["tokens"][:2],
     }
@@ -134,4 +134,4 @@ def test_episodes_are_taken_only_when_everything_that_fixes_them_matches(run):
     other_sampling = {**played, "sampling": {"temperature": 1.0, "seed": 0}}
     for protocol in (more, other_prompts, other_weights, other_harness, other_engine, other_sampling):
         assert not same_episodes(protocol, played)
-        assert taken_rows(protocol, ["a"] * len(protocol["prompts"]), [("rl", played, rows)]) is None
+        assert taken_rows(protocol, [("rl", played, rows)]) is None
