@@ -259,6 +259,7 @@ def run_rl(ctx: StageContext) -> dict[str, float]:
             name: env.prompts("eval", s.prompts, cfg.eval.seed, families=s.families)
             for name, s in subsets.items()
         }
+        subset_cfgs = {name: subset_config(cfg.eval, s) for name, s in subsets.items()}
         excluded = held_out + [p for prompts in subset_prompts.values() for p in prompts]
         train_prompts = env.prompts("train", cfg.rollout.prompts, ctx.seed, exclude=excluded)
         ctx.log.info(
@@ -301,9 +302,9 @@ def run_rl(ctx: StageContext) -> dict[str, float]:
             )
             subsets_before = {
                 name: evaluate(
-                    env, engine, subset_prompts[name], effort, subset_config(cfg.eval, s), ctx.seed, "before"
+                    env, engine, subset_prompts[name], effort, subset_cfgs[name], ctx.seed, "before"
                 )
-                for name, s in subsets.items()
+                for name in subsets
             }
             ctx.metrics.log(0, {**before, **_prefixed(subsets_before), **budget_metrics})
             ctx.log.info("before training (the %s model): %s", cfg.init, _shown(before))
@@ -347,12 +348,11 @@ def run_rl(ctx: StageContext) -> dict[str, float]:
         last["rollout/discarded"] = float(queue.clear())
         after, after_rows = evaluate(env, engine, held_out, effort, cfg.eval, ctx.seed, "after")
         subsets_after = {
-            name: evaluate(
-                env, engine, subset_prompts[name], effort, subset_config(cfg.eval, s), ctx.seed, "after"
-            )
-            for name, s in subsets.items()
+            name: evaluate(env, engine, subset_prompts[name], effort, subset_cfgs[name], ctx.seed, "after")
+            for name in subsets
         }
-    changes = paired_changes(before_rows, after_rows)
+    evaluation = _evaluation(before, before_rows, after, after_rows)
+    changes = {key: value for key, value in evaluation.items() if "_change" in key}  # paired, with errors
     subset_reports = {
         name: {
             "families": subsets[name].families,
@@ -381,7 +381,7 @@ def run_rl(ctx: StageContext) -> dict[str, float]:
         "prompts": len(held_out),
         "temperature": cfg.eval.temperature,  # 0: greedy
         "samples_per_prompt": cfg.eval.samples_per_prompt,
-        **_evaluation(before, before_rows, after, after_rows),
+        **evaluation,
     }
     if subset_reports:
         report["subsets"] = subset_reports
