@@ -5,15 +5,18 @@ seed is S, so each seed has its own SFT model) into OUT/seed-S for each seed, as
 processes (`--parallel` at once, each given `--cpus` threads and stages), then reads every run's
 eval.json files (orchestration.outcomes) and prints, per claim: the seed mean, its standard error
 (the larger of the seeds' spread and their pooled evaluation errors), how many seeds hold and
-whether the mean holds. The held-out prompts are the eval seed's, the same in every run, so the
-spread measures what training's seed changes. A seed already finished is read, not rerun
-(posttrain's resume: a killed benchmark continues where it stopped); `--only STAGE` runs just that
-stage of each seed, whose needs must be done there already.
+whether the mean holds; with more than three seeds also how many of their three-seed subsets hold
+in the mean (how often a three-seed rerun would). The held-out prompts are the eval seed's, the
+same in every run, so the spread measures what training's seed changes. A seed already finished
+is read, not rerun (posttrain's resume: a killed benchmark continues where it stopped);
+`--only STAGE` runs just that stage of each seed, whose needs must be done there already.
 
     python bench/outcomes.py --seeds 0 1 2 --out runs/outcomes             # one at a time
     python bench/outcomes.py --seeds 0 1 2 --parallel 3 --cpus 5 --out DIR  # a 16-core machine
+    python bench/outcomes.py --seeds 0 1 2 3 4 5 --report-only --out DIR    # runs already there
 
-Writes OUT/outcomes.json ({"runs": {seed: claims}, "summary": per claim}) and OUT/outcomes.md.
+Writes OUT/outcomes.json ({"runs": {seed: claims}, "summary": per claim, "subsets_of_3": per claim
+[held, subsets]}) and OUT/outcomes.md.
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from orchestration.outcomes import run_claims, seed_summary  # noqa: E402
+from orchestration.outcomes import run_claims, seed_summary, subset_pass_rates  # noqa: E402
+
+SUBSET_SIZE = 3  # the benchmark's default seed count: with more seeds, how often would three pass?
 
 
 def run_seed(
@@ -49,25 +54,34 @@ def run_seed(
     return seed, time.perf_counter() - started, code
 
 
-def markdown(summary: dict, runs: dict[int, dict]) -> list[str]:
+def markdown(summary: dict, runs: dict[int, dict], subsets: dict[str, tuple[int, int]]) -> list[str]:
     seeds = sorted(runs)
+    extra = f" {SUBSET_SIZE}-seed subsets holding |" if subsets else ""
     head = (
         "| claim | rule | "
         + " | ".join(f"seed {s}" for s in seeds)
         + " | mean ± se | seeds holding | mean holds |"
+        + extra
     )
-    lines = [head, "| --- | --- |" + " ---: |" * len(seeds) + " --- | ---: | --- |"]
+    lines = [head, "| --- | --- |" + " ---: |" * len(seeds) + " --- | ---: | --- |" + " ---: |" * bool(extra)]
     for name, row in summary.items():
         values = [f"{runs[s][name]['value']:.4g}" if name in runs[s] else "" for s in seeds]
+        held, total = subsets.get(name, (0, 0))
         lines.append(
             f"| {name} | {row['rule']} | " + " | ".join(values) + f" | {row['mean']:.4g} ± {row['se']:.2g} "
             f"| {row['seeds_holding']}/{row['seeds']} | {'yes' if row['holds_mean'] else 'no'} |"
+            + (f" {held}/{total} |" if extra else "")
         )
     held = sum(r["holds_mean"] for r in summary.values())
     verdict = f"{held} of {len(summary)} claims hold in the seed mean."
     short = [name for name, row in summary.items() if row["seeds"] < len(seeds)]
     if short:  # a seed whose stage failed or never ran: its claims are missing, not held
         verdict += f" {len(short)} of them come from fewer than the {len(seeds)} seeds run (a blank cell)."
+    if subsets:
+        verdict += (
+            f" The last column: of the {SUBSET_SIZE}-seed subsets of the seeds with that claim, how many hold"
+            f" in their mean (how often a {SUBSET_SIZE}-seed rerun on this machine would)."
+        )
     return [*lines, "", verdict]
 
 
@@ -102,10 +116,13 @@ def main() -> None:
                     f"seed {seed}: exit {code} after {seconds / 60:.1f} min (log {args.out}/seed-{seed}.log)"
                 )
     runs = {s: run_claims(args.out / f"seed-{s}") for s in args.seeds}
-    summary = seed_summary([c for c in runs.values() if c])
-    lines = markdown(summary, runs)
+    found = [c for c in runs.values() if c]
+    summary = seed_summary(found)
+    subsets = subset_pass_rates(found, SUBSET_SIZE) if len(found) > SUBSET_SIZE else {}
+    lines = markdown(summary, runs, subsets)
     print("\n".join(lines))
-    (args.out / "outcomes.json").write_text(json.dumps({"runs": runs, "summary": summary}, indent=1))
+    report = {"runs": runs, "summary": summary, f"subsets_of_{SUBSET_SIZE}": subsets}
+    (args.out / "outcomes.json").write_text(json.dumps(report, indent=1))
     (args.out / "outcomes.md").write_text("\n".join(lines) + "\n")
 
 

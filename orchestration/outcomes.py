@@ -17,11 +17,13 @@ the standard error of that mean and how many seeds hold. The claims (issue #21's
 - mopd_keeps_90/<domain>-<effort>: the student keeps at least 90% of its teacher's accuracy.
 
 Each claim is a row {value, se, threshold, holds}; `value` and `se` are what is compared
-(`holds` for one run; bench/outcomes.py re-decides on seed means).
+(`holds` for one run; bench/outcomes.py re-decides on seed means, and with more seeds than three
+counts the three-seed subsets that hold: how often a three-seed rerun would).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections.abc import Sequence
@@ -138,6 +140,21 @@ def seed_summary(runs: Sequence[dict[str, dict[str, Any]]]) -> dict[str, dict[st
             "holds_mean": holds,
         }
     return summary
+
+
+def subset_pass_rates(runs: Sequence[dict[str, dict[str, Any]]], size: int = 3) -> dict[str, tuple[int, int]]:
+    """Per claim, over every `size`-seed subset of the runs that have it: (subsets whose seed mean
+    holds by seed_summary, subsets). With more seeds than a benchmark runs, this is how often a rerun
+    with `size` other seeds of the same machine would find the claim holding; a claim fewer than
+    `size` runs have is left out."""
+    rates: dict[str, tuple[int, int]] = {}
+    for name in sorted({n for run in runs for n in run}):
+        rows = [{name: run[name]} for run in runs if name in run]
+        subsets = list(itertools.combinations(rows, size))
+        if subsets:
+            held = sum(seed_summary(subset)[name]["holds_mean"] for subset in subsets)
+            rates[name] = (held, len(subsets))
+    return rates
 
 
 def claims_table(claims: dict[str, dict[str, Any]]) -> list[str]:

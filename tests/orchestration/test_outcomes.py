@@ -1,15 +1,17 @@
 """The recipe's claims read from a run dir's eval.json files, and their seed summary: each claim's
-rule on hand-made evaluations that hold and that fail, and the seed mean's error."""
+rule on hand-made evaluations that hold and that fail, the seed mean's error, and how many three-seed
+subsets of more seeds hold."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from pathlib import Path
 
 import pytest
 
-from orchestration.outcomes import claim, claims_table, run_claims, seed_summary
+from orchestration.outcomes import claim, claims_table, run_claims, seed_summary, subset_pass_rates
 from posttrain.envs.env_eval import mean_standard_error
 
 
@@ -87,3 +89,15 @@ def test_seed_summary_uses_the_larger_of_the_seed_spread_and_the_pooled_eval_err
     assert not seed_summary(order)["o"]["holds_mean"]
     with pytest.raises(ValueError, match="unknown claim rule"):
         claim(1.0, 0.0, "z>=3")
+
+
+def test_subset_pass_rates_count_the_three_seed_subsets_whose_mean_holds():
+    # four seeds, one of which gains nothing: only the subset without it holds at z >= 2
+    runs = [{"c": claim(v, 0.02, "z>=2")} for v in (0.20, 0.20, 0.20, -0.10)]
+    runs[0]["d"] = runs[1]["d"] = claim(0.5, 0.01, "z>=2")  # in two runs only: no three-seed subset
+    rates = subset_pass_rates(runs, 3)
+    assert rates == {"c": (1, 4)}
+    # a subset is decided as seed_summary decides the benchmark's own seeds
+    for subset in itertools.combinations(runs, 3):
+        values = [run["c"]["value"] for run in subset]
+        assert seed_summary(list(subset))["c"]["holds_mean"] == (-0.10 not in values)
