@@ -66,11 +66,11 @@ def markdown(summary: dict, runs: dict[int, dict], subsets: dict[str, tuple[int,
     lines = [head, "| --- | --- |" + " ---: |" * len(seeds) + " --- | ---: | --- |" + " ---: |" * bool(extra)]
     for name, row in summary.items():
         values = [f"{runs[s][name]['value']:.4g}" if name in runs[s] else "" for s in seeds]
-        held, total = subsets.get(name, (0, 0))
+        rate = " {}/{} |".format(*subsets[name]) if name in subsets else " |"  # blank: too few seeds
         lines.append(
             f"| {name} | {row['rule']} | " + " | ".join(values) + f" | {row['mean']:.4g} ± {row['se']:.2g} "
             f"| {row['seeds_holding']}/{row['seeds']} | {'yes' if row['holds_mean'] else 'no'} |"
-            + (f" {held}/{total} |" if extra else "")
+            + (rate if extra else "")
         )
     held = sum(r["holds_mean"] for r in summary.values())
     verdict = f"{held} of {len(summary)} claims hold in the seed mean."

@@ -351,17 +351,22 @@ def run_rl(ctx: StageContext) -> dict[str, float]:
             name: evaluate(env, engine, subset_prompts[name], effort, subset_cfgs[name], ctx.seed, "after")
             for name in subsets
         }
-    evaluation = _evaluation(before, before_rows, after, after_rows)
-    changes = {key: value for key, value in evaluation.items() if "_change" in key}  # paired, with errors
-    subset_reports = {
-        name: {
-            "families": subsets[name].families,
-            "prompts": subsets[name].prompts,
-            "samples_per_prompt": subsets[name].samples_per_prompt,
-            **_evaluation(*subsets_before[name], *subsets_after[name]),
+    changes = paired_changes(before_rows, after_rows)  # after - before, with paired standard errors
+    subset_reports = {}
+    for name, subset in subsets.items():
+        (sub_before, sub_before_rows), (sub_after, sub_after_rows) = subsets_before[name], subsets_after[name]
+        subset_reports[name] = {
+            "families": subset.families,
+            "prompts": subset.prompts,
+            "samples_per_prompt": subset.samples_per_prompt,
+            **_evaluation(
+                sub_before,
+                sub_before_rows,
+                sub_after,
+                sub_after_rows,
+                paired_changes(sub_before_rows, sub_after_rows),
+            ),
         }
-        for name in subsets
-    }
     subset_metrics = {  # the after estimates and the paired changes, with their errors
         f"{name}/{key}": value
         for name, report in subset_reports.items()
@@ -381,7 +386,7 @@ def run_rl(ctx: StageContext) -> dict[str, float]:
         "prompts": len(held_out),
         "temperature": cfg.eval.temperature,  # 0: greedy
         "samples_per_prompt": cfg.eval.samples_per_prompt,
-        **evaluation,
+        **_evaluation(before, before_rows, after, after_rows, changes),
     }
     if subset_reports:
         report["subsets"] = subset_reports
@@ -406,9 +411,11 @@ def _evaluation(
     before_rows: dict[str, list],
     after: dict[str, float],
     after_rows: dict[str, list],
+    changes: dict[str, float],
 ) -> dict[str, Any]:
     """eval.json's record of one held-out evaluation: the trained policy's accuracy and length, the
-    init model's, the paired changes (the same episodes before and after) and the episodes."""
+    init model's, the paired changes (`paired_changes` of the same episodes before and after) and the
+    episodes."""
     return {
         "accuracy": after["accuracy_after"],
         "accuracy_se": after["accuracy_se_after"],
@@ -420,7 +427,7 @@ def _evaluation(
             "mean_response_tokens": before["mean_response_tokens_before"],
             "mean_response_tokens_se": before["mean_response_tokens_se_before"],
         },
-        **paired_changes(before_rows, after_rows),  # after - before, with paired standard errors
+        **changes,
         "before": before,
         "after": after,
         "episodes": {"before": before_rows, "after": after_rows},
