@@ -1,4 +1,4 @@
-"""The `mopd` stage kind: multi-teacher on-policy distillation, K3's last stage (K3_SPEC 2.3).
+"""The `mopd` stage kind: multi-teacher on-policy distillation, K3's last stage (docs/k3.md section 2).
 
 The nine RL specialists are merged into one student in policy space, not by averaging weights: the
 student samples its own episodes with the reasoning effort as conditioning, the teacher of each

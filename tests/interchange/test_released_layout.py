@@ -1,4 +1,4 @@
-"""posttrain reads the released K3 checkpoint layout (K3_SPEC section 3), built here by hand from that
+"""posttrain reads the released K3 checkpoint layout (docs/k3.md section 3), built here by hand from that
 description and not with posttrain's exporter or MX packer: the wrapper config.json
 (`KimiK3ForConditionalGeneration`, text keys under `text_config`, compressed-tensors MXFP4 at the
 top level), `language_model.*` names, routed experts as `.weight_packed` uint8 [out, in/2] (even
