@@ -149,6 +149,16 @@ def check_prompt(sample: Sample) -> None:
     sample.check()
 
 
+def check_text_prompt(sample: Sample, engine: str) -> None:
+    """Reject a sample with images on an engine that sends token ids only (the images would be
+    dropped and the model would read `<|media_pad|>` tokens as text)."""
+    if sample.images:
+        raise ValueError(
+            f"sample {sample.uid}: {len(sample.images)} media entries, but the {engine} engine sends token "
+            "ids only; play a multimodal policy with engine `vllm` (in-process) or `embedded`"
+        )
+
+
 def tokens_already_generated(sample: Sample) -> int:
     """Tokens this turn already produced: the trailing generated run of a paused (or aborted)
     sample, else 0.

@@ -32,6 +32,7 @@ from posttrain.engines.base import (
     SamplingConfig,
     WeightsSource,
     check_prompt,
+    check_text_prompt,
     sampling_key,
     tokens_already_generated,
 )
@@ -135,6 +136,7 @@ class TRLVLLMClient(Engine):
         queue: list[tuple[Sample, int]] = []
         for sample in samples:
             check_prompt(sample)
+            check_text_prompt(sample, "trl_vllm")
             budget = sampling.max_tokens - tokens_already_generated(sample)
             sample.finish_reason = None
             if budget <= 0:
@@ -175,6 +177,7 @@ class TRLVLLMClient(Engine):
     def score(self, samples: list[Sample]) -> list[list[float]]:
         for sample in samples:
             check_prompt(sample)
+            check_text_prompt(sample, "trl_vllm")
         try:
             result = self.client.get_sequence_logprobs(
                 [list(sample.tokens) for sample in samples],

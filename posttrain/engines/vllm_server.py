@@ -43,6 +43,7 @@ from posttrain.engines.base import (
     SamplingConfig,
     WeightsSource,
     check_prompt,
+    check_text_prompt,
     score_from_prompt_logprobs,
     tokens_already_generated,
 )
@@ -376,6 +377,7 @@ class VLLMServerEngine(Engine):
         todo: list[_Stream] = []
         for sample in samples:
             check_prompt(sample)
+            check_text_prompt(sample, "vllm_server")
             budget = sampling.max_tokens - tokens_already_generated(sample)
             sample.finish_reason = None
             if budget <= 0:
@@ -438,6 +440,7 @@ class VLLMServerEngine(Engine):
     def score(self, samples: list[Sample]) -> list[list[float]]:
         for sample in samples:
             check_prompt(sample)
+            check_text_prompt(sample, "vllm_server")
         self._restarts_this_call = 0
         while True:
             try:

@@ -43,10 +43,12 @@ def rollout_engine(
     """
     if name == "embedded":
         return EmbeddedEngine(policy, pad_token_id=renderer.pad_id, autocast_dtype=autocast_dtype)
-    if renderer.processor is not None:  # our prompts hold the expanded media runs vLLM would not take
+    # vllm_server and trl_vllm send token ids only; the in-process vllm engine sends each image
+    # beside its placeholder (posttrain.engines.vllm_media)
+    if renderer.processor is not None and name != "vllm":
         raise ValueError(
             f"stage {ctx.stage_id}: rollout.engine {name} serves text only, and the policy has a vision "
-            "tower; use rollout.engine: embedded for a multimodal policy"
+            "tower; use rollout.engine: vllm or embedded for a multimodal policy"
         )
     ctx.log.info("rollout engine: %s for %s (logs and weights under %s)", name, init, ctx.stage_dir)
     return build_engine(

@@ -45,7 +45,7 @@ def test_rl_on_visual_questions_plays_drawn_image_episodes(tmp_path, stage_runne
 
 def test_a_multimodal_policy_refuses_a_text_only_rollout_engine(tmp_path, stage_runner):
     sft = save_multimodal(tiny_vl_k3(0), tmp_path / "sft", tokenizer=load_tokenizer(media=True))
-    body = {**BODY, "rollout": {**BODY["rollout"], "engine": "vllm"}}
+    body = {**BODY, "rollout": {**BODY["rollout"], "engine": "vllm_server"}}
     ctx = stage_runner.context(
         "rl",
         tmp_path / "run",
@@ -55,6 +55,6 @@ def test_a_multimodal_policy_refuses_a_text_only_rollout_engine(tmp_path, stage_
         matrix={"domain": "general", "effort": "high"},
     )
     with pytest.raises(
-        ValueError, match="rollout.engine vllm serves text only.*use rollout.engine: embedded"
+        ValueError, match="rollout.engine vllm_server serves text only.*use rollout.engine: vllm or embedded"
     ):
         stage_runner.run(ctx)
