@@ -9,8 +9,8 @@ goes, with the image itself in `multi_modal_data`, and writes the block itself. 
 collapsed to the placeholder's token ids and the image is sent beside it; vLLM's expansion must
 then give back exactly the trajectory's tokens, which `check_expanded` verifies on every request
 (a mismatch, such as a checkpoint whose preprocessor_config.json sizes images differently from
-the renderer, would misalign every log-prob after the image). Videos are refused: vLLM's K3 takes
-them as another modality, which this engine does not send.
+the renderer, would misalign every log-prob after the image). Videos are refused: this engine
+sends images only.
 """
 
 from __future__ import annotations
