@@ -199,7 +199,7 @@ class VLLMEngine(Engine):
     ) -> list[Sample]:
         check_logprobs_mode(sampling, self.logprobs_mode)
         engine = self.llm.llm_engine
-        live: dict[str, tuple[Sample, list[int], list[int]]] = {}  # id -> (sample, [appended], prompt)
+        live: dict[str, tuple[Sample, list[int]]] = {}  # request id -> (sample, [tokens appended])
         for sample in samples:
             check_prompt(sample)
             budget = sampling.max_tokens - tokens_already_generated(sample)
@@ -211,7 +211,7 @@ class VLLMEngine(Engine):
             request_id = f"req-{self._request_counter}"
             params = self._sampling_params(sampling, sample, budget)
             engine.add_request(request_id, self._prompt(sample), params)
-            live[request_id] = (sample, [0], list(sample.tokens))
+            live[request_id] = (sample, [0])
         if pause_when is not None and live and pause_when(samples):
             self._pause(live)
             return samples
@@ -219,9 +219,9 @@ class VLLMEngine(Engine):
             for output in engine.step():
                 if output.request_id not in live:
                     continue
-                sample, appended, prompt = live[output.request_id]
-                if appended[0] == 0:  # before its first token: the prompt vLLM ran is the trajectory's
-                    check_expanded(sample.uid, prompt, output.prompt_token_ids)
+                sample, appended = live[output.request_id]
+                if appended[0] == 0:  # nothing appended yet, so sample.tokens is still the prompt sent
+                    check_expanded(sample.uid, sample.tokens, output.prompt_token_ids)
                 completion = output.outputs[0]
                 new_ids = list(completion.token_ids[appended[0] :])
                 new_logprobs = [
@@ -238,9 +238,9 @@ class VLLMEngine(Engine):
                 break
         return samples
 
-    def _pause(self, live: dict[str, tuple[Sample, list[int], list[int]]]) -> None:
+    def _pause(self, live: dict[str, tuple[Sample, list[int]]]) -> None:
         self.llm.llm_engine.abort_request(list(live))
-        for sample, _, _ in live.values():
+        for sample, _ in live.values():
             sample.finish_reason = "paused"
 
     def score(self, samples: list[Sample]) -> list[list[float]]:

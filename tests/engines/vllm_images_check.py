@@ -26,7 +26,7 @@ def main(checkpoint: str, samples_path: str) -> None:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.input_processor import InputProcessor
 
-    from posttrain.data.sample import Sample
+    from posttrain.engines.testing import prompt_sample
     from posttrain.engines.vllm_media import MediaPrompts
 
     config = EngineArgs(
@@ -41,16 +41,8 @@ def main(checkpoint: str, samples_path: str) -> None:
     media = MediaPrompts(processor.renderer.get_tokenizer())
     out = {}
     for row in json.loads(open(samples_path).read()):
-        n = len(row["tokens"])
-        sample = Sample(
-            uid=row["uid"],
-            tokens=row["tokens"],
-            prompt_length=n,
-            loss_mask=[0] * n,
-            rollout_logprobs=[0.0] * n,
-            policy_version=[-1] * n,
-            images=row["images"],
-        )
+        sample = prompt_sample(row["uid"], row["tokens"])
+        sample.images = row["images"]
         prompt = media.prompt(sample)
         request = processor.process_inputs(
             sample.uid, prompt, SamplingParams(max_tokens=4), supported_tasks=("generate",)
