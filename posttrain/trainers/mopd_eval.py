@@ -25,6 +25,7 @@ from posttrain.files import atomic_write_text
 from posttrain.trainers.mopd_teachers import pair_name
 
 EVAL_FILE = "eval.json"
+EPISODES_FILE = "eval_episodes.json"
 RESULT_KEYS = (
     "kl",
     "kl_se",
@@ -183,7 +184,13 @@ def write_eval(
     kl_se_* / kl_exact_se_* of each estimate; kl_change_se / kl_exact_change_se of the KL's change
     (the same episodes before and after, `paired_change_standard_error`), accuracy_change(_se) and
     tokens_change(_se) from the accuracy episodes (`accuracy` rows of the episode tables, paired),
-    and accuracy_episodes, how many (one per held-out prompt, in the RL stages' order)."""
+    and accuracy_episodes, how many (one per held-out prompt, in the RL stages' order).
+
+    Beside it, DIR/mopd/eval_episodes.json: {"<domain>-<effort>": {"before": rows, "after": rows}},
+    each evaluation's episode table of the pair (the sampled episodes' uid, kl, kl_exact, tokens;
+    under "accuracy" the accuracy episodes' uid, reward, tokens), as the RL stages' eval.json keeps
+    its episodes: the uids name each prompt's task family, so a pair's accuracy or the share of its
+    teacher's that the student keeps can be split by family (bench/kept_by_family.py)."""
     report = {
         name: {
             f"{key}_{when}": float(values[name][key])
@@ -209,6 +216,8 @@ def write_eval(
             if all(kl in r for r in rows):
                 columns = [torch.tensor(r[key], dtype=torch.float64) for r in rows for key in (kl, "tokens")]
                 values[f"{kl}_change_se"] = paired_change_standard_error(*columns)
+    episodes = {name: {"before": before_episodes[name], "after": after_episodes[name]} for name in report}
+    atomic_write_text(path.with_name(EPISODES_FILE), json.dumps(episodes, sort_keys=True) + "\n")
     atomic_write_text(path, json.dumps(report, indent=1, sort_keys=True) + "\n")
     return report
 

@@ -205,6 +205,21 @@ def test_the_stage_trains_the_sft_student_and_writes_eval_json(uninterrupted, di
         assert 0 < values["tokens_before"] <= 16 and 0 < values["tokens_after"] <= 16
     assert final["steps"] == 2.0 and final["teacher_retries"] == 0.0
     assert final["kl_before"] == pytest.approx(sum(v["kl_before"] for v in report.values()) / 9)
+    # the episodes behind each pair's numbers, kept beside them: accuracy from the accuracy rows,
+    # the sampled KL's token count from the sampled rows, before and after on the same uids
+    episodes = json.loads((stage_dir / "eval_episodes.json").read_text())
+    assert sorted(episodes) == sorted(report)
+    for name, values in report.items():
+        for when in ("before", "after"):
+            rows = episodes[name][when]
+            accuracy = rows["accuracy"]
+            assert len(accuracy["uid"]) == values["accuracy_episodes"]
+            assert sum(accuracy["reward"]) / len(accuracy["reward"]) == pytest.approx(
+                values[f"accuracy_{when}"]
+            )
+            assert sum(rows["tokens"]) == values[f"kl_tokens_{when}"]
+        assert episodes[name]["before"]["uid"] == episodes[name]["after"]["uid"]
+        assert episodes[name]["before"]["accuracy"]["uid"] == episodes[name]["after"]["accuracy"]["uid"]
 
     steps = [r for r in read_metrics(stage_dir / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2]
@@ -260,7 +275,8 @@ def test_a_killed_stage_resumes_bit_for_bit(uninterrupted, dirs, tmp_path, stage
         ]
 
     assert logged(tmp_path / "mopd") == logged(stage_dir)
-    assert (tmp_path / "mopd" / "eval.json").read_text() == (stage_dir / "eval.json").read_text()
+    for name in ("eval.json", "eval_episodes.json"):
+        assert (tmp_path / "mopd" / name).read_text() == (stage_dir / name).read_text()
 
 
 def test_a_stage_resumed_from_its_final_checkpoint_reports_its_last_step(
@@ -403,6 +419,9 @@ def test_eval_json_carries_the_paired_error_of_each_change(tmp_path):
     after_rows = {"general-low": moved, "coding-max": {**moved, "uid": ["a", "b", "d"]}, "agent-high": first}
     report = write_eval(tmp_path / "eval.json", before, after, before_rows, after_rows)
     assert json.loads((tmp_path / "eval.json").read_text()) == report
+    assert json.loads((tmp_path / "eval_episodes.json").read_text()) == {
+        p: {"before": before_rows[p], "after": after_rows[p]} for p in pairs
+    }
     expected = {
         kl: paired_change_standard_error(
             *(torch.tensor(r[k]) for r in (table, moved) for k in (kl, "tokens"))

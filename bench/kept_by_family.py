@@ -1,0 +1,79 @@
+"""Where does MOPD's student lose a specialist's accuracy? The kept share split by task family.
+
+`orchestration/outcomes.py` reads, per (domain, effort) pair, the share of the specialist's held-out
+accuracy the distilled student keeps. Both are measured on the same episodes: the RL stage's
+eval.json keeps its episodes before (the SFT model) and after (the specialist), and MOPD's
+eval_episodes.json keeps the student's, before and after distillation, under the same uids; each
+uid names its prompt's task family. For every pair of a run this prints, per family and in all,
+the prompts solved by the SFT model, the specialist and the distilled student, and the share of the
+specialist's the student keeps, so a shortfall can be traced to the families it comes from.
+
+    PYTHONPATH=. python bench/kept_by_family.py runs/mopd --pairs general-max agent-max
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from posttrain.envs.env_eval import eval_family
+
+
+def solved(rows: dict[str, list]) -> dict[str, float]:
+    """Prompts solved per task family and in all ("all") of one evaluation's episode rows."""
+    counts = {"all": 0.0}
+    for uid, reward in zip(rows["uid"], rows["reward"], strict=True):
+        family = eval_family(uid)
+        counts[family] = counts.get(family, 0.0) + reward
+        counts["all"] += reward
+    return counts
+
+
+def pair_lines(run: Path, pair: str, student: dict[str, dict]) -> list[str]:
+    teacher_eval = run / f"rl-{pair}" / "eval.json"
+    if not teacher_eval.is_file():
+        raise SystemExit(f"{teacher_eval} is missing: pair {pair}'s specialist did not finish in {run}")
+    teacher = json.loads(teacher_eval.read_text())["episodes"]
+    rows = {"sft": teacher["before"], "specialist": teacher["after"], "student": student["after"]["accuracy"]}
+    if not rows["student"]["uid"] == rows["specialist"]["uid"] == rows["sft"]["uid"]:
+        raise SystemExit(
+            f"{run}/mopd/eval_episodes.json pair {pair}: the student's accuracy episodes are not the "
+            f"specialist's ({teacher_eval}); both must come from one run of the default recipe"
+        )
+    counts = {who: solved(r) for who, r in rows.items()}
+    sizes = solved({"uid": rows["sft"]["uid"], "reward": [1.0] * len(rows["sft"]["uid"])})
+    header = f"{'family':22s} {'prompts':>7s} {'sft':>5s} {'specialist':>10s} {'student':>7s} {'kept':>6s}"
+    lines = [f"{pair}: {header}"]
+    for family in sorted(sizes, key=lambda f: (f == "all", f)):
+        c = {who: counts[who].get(family, 0.0) for who in rows}
+        kept = f"{c['student'] / c['specialist']:.3f}" if c["specialist"] else "-"
+        lines.append(
+            f"{'':{len(pair) + 1}s} {family:22s} {sizes[family]:7.0f} {c['sft']:5.0f} "
+            f"{c['specialist']:10.0f} {c['student']:7.0f} {kept:>6s}"
+        )
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "run", type=Path, help="a finished run of the default recipe (its rl-* and mopd dirs)"
+    )
+    parser.add_argument("--pairs", nargs="+", help="<domain>-<effort> pairs (default: all nine)")
+    args = parser.parse_args()
+    episodes_file = args.run / "mopd" / "eval_episodes.json"
+    if not episodes_file.is_file():
+        raise SystemExit(
+            f"{episodes_file} is missing: the MOPD stage has not finished, or ran before it kept its "
+            "episodes (rerun it with `posttrain run ... --only mopd --restart mopd`)"
+        )
+    episodes = json.loads(episodes_file.read_text())
+    for pair in args.pairs or sorted(episodes):
+        if pair not in episodes:
+            raise SystemExit(f"{episodes_file} has no pair {pair!r}; it has {sorted(episodes)}")
+        print("\n".join(pair_lines(args.run, pair, episodes[pair])))
+
+
+if __name__ == "__main__":
+    main()
