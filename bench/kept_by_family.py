@@ -6,7 +6,8 @@ eval.json keeps its episodes before (the SFT model) and after (the specialist), 
 eval_episodes.json keeps the student's, before and after distillation, under the same uids; each
 uid names its prompt's task family. For every pair of a run this prints, per family and in all,
 the prompts solved by the SFT model, the specialist and the distilled student, and the share of the
-specialist's the student keeps, so a shortfall can be traced to the families it comes from.
+specialist's the student keeps, so a shortfall can be traced to the families it comes from. Given
+several runs (seeds), the counts are summed over them.
 
     PYTHONPATH=. python bench/kept_by_family.py runs/mopd --pairs general-max agent-max
 """
@@ -30,7 +31,8 @@ def solved(rows: dict[str, list]) -> dict[str, float]:
     return counts
 
 
-def pair_lines(run: Path, pair: str, student: dict[str, dict]) -> list[str]:
+def pair_counts(run: Path, pair: str, student: dict[str, dict]) -> dict[str, dict[str, float]]:
+    """Per role (prompts, sft, specialist, student), solved per family of one run's pair."""
     teacher_eval = run / f"rl-{pair}" / "eval.json"
     if not teacher_eval.is_file():
         raise SystemExit(f"{teacher_eval} is missing: pair {pair}'s specialist did not finish in {run}")
@@ -41,15 +43,21 @@ def pair_lines(run: Path, pair: str, student: dict[str, dict]) -> list[str]:
             f"{run}/mopd/eval_episodes.json pair {pair}: the student's accuracy episodes are not the "
             f"specialist's ({teacher_eval}); both must come from one run of the default recipe"
         )
-    counts = {who: solved(r) for who, r in rows.items()}
-    sizes = solved({"uid": rows["sft"]["uid"], "reward": [1.0] * len(rows["sft"]["uid"])})
+    uids = rows["sft"]["uid"]
+    return {"prompts": solved({"uid": uids, "reward": [1.0] * len(uids)})} | {
+        who: solved(r) for who, r in rows.items()
+    }
+
+
+def pair_lines(pair: str, counts: dict[str, dict[str, float]]) -> list[str]:
+    roles = ("prompts", "sft", "specialist", "student")
     header = f"{'family':22s} {'prompts':>7s} {'sft':>5s} {'specialist':>10s} {'student':>7s} {'kept':>6s}"
     lines = [f"{pair}: {header}"]
-    for family in sorted(sizes, key=lambda f: (f == "all", f)):
-        c = {who: counts[who].get(family, 0.0) for who in rows}
+    for family in sorted(counts["prompts"], key=lambda f: (f == "all", f)):
+        c = {who: counts[who].get(family, 0.0) for who in roles}
         kept = f"{c['student'] / c['specialist']:.3f}" if c["specialist"] else "-"
         lines.append(
-            f"{'':{len(pair) + 1}s} {family:22s} {sizes[family]:7.0f} {c['sft']:5.0f} "
+            f"{'':{len(pair) + 1}s} {family:22s} {c['prompts']:7.0f} {c['sft']:5.0f} "
             f"{c['specialist']:10.0f} {c['student']:7.0f} {kept:>6s}"
         )
     return lines
@@ -58,21 +66,30 @@ def pair_lines(run: Path, pair: str, student: dict[str, dict]) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "run", type=Path, help="a finished run of the default recipe (its rl-* and mopd dirs)"
+        "runs", type=Path, nargs="+", help="finished runs of the default recipe (their rl-* and mopd dirs)"
     )
     parser.add_argument("--pairs", nargs="+", help="<domain>-<effort> pairs (default: all nine)")
     args = parser.parse_args()
-    episodes_file = args.run / "mopd" / "eval_episodes.json"
-    if not episodes_file.is_file():
-        raise SystemExit(
-            f"{episodes_file} is missing: the MOPD stage has not finished, or ran before it kept its "
-            "episodes (rerun it with `posttrain run ... --only mopd --restart mopd`)"
-        )
-    episodes = json.loads(episodes_file.read_text())
-    for pair in args.pairs or sorted(episodes):
-        if pair not in episodes:
-            raise SystemExit(f"{episodes_file} has no pair {pair!r}; it has {sorted(episodes)}")
-        print("\n".join(pair_lines(args.run, pair, episodes[pair])))
+    totals: dict[str, dict[str, dict[str, float]]] = {}
+    for run in args.runs:
+        episodes_file = run / "mopd" / "eval_episodes.json"
+        if not episodes_file.is_file():
+            raise SystemExit(
+                f"{episodes_file} is missing: the MOPD stage has not finished, or ran before it kept "
+                "its episodes (rerun it with `posttrain run ... --only mopd --restart mopd`)"
+            )
+        episodes = json.loads(episodes_file.read_text())
+        for pair in args.pairs or sorted(episodes):
+            if pair not in episodes:
+                raise SystemExit(f"{episodes_file} has no pair {pair!r}; it has {sorted(episodes)}")
+            for who, by_family in pair_counts(run, pair, episodes[pair]).items():
+                into = totals.setdefault(pair, {}).setdefault(who, {})
+                for family, n in by_family.items():
+                    into[family] = into.get(family, 0.0) + n
+    if len(args.runs) > 1:
+        print(f"summed over {len(args.runs)} runs: {' '.join(map(str, args.runs))}")
+    for pair, counts in totals.items():
+        print("\n".join(pair_lines(pair, counts)))
 
 
 if __name__ == "__main__":
