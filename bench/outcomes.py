@@ -34,7 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from orchestration.outcomes import run_claims, seed_summary, subset_pass_rates  # noqa: E402
+from orchestration.outcomes import run_claims, seed_summary, subset_pass_rates, subsets_all_holding  # noqa: E402
 
 SUBSET_SIZE = 3  # the benchmark's default seed count: with more seeds, how often would three pass?
 
@@ -54,7 +54,12 @@ def run_seed(
     return seed, time.perf_counter() - started, code
 
 
-def markdown(summary: dict, runs: dict[int, dict], subsets: dict[str, tuple[int, int]]) -> list[str]:
+def markdown(
+    summary: dict,
+    runs: dict[int, dict],
+    subsets: dict[str, tuple[int, int]],
+    all_holding: tuple[int, int] | None = None,
+) -> list[str]:
     seeds = sorted(runs)
     extra = f" {SUBSET_SIZE}-seed subsets holding |" if subsets else ""
     head = (
@@ -81,6 +86,10 @@ def markdown(summary: dict, runs: dict[int, dict], subsets: dict[str, tuple[int,
         verdict += (
             f" The last column: of the {SUBSET_SIZE}-seed subsets of the seeds with that claim, how many hold"
             f" in their mean (how often a {SUBSET_SIZE}-seed rerun on this machine would)."
+        )
+    if all_holding:
+        verdict += " All claims hold together in {} of the {} {}-seed subsets.".format(
+            *all_holding, SUBSET_SIZE
         )
     return [*lines, "", verdict]
 
@@ -119,9 +128,12 @@ def main() -> None:
     found = [c for c in runs.values() if c]
     summary = seed_summary(found)
     subsets = subset_pass_rates(found, SUBSET_SIZE) if len(found) > SUBSET_SIZE else {}
-    lines = markdown(summary, runs, subsets)
+    all_holding = subsets_all_holding(found, SUBSET_SIZE) if subsets else None
+    lines = markdown(summary, runs, subsets, all_holding)
     print("\n".join(lines))
     report = {"runs": runs, "summary": summary, f"subsets_of_{SUBSET_SIZE}": subsets}
+    if all_holding:
+        report[f"subsets_of_{SUBSET_SIZE}_all_holding"] = all_holding
     (args.out / "outcomes.json").write_text(json.dumps(report, indent=1))
     (args.out / "outcomes.md").write_text("\n".join(lines) + "\n")
 

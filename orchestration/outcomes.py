@@ -157,6 +157,16 @@ def subset_pass_rates(runs: Sequence[dict[str, dict[str, Any]]], size: int = 3) 
     return rates
 
 
+def subsets_all_holding(runs: Sequence[dict[str, dict[str, Any]]], size: int = 3) -> tuple[int, int]:
+    """(subsets in which every claim holds in the seed mean, subsets) over every `size`-seed subset
+    of the runs: how often a `size`-seed rerun of the benchmark on this machine would meet all its
+    claims at once, which the per-claim rates of `subset_pass_rates` do not give (their misses can
+    fall in different subsets)."""
+    subsets = list(itertools.combinations(runs, size))
+    held = sum(all(row["holds_mean"] for row in seed_summary(subset).values()) for subset in subsets)
+    return held, len(subsets)
+
+
 def claims_table(claims: dict[str, dict[str, Any]]) -> list[str]:
     """Markdown rows of one run's claims: value, standard error, rule, holds."""
     lines = ["| claim | value | se | rule | holds |", "| --- | ---: | ---: | --- | --- |"]

@@ -11,7 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from orchestration.outcomes import claim, claims_table, run_claims, seed_summary, subset_pass_rates
+from orchestration.outcomes import (
+    claim,
+    claims_table,
+    run_claims,
+    seed_summary,
+    subset_pass_rates,
+    subsets_all_holding,
+)
 from posttrain.envs.env_eval import mean_standard_error
 
 
@@ -101,3 +108,16 @@ def test_subset_pass_rates_count_the_three_seed_subsets_whose_mean_holds():
     for subset in itertools.combinations(runs, 3):
         values = [run["c"]["value"] for run in subset]
         assert seed_summary(list(subset))["c"]["holds_mean"] == (-0.10 not in values)
+
+
+def test_subsets_all_holding_counts_subsets_where_every_claim_holds_at_once():
+    # two claims, each missing in a different seed: each holds in 1 of the 4 three-seed subsets on
+    # its own (the one without its bad seed), but no subset leaves out both bad seeds
+    runs = [{"c": claim(0.2, 0.02, "z>=2"), "d": claim(0.2, 0.02, "z>=2")} for _ in range(4)]
+    runs[0]["c"] = claim(-0.1, 0.02, "z>=2")
+    runs[1]["d"] = claim(-0.1, 0.02, "z>=2")
+    assert subset_pass_rates(runs, 3) == {"c": (1, 4), "d": (1, 4)}
+    assert subsets_all_holding(runs, 3) == (0, 4)
+    # with the second claim's bad seed fixed, the subset without seed 0 holds both
+    runs[1]["d"] = claim(0.2, 0.02, "z>=2")
+    assert subsets_all_holding(runs, 3) == (1, 4)
