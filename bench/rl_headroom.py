@@ -98,8 +98,11 @@ def play(model_dir: Path, domain: str, effort: str, args: argparse.Namespace) ->
         make_environment(domain, renderer, config, sandbox_dir=Path(root)) as env,
     ):
         prompts = env.prompts("eval", args.prompts, seed=0)
+        # keyed as the episodes below are: their uid (eval/<prompt uid>/<effort>/<k>) less the copy
         out: dict = {
-            "question": {f"eval/{p.uid}": renderer.encode(p.messages[-1]["content"]) for p in prompts}
+            "question": {
+                f"eval/{p.uid}/{effort}": renderer.encode(p.messages[-1]["content"]) for p in prompts
+            }
         }
         greedy = eval_episodes(env, prompts, effort, 1)
         env.play(engine, greedy, env.turn_sampling(0.0, 0))
