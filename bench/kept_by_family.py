@@ -18,17 +18,8 @@ import argparse
 import json
 from pathlib import Path
 
-from posttrain.envs.env_eval import eval_family
-
-
-def solved(rows: dict[str, list]) -> dict[str, float]:
-    """Prompts solved per task family and in all ("all") of one evaluation's episode rows."""
-    counts = {"all": 0.0}
-    for uid, reward in zip(rows["uid"], rows["reward"], strict=True):
-        family = eval_family(uid)
-        counts[family] = counts.get(family, 0.0) + reward
-        counts["all"] += reward
-    return counts
+from posttrain.envs.env_eval import family_sums
+from posttrain.trainers.mopd_eval import EPISODES_FILE
 
 
 def pair_counts(run: Path, pair: str, student: dict[str, dict]) -> dict[str, dict[str, float]]:
@@ -40,12 +31,12 @@ def pair_counts(run: Path, pair: str, student: dict[str, dict]) -> dict[str, dic
     rows = {"sft": teacher["before"], "specialist": teacher["after"], "student": student["after"]["accuracy"]}
     if not rows["student"]["uid"] == rows["specialist"]["uid"] == rows["sft"]["uid"]:
         raise SystemExit(
-            f"{run}/mopd/eval_episodes.json pair {pair}: the student's accuracy episodes are not the "
+            f"{run}/mopd/{EPISODES_FILE} pair {pair}: the student's accuracy episodes are not the "
             f"specialist's ({teacher_eval}); both must come from one run of the default recipe"
         )
     uids = rows["sft"]["uid"]
-    return {"prompts": solved({"uid": uids, "reward": [1.0] * len(uids)})} | {
-        who: solved(r) for who, r in rows.items()
+    return {"prompts": family_sums({"uid": uids, "reward": [1.0] * len(uids)})} | {
+        who: family_sums(r) for who, r in rows.items()
     }
 
 
@@ -72,7 +63,7 @@ def main() -> None:
     args = parser.parse_args()
     totals: dict[str, dict[str, dict[str, float]]] = {}
     for run in args.runs:
-        episodes_file = run / "mopd" / "eval_episodes.json"
+        episodes_file = run / "mopd" / EPISODES_FILE
         if not episodes_file.is_file():
             raise SystemExit(
                 f"{episodes_file} is missing: the MOPD stage has not finished, or ran before it kept "

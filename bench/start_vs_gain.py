@@ -20,15 +20,7 @@ import math
 import statistics
 from pathlib import Path
 
-from posttrain.envs.env_eval import eval_family
-
-
-def solved_by_family(episodes: dict) -> dict[str, float]:
-    counts: dict[str, float] = {}
-    for uid, reward in zip(episodes["uid"], episodes["reward"], strict=True):
-        family = eval_family(uid).split("/")[-1]
-        counts[family] = counts.get(family, 0.0) + reward
-    return counts
+from posttrain.envs.env_eval import family_sums
 
 
 def main() -> None:
@@ -45,8 +37,10 @@ def main() -> None:
         before_counts.append(b)
         after_counts.append(a)
         sizes.add(len(before["uid"]))
-        by_b, by_a = solved_by_family(before), solved_by_family(after)
-        families = "  ".join(f"{f} {by_b[f]:.0f}->{by_a[f]:.0f}" for f in sorted(by_b))
+        by_b, by_a = family_sums(before), family_sums(after)
+        families = "  ".join(
+            f"{f.split('/')[-1]} {by_b[f]:.0f}->{by_a[f]:.0f}" for f in sorted(by_b) if f != "all"
+        )
         print(f"{path}: {b:.0f} -> {a:.0f} ({a - b:+.0f})   {families}")
     if len(before_counts) < 3:
         return

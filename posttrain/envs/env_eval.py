@@ -186,6 +186,17 @@ def eval_family(uid: str) -> str:
     return uid.removeprefix("eval/").rsplit("-", 1)[0]
 
 
+def family_sums(rows: Mapping[str, list], key: str = "reward") -> dict[str, float]:
+    """Per task family (`eval_family`) and in all ("all"), the sum of `key` over episode rows
+    (episode_rows, eval.json's episodes): with the reward, the episodes solved per family."""
+    sums = {"all": 0.0}
+    for uid, value in zip(rows["uid"], rows[key], strict=True):
+        family = eval_family(uid)
+        sums[family] = sums.get(family, 0.0) + value
+        sums["all"] += value
+    return sums
+
+
 def eval_protocol(
     env: Environment,
     samples: Sequence[Sample],

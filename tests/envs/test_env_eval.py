@@ -9,6 +9,7 @@ import pytest
 
 from posttrain.envs.env_eval import (
     eval_family,
+    family_sums,
     mean_standard_error,
     paired_changes,
     paired_standard_error,
@@ -73,6 +74,20 @@ def test_eval_family_reads_the_family_from_episode_and_group_uids():
     assert eval_family("eval/general/ordering-677fd05656/max/0") == "general/ordering"
     assert eval_family("eval/general/ordering-677fd05656/0") == "general/ordering"  # before 2026-12-03
     assert eval_family("eval/agent/order_total-0f3a170d35") == "agent/order_total"
+
+
+def test_family_sums_add_a_column_per_family_and_in_all():
+    rows = {
+        "uid": [
+            "eval/general/lookup-1a/max/0",
+            "eval/general/ordering-2b/max/0",
+            "eval/general/lookup-3c/max/0",
+        ],
+        "reward": [1.0, 0.0, 1.0],
+        "tokens": [10.0, 20.0, 5.0],
+    }
+    assert family_sums(rows) == {"all": 2.0, "general/lookup": 2.0, "general/ordering": 0.0}
+    assert family_sums(rows, "tokens") == {"all": 35.0, "general/lookup": 15.0, "general/ordering": 20.0}
 
 
 def test_a_sampled_evaluation_draws_the_same_episodes_again_and_pairs_them_exactly(
