@@ -95,7 +95,12 @@ def mopd_claims(run_dir: Path, stage: str = "mopd") -> dict[str, dict[str, Any]]
         teacher = _read(run_dir / f"rl-{pair}" / "eval.json")
         if teacher is None or "accuracy_episodes" not in row:
             continue
-        rewards = teacher["episodes"]["after"]["reward"][: int(row["accuracy_episodes"])]
+        # MOPD plays each prompt once, with the RL evaluation's uids (eval/<prompt>/<effort>/0); an
+        # RL evaluation of several episodes a prompt lists them prompt by prompt, so the teacher's
+        # episodes on MOPD's prompts are its first copies, in order.
+        after = teacher["episodes"]["after"]
+        first = [r for uid, r in zip(after["uid"], after["reward"], strict=True) if uid.endswith("/0")]
+        rewards = first[: int(row["accuracy_episodes"])]
         reference = sum(rewards) / len(rewards)
         if reference > 0:
             # The ratio's error by the delta method, the two accuracies taken as independent.

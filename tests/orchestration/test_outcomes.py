@@ -30,8 +30,10 @@ def _rl(
     report = {"accuracy_change": change, "accuracy_change_se": se, "mean_response_tokens": tokens}
     if subsets:
         report["subsets"] = subsets
-    # the specialist's held-out episodes: on the first 4 prompts it solves 2 of 4
-    report["episodes"] = {"after": {"reward": [1.0, 0.0, 1.0, 0.0, 1.0, 1.0]}}
+    # the specialist's held-out episodes, one a prompt: on the first 4 prompts it solves 2 of 4
+    rewards = [1.0, 0.0, 1.0, 0.0, 1.0, 1.0]
+    uids = [f"eval/{domain}/f-{i}/{effort}/0" for i in range(len(rewards))]
+    report["episodes"] = {"after": {"uid": uids, "reward": rewards}}
     (stage / "eval.json").write_text(json.dumps(report))
 
 
@@ -79,6 +81,21 @@ def test_claims_of_one_run_hold_and_fail_by_their_rules(tmp_path):
     assert not claims["mopd_keeps_90/agent-high"]["holds"]  # 0.8 of the teacher
     table = claims_table(claims)
     assert len(table) == 2 + len(claims) and "| max_beats_sft/agent | 0.05 | 0.04 | z>=2 | no |" in table
+
+
+def test_kept_share_compares_with_the_teachers_first_episode_of_each_prompt(tmp_path):
+    """An RL evaluation of two episodes a prompt (eval.samples_per_prompt: 2) lists them prompt by
+    prompt; MOPD plays each prompt once with the first one's uid, so the teacher's accuracy on
+    MOPD's prompts is over those first episodes, not over its first rows."""
+    stage = tmp_path / "rl-general-max"
+    stage.mkdir(parents=True)
+    uids = [f"eval/general/f-{i}/max/{k}" for i in range(4) for k in range(2)]
+    rewards = [1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0]  # first episodes 1, 1, 1, 0; second all 0
+    (stage / "eval.json").write_text(json.dumps({"episodes": {"after": {"uid": uids, "reward": rewards}}}))
+    row = {"accuracy_after": 0.75, "accuracy_se_after": 0.05, "accuracy_episodes": 4.0}
+    _mopd(tmp_path, {"general-max": row})
+    kept = run_claims(tmp_path)["mopd_keeps_90/general-max"]
+    assert kept["teacher_accuracy"] == 0.75 and kept["value"] == pytest.approx(1.0)
 
 
 def test_seed_summary_uses_the_larger_of_the_seed_spread_and_the_pooled_eval_error():
