@@ -71,7 +71,8 @@ class ToolFamily(TaskFamily):
 # advantages have one behaviour, the same on every prompt, to select. A group carries signal only
 # when its samples take both routes, most often at a half: at 0.35 the SFT model sampled the
 # calculator in 6-15% of its episodes at T=0.6 and its greedy choice fell to either route by the
-# SFT run; at 0.5 in 35-52% (bench/RESULTS.md).
+# SFT run; at 0.5 in 35-52%, and in 14-89% of unit_cost's max-effort episodes over twelve SFT seeds: the
+# end of SFT's random walk on that choice (bench/RESULTS.md, bench/route_share.py).
 CALCULATOR_ROUTE_SHARE = 0.5
 
 
