@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import tempfile
 from collections import defaultdict
 from pathlib import Path
@@ -33,7 +32,7 @@ from safetensors.torch import load_file
 import data_recipes  # noqa: F401  (registers the task families)
 from posttrain.data.chat import load_tokenizer
 from posttrain.engines import EmbeddedEngine
-from posttrain.envs.env_eval import eval_episodes, eval_family
+from posttrain.envs.env_eval import eval_episodes, eval_family, mean_standard_error
 from posttrain.envs.environments import EnvironmentConfig, make_environment
 from posttrain.model.vision_model import load_pretrained
 from posttrain.qat import restore_qat
@@ -58,10 +57,7 @@ def load_model(spec: str) -> tuple[torch.nn.Module, Path]:
 def prompt_mean(values: dict[str, list[float]]) -> tuple[float, float]:
     """Mean over prompts of each prompt's mean, and its standard error over prompts."""
     means = [sum(v) / len(v) for v in values.values()]
-    n = len(means)
-    mean = sum(means) / n
-    se = math.sqrt(sum((m - mean) ** 2 for m in means) / (n - 1) / n) if n > 1 else 0.0
-    return mean, se
+    return sum(means) / len(means), mean_standard_error(means)
 
 
 def route_share(spec: str, domain: str, families: list[str], args: argparse.Namespace) -> dict[str, dict]:
