@@ -19,28 +19,11 @@ from __future__ import annotations
 import argparse
 import math
 import re
-import tempfile
 from collections import Counter
 from pathlib import Path
 
 import torch
-import yaml
-
-import data_recipes  # noqa: F401  (registers the task families)
-from posttrain.data.chat import load_tokenizer
-from posttrain.engines import EmbeddedEngine
-from posttrain.envs.environments import EnvironmentConfig, make_environment
-from posttrain.model.vision_model import load_pretrained
-from posttrain.qat import restore_qat
-from posttrain.trainers.common import renderer_for
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def stage_harness(domain: str, family: str) -> EnvironmentConfig:
-    """stages/rl.yaml's `environments.<domain>`, with `family` the only one offered."""
-    environments = yaml.safe_load((REPO / "stages" / "rl.yaml").read_text())["environments"]
-    return EnvironmentConfig(**{**environments.get(domain, {}), "families": [family]})
+from stage_policy import environment, load_policy, rl_harness
 
 
 def main() -> None:
@@ -61,14 +44,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     domain = args.family.split("/")[0]
-    model = load_pretrained(args.model_dir)
-    restore_qat(model)
-    tokenizer = load_tokenizer(args.model_dir)
-    renderer = renderer_for(tokenizer, model.eval())
-    with (
-        tempfile.TemporaryDirectory() as root,
-        make_environment(domain, renderer, stage_harness(domain, args.family), sandbox_dir=Path(root)) as env,
-    ):
+    policy = load_policy(args.model_dir)
+    tokenizer = policy.tokenizer
+    with environment(domain, policy.renderer, rl_harness(domain, [args.family])) as env:
         prompts = env.prompts("eval", args.prompts, seed=0)
         samples = [
             env.start(p, uid=f"{p.uid}/{k}", group=p.uid, effort=args.effort)
@@ -76,7 +54,7 @@ def main() -> None:
             for k in range(args.samples)
         ]
         sampling = env.turn_sampling(args.temperature, seed=0)
-        env.play(EmbeddedEngine(model, pad_token_id=renderer.pad_id), samples, sampling)
+        env.play(policy.engine, samples, sampling)
     solved = [s.reward == 1.0 for s in samples]
     p = sum(solved) / len(solved)
     print(

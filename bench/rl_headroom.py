@@ -28,24 +28,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import tempfile
 from collections import Counter, defaultdict
 from pathlib import Path
 
 import torch
-import yaml
+from stage_policy import environment, load_policy, rl_harness
 
-import data_recipes  # noqa: F401  (registers the task families)
-from posttrain.data.chat import load_tokenizer
 from posttrain.data.sample import Sample
-from posttrain.engines import EmbeddedEngine
 from posttrain.envs.env_eval import eval_episodes, eval_family
-from posttrain.envs.environments import EnvironmentConfig, make_environment
-from posttrain.model.vision_model import load_pretrained
-from posttrain.qat import restore_qat
-from posttrain.trainers.common import renderer_for
 
-REPO = Path(__file__).resolve().parents[1]
 KS = (1, 4, 8)
 
 
@@ -81,22 +72,14 @@ def play(model_dir: Path, domain: str, effort: str, args: argparse.Namespace) ->
     """One model's greedy and sampled episodes of the held-out prompts, keyed by prompt: the
     question's tokens, the greedy episode and, per temperature, the sampled ones (each as
     (reward, the tokens after the prompt, which of them the policy generated))."""
-    model = load_pretrained(model_dir)
-    restore_qat(model)
-    tokenizer = load_tokenizer(model_dir)
-    renderer = renderer_for(tokenizer, model.eval())
-    environments = yaml.safe_load((REPO / "stages" / "rl.yaml").read_text())["environments"]
-    config = EnvironmentConfig(**environments.get(domain, {}))
-    engine = EmbeddedEngine(model, pad_token_id=renderer.pad_id)
+    policy = load_policy(model_dir)
+    renderer, engine = policy.renderer, policy.engine
 
     def episode(sample: Sample) -> tuple[float, list[int], list[int]]:
         start = sample.prompt_length
         return float(sample.reward or 0.0), sample.tokens[start:], sample.generated_mask[start:]
 
-    with (
-        tempfile.TemporaryDirectory() as root,
-        make_environment(domain, renderer, config, sandbox_dir=Path(root)) as env,
-    ):
+    with environment(domain, renderer, rl_harness(domain)) as env:
         prompts = env.prompts("eval", args.prompts, seed=0)
         # keyed as the episodes below are: their uid (eval/<prompt uid>/<effort>/<k>) less the copy
         out: dict = {
@@ -114,7 +97,7 @@ def play(model_dir: Path, domain: str, effort: str, args: argparse.Namespace) ->
             for s in samples:
                 sampled[s.uid.rsplit("/", 1)[0]].append(episode(s))
             out[temperature] = dict(sampled)
-    out["decode"] = tokenizer.decode
+    out["decode"] = policy.tokenizer.decode
     return out
 
 

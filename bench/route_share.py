@@ -21,37 +21,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 
 import torch
-import yaml
-from safetensors.torch import load_file
+from stage_policy import environment, load_policy, rl_harness
 
-import data_recipes  # noqa: F401  (registers the task families)
-from posttrain.data.chat import load_tokenizer
-from posttrain.engines import EmbeddedEngine
 from posttrain.envs.env_eval import eval_episodes, eval_family, mean_standard_error
-from posttrain.envs.environments import EnvironmentConfig, make_environment
-from posttrain.model.vision_model import load_pretrained
-from posttrain.qat import restore_qat
-from posttrain.trainers.common import renderer_for
 
-REPO = Path(__file__).resolve().parents[1]
 # A rendered call opens with the K3 tool-call id `functions.<name>:<index>` after <|tool_call_begin|>
 # (the tool's result repeats the id after <|im_tool|>; bench/family_episodes.py reads calls the same way).
 ROUTE_CALL = "<|tool_call_begin|>functions.calculator:"
-
-
-def load_model(spec: str) -> tuple[torch.nn.Module, Path]:
-    """MODEL_DIR, or MODEL_DIR:WEIGHTS with a checkpoint's weights loaded into it (strictly)."""
-    model_dir, _, weights = spec.partition(":")
-    model = load_pretrained(Path(model_dir))
-    if weights:
-        getattr(model, "language_model", model).load_state_dict(load_file(weights), strict=True)
-    restore_qat(model)
-    return model.eval(), Path(model_dir)
 
 
 def prompt_mean(values: dict[str, list[float]]) -> tuple[float, float]:
@@ -62,19 +42,13 @@ def prompt_mean(values: dict[str, list[float]]) -> tuple[float, float]:
 
 def route_share(spec: str, domain: str, families: list[str], args: argparse.Namespace) -> dict[str, dict]:
     """Per family: prompts, episodes, route share and solved share, each with its error."""
-    model, model_dir = load_model(spec)
-    tokenizer = load_tokenizer(model_dir)
-    renderer = renderer_for(tokenizer, model)
-    environments = yaml.safe_load((REPO / "stages" / "rl.yaml").read_text())["environments"]
-    config = EnvironmentConfig(**environments.get(domain, {}))
-    engine = EmbeddedEngine(model, pad_token_id=renderer.pad_id)
-    with (
-        tempfile.TemporaryDirectory() as root,
-        make_environment(domain, renderer, config, sandbox_dir=Path(root)) as env,
-    ):
+    model_dir, _, weights = spec.partition(":")
+    policy = load_policy(Path(model_dir), Path(weights) if weights else None)
+    tokenizer = policy.tokenizer
+    with environment(domain, policy.renderer, rl_harness(domain)) as env:
         prompts = [p for p in env.prompts("eval", args.prompts, seed=0) if eval_family(p.uid) in families]
         episodes = eval_episodes(env, prompts, args.effort, args.samples)
-        env.play(engine, episodes, env.turn_sampling(args.temperature, args.seed))
+        env.play(policy.engine, episodes, env.turn_sampling(args.temperature, args.seed))
     routed: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     solved: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for sample in episodes:

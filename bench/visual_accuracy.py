@@ -23,20 +23,15 @@ Usage: PYTHONPATH=. python bench/visual_accuracy.py MODEL_DIR [MODEL_DIR ...] [-
 from __future__ import annotations
 
 import argparse
-import tempfile
 from collections import Counter
 from pathlib import Path
 
 import torch
+from stage_policy import environment, load_policy
 
-import data_recipes  # noqa: F401  (registers the task families)
-from posttrain.data.chat import load_tokenizer
-from posttrain.engines import EmbeddedEngine
 from posttrain.envs.env_eval import eval_episodes, mean_standard_error, paired_standard_error
-from posttrain.envs.environments import EnvironmentConfig, make_environment
-from posttrain.model.vision_model import KimiK3ForConditionalGeneration, load_pretrained
-from posttrain.qat import restore_qat
-from posttrain.trainers.common import renderer_for
+from posttrain.envs.environments import EnvironmentConfig
+from posttrain.model.vision_model import KimiK3ForConditionalGeneration
 
 
 def per_prompt(samples: list, samples_per_prompt: int) -> list[float]:
@@ -61,20 +56,14 @@ def play(
     model_dir: Path, families: list[str], prompts_n: int, effort: str, temperature: float, samples_n: int
 ) -> tuple[list, list]:
     """(prompts, episodes) of `prompts_n` drawn visual prompts, `samples_n` episodes each, in draw order."""
-    model = load_pretrained(model_dir)
-    if not isinstance(model, KimiK3ForConditionalGeneration):
+    policy = load_policy(model_dir)
+    if not isinstance(policy.model, KimiK3ForConditionalGeneration):
         raise SystemExit(f"{model_dir} is not a multimodal model (no vision weights its tokenizer feeds)")
-    restore_qat(model)
-    renderer = renderer_for(load_tokenizer(model_dir), model.eval())
     config = EnvironmentConfig(max_turns=3, max_tokens_per_turn=128, families=families)
-    with (
-        tempfile.TemporaryDirectory() as root,
-        make_environment("general", renderer, config, sandbox_dir=Path(root)) as env,
-    ):
+    with environment("general", policy.renderer, config) as env:
         prompts = env.prompts("eval", prompts_n, seed=0)
         samples = eval_episodes(env, prompts, effort, samples_n)
-        engine = EmbeddedEngine(model, pad_token_id=renderer.pad_id)
-        env.play(engine, samples, env.turn_sampling(temperature, seed=0))
+        env.play(policy.engine, samples, env.turn_sampling(temperature, seed=0))
     return prompts, samples
 
 
