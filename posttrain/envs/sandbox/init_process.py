@@ -38,6 +38,8 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC = 32, 4096, 16384
 MNT_DETACH = 2
 PR_SET_NO_NEW_PRIVS = 38
+ADDR_NO_RANDOMIZE = 0x0040000  # personality(2) flag: the same address-space layout in every run
+PERSONALITY_QUERY = 0xFFFFFFFF  # personality(2) argument that changes nothing and returns the current one
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 
@@ -354,6 +356,11 @@ class Init:
             os.setresgid(uid, uid, uid)
             os.setresuid(uid, uid, uid)
             _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
+            # Addresses a program prints (object reprs, id()) are tool output the model reads: with
+            # ASLR the same episode would get other tokens in every run (the sandbox's isolation is
+            # its namespaces and limits, not address randomisation).
+            if _libc.personality(_libc.personality(PERSONALITY_QUERY) | ADDR_NO_RANDOMIZE) == -1:
+                raise OSError(ctypes.get_errno(), "personality(ADDR_NO_RANDOMIZE)")
             os.dup2(stdin if stdin is not None else os.open("/dev/null", os.O_RDONLY), 0)
             os.dup2(stdout, 1)
             os.dup2(stderr, 2)

@@ -55,6 +55,10 @@ DEFAULT_ENV = {
     "TMPDIR": "/tmp",
     "USER": "sandbox",
     "LOGNAME": "sandbox",
+    # A tool's output is part of the episode: Python's per-process string hashing would print a set
+    # in another order in every run (with ASLR off in the child, init_process, object reprs and
+    # id() repeat too), so a rerun or a resumed step would see other tokens and train otherwise.
+    "PYTHONHASHSEED": "0",
 }
 # Sandbox paths a read-only mount may not cover: they are the sandbox's own.
 RESERVED_TARGETS = ("/", WORKSPACE, "/tmp", "/proc", "/dev", "/etc")
