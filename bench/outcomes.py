@@ -14,6 +14,12 @@ is read, not rerun (posttrain's resume: a killed benchmark continues where it st
     python bench/outcomes.py --seeds 0 1 2 --out runs/outcomes             # one at a time
     python bench/outcomes.py --seeds 0 1 2 --parallel 3 --cpus 5 --out DIR  # a 16-core machine
     python bench/outcomes.py --seeds 0 1 2 3 4 5 --report-only --out DIR    # runs already there
+    python bench/outcomes.py --seeds 0 1 2 --report-only --kept-samples 8 --out DIR
+
+With `--kept-samples K` each mopd_keeps_90 claim is judged on a replay of its pair with K episodes a
+held-out prompt (bench/kept_replay.py: the stages' own evaluation, the specialist and the student
+sharing their sampling noise), where the stage's evaluation plays each prompt once and a general
+pair's kept share has an error near 0.1 around a bound of 0.9.
 
 Writes OUT/outcomes.json ({"runs": {seed: claims}, "summary": per claim, "subsets_of_3": per claim
 [held, subsets]}) and OUT/outcomes.md.
@@ -31,10 +37,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import torch
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from orchestration.outcomes import run_claims, seed_summary, subset_pass_rates, subsets_all_holding  # noqa: E402
+from kept_replay import kept_share  # noqa: E402
+
+from orchestration.outcomes import claim, run_claims, seed_summary, subset_pass_rates, subsets_all_holding  # noqa: E402
 
 SUBSET_SIZE = 3  # the benchmark's default seed count: with more seeds, how often would three pass?
 
@@ -52,6 +62,24 @@ def run_seed(
     with open(out / f"seed-{seed}.log", "a") as log:
         code = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     return seed, time.perf_counter() - started, code
+
+
+def replay_kept_shares(run_dir: Path, claims: dict[str, dict], samples: int) -> dict[str, dict]:
+    """The run's mopd_keeps_90 claims judged on a replay of each pair with `samples` episodes a
+    held-out prompt (bench/kept_replay.py, cached in the run dir), the stage's one-episode value kept
+    beside it."""
+    out = dict(claims)
+    for name in [n for n in claims if n.startswith("mopd_keeps_90/")]:
+        pair = name.split("/", 1)[1]
+        print(f"{run_dir.name}: {pair}'s kept share, {samples} episodes a prompt", flush=True)
+        row = kept_share(run_dir, pair, samples)
+        out[name] = {
+            **claim(row["kept"], row["kept_se"], claims[name]["rule"]),
+            "teacher_accuracy": row["specialist"],
+            "samples": samples,
+            "one_episode": claims[name]["value"],
+        }
+    return out
 
 
 def markdown(
@@ -109,6 +137,14 @@ def main() -> None:
         metavar="STAGE",
         help="run only this stage of each seed (repeatable)",
     )
+    parser.add_argument(
+        "--kept-samples",
+        type=int,
+        default=0,
+        metavar="K",
+        help="judge mopd_keeps_90 on a replay of each pair with K episodes a held-out prompt "
+        "(bench/kept_replay.py, --cpus threads); 0: on the stage's own one-episode evaluation",
+    )
     parser.add_argument("overrides", nargs="*", help="KEY=VALUE overrides passed to every run")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -125,11 +161,16 @@ def main() -> None:
                     f"seed {seed}: exit {code} after {seconds / 60:.1f} min (log {args.out}/seed-{seed}.log)"
                 )
     runs = {s: run_claims(args.out / f"seed-{s}") for s in args.seeds}
+    if args.kept_samples:
+        torch.set_num_threads(args.cpus)
+        runs = {s: replay_kept_shares(args.out / f"seed-{s}", c, args.kept_samples) for s, c in runs.items()}
     found = [c for c in runs.values() if c]
     summary = seed_summary(found)
     subsets = subset_pass_rates(found, SUBSET_SIZE) if len(found) > SUBSET_SIZE else {}
     all_holding = subsets_all_holding(found, SUBSET_SIZE) if subsets else None
     lines = markdown(summary, runs, subsets, all_holding)
+    if args.kept_samples:
+        lines += [f"mopd_keeps_90 on {args.kept_samples} episodes a held-out prompt (bench/kept_replay.py)."]
     print("\n".join(lines))
     report = {"runs": runs, "summary": summary, f"subsets_of_{SUBSET_SIZE}": subsets}
     if all_holding:

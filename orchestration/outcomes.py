@@ -30,7 +30,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from posttrain.envs.env_eval import mean_standard_error
+from posttrain.envs.env_eval import mean_standard_error, paired_ratio
+from posttrain.trainers.mopd_eval import EPISODES_FILE
 
 EFFORTS = ("low", "high", "max")
 
@@ -81,8 +82,11 @@ def mopd_claims(run_dir: Path, stage: str = "mopd") -> dict[str, dict[str, Any]]
     teacher's accuracy is its RL stage's (DIR/rl-<pair>/eval.json) on the same first held-out
     prompts: the MOPD and RL evaluations draw them with the same eval seed, in the same order, and
     play them alike (the shipped files: sampled at 0.6 with the same uids and seed) under the same
-    harness (stages/mopd.yaml's environments are stages/rl.yaml's)."""
+    harness (stages/mopd.yaml's environments are stages/rl.yaml's). The kept share's error is paired
+    by prompt (posttrain.envs.env_eval.paired_ratio) where the stage kept the student's episodes
+    (DIR/<stage>/eval_episodes.json), else the two accuracies' errors taken as independent."""
     report = _read(run_dir / stage / "eval.json")
+    student_episodes = accuracy_episodes(run_dir / stage / EPISODES_FILE)
     claims: dict[str, dict[str, Any]] = {}
     for pair, row in (report or {}).items():
         kl = "kl_exact" if "kl_exact_before" in row else "kl"
@@ -99,18 +103,39 @@ def mopd_claims(run_dir: Path, stage: str = "mopd") -> dict[str, dict[str, Any]]
         # RL evaluation of several episodes a prompt lists them prompt by prompt, so the teacher's
         # episodes on MOPD's prompts are its first copies, in order.
         after = teacher["episodes"]["after"]
-        first = [r for uid, r in zip(after["uid"], after["reward"], strict=True) if uid.endswith("/0")]
-        rewards = first[: int(row["accuracy_episodes"])]
+        first = [(uid, r) for uid, r in zip(after["uid"], after["reward"], strict=True) if uid.endswith("/0")]
+        first = first[: int(row["accuracy_episodes"])]
+        rewards = [r for _, r in first]
         reference = sum(rewards) / len(rewards)
         if reference > 0:
-            # The ratio's error by the delta method, the two accuracies taken as independent.
             ratio = row["accuracy_after"] / reference
-            se = ratio * math.hypot(
-                row["accuracy_se_after"] / max(row["accuracy_after"], 1e-9),
-                mean_standard_error(rewards) / reference,
-            )
-            claims[f"mopd_keeps_90/{pair}"] = {**claim(ratio, se, ">=0.9"), "teacher_accuracy": reference}
+            student = student_episodes.get(pair, {})
+            paired = all(uid in student for uid, _ in first)
+            if paired:
+                # Both played the same prompts with the same noise: the error paired by prompt.
+                ratio, se = paired_ratio([student[uid] for uid, _ in first], rewards)
+            else:  # a run without its episodes: the two accuracies taken as independent
+                se = ratio * math.hypot(
+                    row["accuracy_se_after"] / max(row["accuracy_after"], 1e-9),
+                    mean_standard_error(rewards) / reference,
+                )
+            claims[f"mopd_keeps_90/{pair}"] = {
+                **claim(ratio, se, ">=0.9"),
+                "teacher_accuracy": reference,
+                "se_paired": paired,
+            }
     return claims
+
+
+def accuracy_episodes(path: Path) -> dict[str, dict[str, float]]:
+    """Per pair, uid -> reward of the student's accuracy episodes after training from the MOPD
+    stage's eval_episodes.json (empty where the file is not there)."""
+    episodes = _read(path) or {}
+    return {
+        pair: dict(zip(rows["after"]["accuracy"]["uid"], rows["after"]["accuracy"]["reward"], strict=True))
+        for pair, rows in episodes.items()
+        if "accuracy" in rows.get("after", {})
+    }
 
 
 def run_claims(run_dir: Path, domains: Sequence[str] = ("general", "agent", "coding")) -> dict[str, dict]:

@@ -113,6 +113,20 @@ def mean_standard_error(values: Sequence[float]) -> float:
     return math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
 
 
+def paired_ratio(numerator: Sequence[float], denominator: Sequence[float]) -> tuple[float, float]:
+    """(sum numerator / sum denominator, its standard error by the delta method) when both measure
+    the same units (a student's and its teacher's accuracy on the same prompts): var(R) ~ var(n_i -
+    R d_i) / (units x mean(d)^2), so what the two share (a prompt's difficulty) cancels."""
+    if len(numerator) != len(denominator) or len(denominator) < 2:
+        raise ValueError(f"need two or more paired units, got {len(numerator)} and {len(denominator)}")
+    mean = sum(denominator) / len(denominator)
+    if mean <= 0:
+        raise ValueError("the denominator's values sum to zero or less: the ratio is undefined")
+    ratio = sum(numerator) / sum(denominator)
+    residual = [a - ratio * b for a, b in zip(numerator, denominator, strict=True)]
+    return ratio, mean_standard_error(residual) / mean
+
+
 def paired_standard_error(before: Sequence[float], after: Sequence[float]) -> float:
     """Standard error of mean(after) - mean(before) when both measure the same units (episode i of
     each is the same prompt): the error of the mean of the differences."""

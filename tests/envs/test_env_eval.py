@@ -12,6 +12,7 @@ from posttrain.envs.env_eval import (
     family_sums,
     mean_standard_error,
     paired_changes,
+    paired_ratio,
     paired_standard_error,
     prompt_means,
     summary,
@@ -35,6 +36,25 @@ def test_paired_error_is_the_error_of_the_differences_and_ignores_shared_difficu
     assert paired_standard_error(before, shifted) == 0.0 and mean_standard_error(before) > 0
     with pytest.raises(ValueError, match="equal lengths"):
         paired_standard_error([1.0], [1.0, 2.0])
+
+
+def test_paired_ratio_is_the_ratio_of_sums_with_the_delta_method_error_over_units():
+    student, teacher = [1.0, 0.0, 0.5, 1.0, 0.25], [1.0, 0.5, 0.5, 1.0, 0.5]
+    ratio, se = paired_ratio(student, teacher)
+    assert ratio == pytest.approx(2.75 / 3.5)
+    # residuals s - R t; their sample sd over root 5, divided by mean(t) = 0.7
+    residual = [s - ratio * t for s, t in zip(student, teacher, strict=True)]
+    mean = sum(residual) / 5
+    sd = math.sqrt(sum((r - mean) ** 2 for r in residual) / 4)
+    assert se == pytest.approx(sd / math.sqrt(5) / 0.7)
+    # what both share (a prompt's difficulty) cancels: a uniform 0.9 has no error, though the
+    # prompts' accuracies spread from 0.1 to 1 (taken as independent its error would be ~0.3)
+    uniform = [0.1, 0.4, 1.0, 0.7]
+    assert paired_ratio([0.9 * t for t in uniform], uniform) == pytest.approx((0.9, 0.0))
+    with pytest.raises(ValueError, match="undefined"):
+        paired_ratio([0.0, 0.0], [0.0, 0.0])
+    with pytest.raises(ValueError, match="paired units"):
+        paired_ratio([1.0], [1.0, 0.5])
 
 
 def test_paired_changes_and_summary_on_episode_rows():

@@ -77,7 +77,9 @@ def test_claims_of_one_run_hold_and_fail_by_their_rules(tmp_path):
     assert claims["mopd_kl_down/general-low"]["estimate"] == "kl_exact"
     kept = claims["mopd_keeps_90/general-low"]
     assert kept["teacher_accuracy"] == 0.5 and kept["value"] == pytest.approx(0.9) and kept["holds"]
+    # no eval_episodes.json: the two accuracies' errors taken as independent
     assert kept["se"] == pytest.approx(0.9 * math.hypot(0.05 / 0.45, mean_standard_error([1, 0, 1, 0]) / 0.5))
+    assert not kept["se_paired"]
     assert not claims["mopd_keeps_90/agent-high"]["holds"]  # 0.8 of the teacher
     table = claims_table(claims)
     assert len(table) == 2 + len(claims) and "| max_beats_sft/agent | 0.05 | 0.04 | z>=2 | no |" in table
@@ -96,6 +98,31 @@ def test_kept_share_compares_with_the_teachers_first_episode_of_each_prompt(tmp_
     _mopd(tmp_path, {"general-max": row})
     kept = run_claims(tmp_path)["mopd_keeps_90/general-max"]
     assert kept["teacher_accuracy"] == 0.75 and kept["value"] == pytest.approx(1.0)
+
+
+def test_kept_share_error_is_paired_by_prompt_where_the_student_episodes_were_kept(tmp_path):
+    """With the MOPD stage's eval_episodes.json the student's episodes pair with the teacher's by
+    uid: the error is that of the paired ratio, not of two independent accuracies."""
+    _rl(tmp_path, "general", "max", 0.1, 0.04, 60.0)  # teacher's first 4 prompts: 1, 0, 1, 0
+    row = {"accuracy_after": 0.5, "accuracy_se_after": 0.29, "accuracy_episodes": 4.0}
+    _mopd(tmp_path, {"general-max": row})
+    uids = [f"eval/general/f-{i}/max/0" for i in range(4)]
+    student = {"uid": uids, "reward": [1.0, 1.0, 0.0, 0.0], "tokens": [5.0] * 4}
+    episodes = {"general-max": {"after": {"accuracy": student}, "before": {"accuracy": student}}}
+    (tmp_path / "mopd" / "eval_episodes.json").write_text(json.dumps(episodes))
+    kept = run_claims(tmp_path)["mopd_keeps_90/general-max"]
+    assert kept["value"] == pytest.approx(1.0) and kept["se_paired"]
+    # residuals s - 1.0 t: 0, 1, -1, 0 (sample sd sqrt(2/3)), over root 4 and the teacher's 0.5
+    assert kept["se"] == pytest.approx(math.sqrt(2 / 3) / 2 / 0.5)
+    student["reward"] = [1.0, 0.0, 1.0, 0.0]  # the teacher's own episodes: nothing left to differ
+    (tmp_path / "mopd" / "eval_episodes.json").write_text(json.dumps(episodes))
+    kept = run_claims(tmp_path)["mopd_keeps_90/general-max"]
+    assert kept["value"] == pytest.approx(1.0) and kept["se"] == 0.0
+    # episodes of other prompts (another run's) do not pair: the independent error again
+    student["uid"] = [uid.replace("f-", "g-") for uid in uids]
+    (tmp_path / "mopd" / "eval_episodes.json").write_text(json.dumps(episodes))
+    kept = run_claims(tmp_path)["mopd_keeps_90/general-max"]
+    assert not kept["se_paired"] and kept["se"] > 0.5
 
 
 def test_seed_summary_uses_the_larger_of_the_seed_spread_and_the_pooled_eval_error():

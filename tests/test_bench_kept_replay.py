@@ -1,0 +1,87 @@
+"""bench/kept_replay.py: a replay that is the RL stage's own evaluation (its first episode of each
+prompt the stage's, the same noise for any model). The kept share's paired error is
+posttrain.envs.env_eval.paired_ratio (tests/envs/test_env_eval.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))  # kept_replay imports its sibling stage_policy
+_spec = importlib.util.spec_from_file_location("kept_replay", REPO / "bench" / "kept_replay.py")
+kept_replay = importlib.util.module_from_spec(_spec)
+sys.modules["kept_replay"] = kept_replay
+_spec.loader.exec_module(kept_replay)
+
+
+def _rl_stage(root: Path, domain: str, effort: str, prompts: int) -> Path:
+    """An RL stage dir as a run leaves it (model and stage.json), the shipped base as its model."""
+    stage = root / f"rl-{domain}-{effort}"
+    stage.mkdir(parents=True)
+    (stage / "model").symlink_to(REPO / "data_recipes" / "base")
+    body = {
+        "domain": domain,
+        "effort": effort,
+        "eval": {"prompts": prompts, "temperature": 0.6},
+        "environments": {domain: {"max_turns": 2, "max_tokens_per_turn": 24}},
+    }
+    (stage / "stage.json").write_text(json.dumps({"stage": {"seed": 3, "body": body}}))
+    return stage
+
+
+def test_a_replay_plays_the_stage_eval_and_its_first_copies_are_the_stages(tmp_path: Path) -> None:
+    stage = _rl_stage(tmp_path, "general", "max", prompts=3)
+    seed, cfg, harness, domain, effort = kept_replay.stage_settings(stage)
+    assert (seed, cfg.prompts, cfg.temperature, harness.max_tokens_per_turn) == (3, 3, 0.6, 24)
+    rows = kept_replay.replay(stage / "model", stage, samples=2)
+    prompts = sorted({uid.rsplit("/", 1)[0] for uid in rows["uid"]})
+    assert len(prompts) == 3 and all(p.endswith("/max") for p in prompts)
+    assert sorted(uid.rsplit("/", 1)[1] for uid in rows["uid"]) == ["0", "0", "0", "1", "1", "1"]
+    # Same uids, seed and policy: the same episodes (what lets two models share their noise).
+    assert kept_replay.replay(stage / "model", stage, samples=2) == rows
+    first = [i for i, uid in enumerate(rows["uid"]) if uid.endswith("/0")]
+    recorded = {key: [rows[key][i] for i in first] for key in ("uid", "reward", "tokens")}
+    assert kept_replay.first_copies_agree(rows, recorded) == "3/3"
+    recorded["tokens"][1] += 1.0  # the stage's episode ran otherwise: the check says so
+    assert kept_replay.first_copies_agree(rows, recorded) == "2/3"
+    assert kept_replay.first_copies_agree(rows, None) == "-"
+
+
+def _finished(stage: Path, model_hash: str) -> None:
+    (stage / "manifest.json").write_text(json.dumps({"model_hash": model_hash}))
+
+
+def test_kept_share_reads_its_cache_only_for_the_same_models(tmp_path: Path) -> None:
+    """A replay is cached in the run dir under the two models' hashes: read again while they are
+    the ones replayed, played again once a stage has run again (a new model hash)."""
+    stage = _rl_stage(tmp_path, "general", "max", prompts=3)
+    student = tmp_path / "mopd"
+    student.mkdir()
+    (student / "model").symlink_to(REPO / "data_recipes" / "base")
+    _finished(stage, "aaaa")
+    _finished(student, "bbbb")
+    (stage / "eval.json").write_text(
+        json.dumps({"episodes": {"after": {"uid": [], "reward": [], "tokens": []}}})
+    )
+    cached = {"kept": 0.93, "kept_se": 0.02, "specialist": 0.4}
+    key = "mopd/general-max/8/aaaa/bbbb"
+    (tmp_path / kept_replay.CACHE_FILE).write_text(json.dumps({key: cached}))
+    assert kept_replay.kept_share(tmp_path, "general-max", 8) == cached
+    # the student's stage ran again: replayed, and the untrained base solves none of the prompts
+    _finished(student, "cccc")
+    with pytest.raises(SystemExit, match="solved none of its prompts"):
+        kept_replay.kept_share(tmp_path, "general-max", 2)
+    assert json.loads((tmp_path / kept_replay.CACHE_FILE).read_text()) == {key: cached}
+    (student / "manifest.json").unlink()
+    with pytest.raises(SystemExit, match="mopd/manifest.json is missing"):
+        kept_replay.kept_share(tmp_path, "general-max", 8)
+
+
+def test_a_missing_stage_record_names_the_directory(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="rl-general-max/stage.json is missing"):
+        kept_replay.stage_settings(tmp_path / "rl-general-max")
