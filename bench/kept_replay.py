@@ -121,9 +121,9 @@ def kept_share(run: Path, pair: str, samples: int, student: str = "mopd") -> dic
         raise SystemExit(f"{stage_dir}'s specialist solved none of its prompts: no share to keep")
     kept, kept_se = paired_ratio(means["student"], means["specialist"])
     row: dict[str, Any] = {
-        f"{who}{key}": value
+        f"{who}{suffix}": value
         for who, m in means.items()
-        for key, value in (("", sum(m) / len(m)), ("_se", mean_standard_error(m)))
+        for suffix, value in (("", sum(m) / len(m)), ("_se", mean_standard_error(m)))
     }
     row |= {
         "kept": kept,

@@ -36,7 +36,6 @@ def test_kept_claims_are_judged_on_the_replay(tmp_path: Path) -> None:
     assert kept["one_episode"] == 0.79 and kept["samples"] == 8 and kept["teacher_accuracy"] == 0.45
     assert out["max_beats_sft/general"] == claims["max_beats_sft/general"]
     assert not claims["mopd_keeps_90/general-max"]["holds"]  # the caller's claims are not changed
-    with pytest.raises(
-        SystemExit, match="rl-general-max/eval.json is missing"
-    ):  # no cached replay of 4: it plays
+    # no cached replay of 4 episodes a prompt: it plays one, and this run has no specialist to play
+    with pytest.raises(SystemExit, match="rl-general-max/eval.json is missing"):
         bench_outcomes.replay_kept_shares(tmp_path, claims, 4)
