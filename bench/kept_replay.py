@@ -20,7 +20,10 @@ given the mean, its standard error and how many runs keep at least `--bound`.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -132,9 +135,30 @@ def kept_share(run: Path, pair: str, samples: int, student: str = "mopd") -> dic
         "samples": samples,
         "episode0_equal": ", ".join(first_copies_agree(played[who], recorded.get(who)) for who in played),
     }
-    cache[key] = row
-    atomic_write_text(cache_file, json.dumps(cache, indent=1))
+    store(cache_file, key, row)
     return row
+
+
+@contextlib.contextmanager
+def _cache_lock(cache_file: Path) -> Iterator[None]:
+    """Held by every process writing `cache_file`'s run dir cache (bench/outcomes.py replays pairs
+    in parallel processes over one run dir)."""
+    with open(cache_file.with_name(f".{cache_file.name}.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def store(cache_file: Path, key: str, row: dict[str, Any]) -> None:
+    """Add one replay to the cache: read again under the lock and merged, so a replay another
+    process stored while this one played is kept (a write of this process's first read would drop
+    it)."""
+    with _cache_lock(cache_file):
+        cache = json.loads(cache_file.read_text()) if cache_file.is_file() else {}
+        cache[key] = row
+        atomic_write_text(cache_file, json.dumps(cache, indent=1))
 
 
 def main() -> None:

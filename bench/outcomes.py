@@ -19,7 +19,8 @@ is read, not rerun (posttrain's resume: a killed benchmark continues where it st
 With `--kept-samples K` each mopd_keeps_90 claim is judged on a replay of its pair with K episodes a
 held-out prompt (bench/kept_replay.py: the stages' own evaluation, the specialist and the student
 sharing their sampling noise), where the stage's evaluation plays each prompt once and a general
-pair's kept share has an error near 0.1 around a bound of 0.9.
+pair's kept share has an error near 0.1 around a bound of 0.9. The replays of all seeds' pairs run in
+`--cpus` processes of one thread each, storing into each run dir's cache under a lock.
 
 Writes OUT/outcomes.json ({"runs": {seed: claims}, "summary": per claim, "subsets_of_3": per claim
 [held, subsets]}) and OUT/outcomes.md.
@@ -29,12 +30,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import platform
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import torch
@@ -64,21 +66,55 @@ def run_seed(
     return seed, time.perf_counter() - started, code
 
 
-def replay_kept_shares(run_dir: Path, claims: dict[str, dict], samples: int) -> dict[str, dict]:
-    """The run's mopd_keeps_90 claims judged on a replay of each pair with `samples` episodes a
+def cpu_model() -> str:
+    """The CPU's name, family/model and whether it has AVX-512 (Linux's /proc/cpuinfo): 2-core VMs of
+    one kind ran a seed in 16 to 49 minutes by these alone (bench/RESULTS.md), with the same results
+    wherever the float path (torch's AVX2 or AVX-512 kernels) was the same."""
+    info = Path("/proc/cpuinfo")
+    if not info.is_file():
+        return platform.processor() or "unknown CPU"
+    fields: dict[str, str] = {}
+    for line in info.read_text().splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    avx512 = "avx512f" in fields.get("flags", "").split()
+    return (
+        f"{fields.get('model name', 'unknown CPU')} (family {fields.get('cpu family', '?')} model "
+        f"{fields.get('model', '?')}, {'AVX-512' if avx512 else 'no AVX-512'})"
+    )
+
+
+def replay_kept_shares(
+    runs: dict[Path, dict[str, dict]], samples: int, lanes: int = 1
+) -> dict[Path, dict[str, dict]]:
+    """Each run's mopd_keeps_90 claims judged on a replay of its pair with `samples` episodes a
     held-out prompt (bench/kept_replay.py, cached in the run dir), the stage's one-episode value kept
-    beside it."""
-    out = dict(claims)
-    for name in [n for n in claims if n.startswith("mopd_keeps_90/")]:
-        pair = name.split("/", 1)[1]
-        print(f"{run_dir.name}: {pair}'s kept share, {samples} episodes a prompt", flush=True)
-        row = kept_share(run_dir, pair, samples)
-        out[name] = {
-            **claim(row["kept"], row["kept_se"], claims[name]["rule"]),
-            "teacher_accuracy": row["specialist"],
-            "samples": samples,
-            "one_episode": claims[name]["value"],
+    beside it. The replays run in `lanes` processes of one torch thread each: on the small model a
+    second thread in one process gives 1.24x, a second process nearly 2x (bench/RESULTS.md)."""
+    pairs = [
+        (run, name) for run, claims in runs.items() for name in claims if name.startswith("mopd_keeps_90/")
+    ]
+    out = {run: dict(claims) for run, claims in runs.items()}
+    spawn = multiprocessing.get_context("spawn")  # not fork: the parent's OpenMP state is not fork-safe
+    with ProcessPoolExecutor(
+        lanes, mp_context=spawn, initializer=torch.set_num_threads, initargs=(1,)
+    ) as pool:
+        jobs = {
+            pool.submit(kept_share, run, name.split("/", 1)[1], samples): (run, name) for run, name in pairs
         }
+        for job in as_completed(jobs):
+            run, name = jobs[job]
+            row = job.result()
+            print(
+                f"{run.name}: {name}'s kept share on {samples} episodes a prompt: {row['kept']:.3f}",
+                flush=True,
+            )
+            out[run][name] = {
+                **claim(row["kept"], row["kept_se"], runs[run][name]["rule"]),
+                "teacher_accuracy": row["specialist"],
+                "samples": samples,
+                "one_episode": runs[run][name]["value"],
+            }
     return out
 
 
@@ -143,12 +179,16 @@ def main() -> None:
         default=0,
         metavar="K",
         help="judge mopd_keeps_90 on a replay of each pair with K episodes a held-out prompt "
-        "(bench/kept_replay.py, --cpus threads); 0: on the stage's own one-episode evaluation",
+        "(bench/kept_replay.py, in --cpus one-thread processes); 0: on the stage's own one-episode "
+        "evaluation",
     )
     parser.add_argument("overrides", nargs="*", help="KEY=VALUE overrides passed to every run")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    print(f"machine: {platform.node()} {os.cpu_count()} cores, python {platform.python_version()}")
+    print(
+        f"machine: {platform.node()} {os.cpu_count()} cores, {cpu_model()}, python "
+        f"{platform.python_version()}, torch {torch.__version__}"
+    )
     if not args.report_only:
         with ThreadPoolExecutor(args.parallel) as pool:
             jobs = [
@@ -162,8 +202,10 @@ def main() -> None:
                 )
     runs = {s: run_claims(args.out / f"seed-{s}") for s in args.seeds}
     if args.kept_samples:
-        torch.set_num_threads(args.cpus)
-        runs = {s: replay_kept_shares(args.out / f"seed-{s}", c, args.kept_samples) for s, c in runs.items()}
+        replayed = replay_kept_shares(
+            {args.out / f"seed-{s}": c for s, c in runs.items()}, args.kept_samples, args.cpus
+        )
+        runs = {s: replayed[args.out / f"seed-{s}"] for s in runs}
     found = [c for c in runs.values() if c]
     summary = seed_summary(found)
     subsets = subset_pass_rates(found, SUBSET_SIZE) if len(found) > SUBSET_SIZE else {}

@@ -85,3 +85,28 @@ def test_kept_share_reads_its_cache_only_for_the_same_models(tmp_path: Path) -> 
 def test_a_missing_stage_record_names_the_directory(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="rl-general-max/stage.json is missing"):
         kept_replay.stage_settings(tmp_path / "rl-general-max")
+
+
+def test_a_replay_stored_by_another_process_meanwhile_is_kept(tmp_path: Path, monkeypatch) -> None:
+    """bench/outcomes.py replays a run's pairs in parallel processes: one that stores its replay
+    after another stored one since its start must keep that one (it reads the cache again under a
+    lock, not its first read)."""
+    stage = _rl_stage(tmp_path, "general", "max", prompts=3)
+    student = tmp_path / "mopd"
+    student.mkdir()
+    _finished(stage, "aaaa")
+    _finished(student, "bbbb")
+    (stage / "eval.json").write_text(
+        json.dumps({"episodes": {"after": {"uid": [], "reward": [], "tokens": []}}})
+    )
+    other = {"mopd/agent-low/8/cccc/bbbb": {"kept": 0.97}}  # the other process's pair
+
+    def play_while_another_stores(model_dir: Path, stage_dir: Path, samples: int) -> dict[str, list]:
+        kept_replay.store(tmp_path / kept_replay.CACHE_FILE, *next(iter(other.items())))
+        return {"uid": ["p/max/0", "q/max/0"], "reward": [1.0, 0.0], "tokens": [5.0, 6.0]}
+
+    monkeypatch.setattr(kept_replay, "replay", play_while_another_stores)
+    row = kept_replay.kept_share(tmp_path, "general-max", 8)
+    assert row["kept"] == 1.0 and row["prompts"] == 2
+    cache = json.loads((tmp_path / kept_replay.CACHE_FILE).read_text())
+    assert cache == {**other, "mopd/general-max/8/aaaa/bbbb": row}

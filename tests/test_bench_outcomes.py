@@ -19,23 +19,54 @@ bench_outcomes = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench_outcomes)
 
 
+def _run(root: Path, kept: dict[str, float]) -> Path:
+    """A run dir whose pairs' replays of 8 episodes a prompt are cached (as kept_replay.kept_share
+    stores them), one stage manifest a model."""
+    root.mkdir()
+    stages = {"mopd": "ffff", **{f"rl-{pair}": f"{index:04d}" for index, pair in enumerate(kept)}}
+    for stage, model_hash in stages.items():
+        (root / stage).mkdir()
+        (root / stage / "manifest.json").write_text(json.dumps({"model_hash": model_hash}))
+    cache = {
+        f"mopd/{pair}/8/{stages[f'rl-{pair}']}/ffff": {"kept": share, "kept_se": 0.02, "specialist": 0.45}
+        for pair, share in kept.items()
+    }
+    (root / "kept_replay.json").write_text(json.dumps(cache))
+    return root
+
+
 def test_kept_claims_are_judged_on_the_replay(tmp_path: Path) -> None:
-    for stage, model_hash in (("rl-general-max", "aaaa"), ("mopd", "bbbb")):
-        (tmp_path / stage).mkdir()
-        (tmp_path / stage / "manifest.json").write_text(json.dumps({"model_hash": model_hash}))
-    replayed = {"kept": 0.95, "kept_se": 0.02, "specialist": 0.45}
-    cache = {"mopd/general-max/8/aaaa/bbbb": replayed}  # what kept_replay.kept_share stored
-    (tmp_path / "kept_replay.json").write_text(json.dumps(cache))
+    run = _run(tmp_path / "seed-0", {"general-max": 0.95})
     claims = {
         "mopd_keeps_90/general-max": {**claim(0.79, 0.1, ">=0.9"), "teacher_accuracy": 0.35},
         "max_beats_sft/general": claim(0.17, 0.05, "z>=2"),
     }
-    out = bench_outcomes.replay_kept_shares(tmp_path, claims, 8)
+    out = bench_outcomes.replay_kept_shares({run: claims}, 8)[run]
     kept = out["mopd_keeps_90/general-max"]
     assert kept["value"] == 0.95 and kept["se"] == 0.02 and kept["holds"]
     assert kept["one_episode"] == 0.79 and kept["samples"] == 8 and kept["teacher_accuracy"] == 0.45
     assert out["max_beats_sft/general"] == claims["max_beats_sft/general"]
     assert not claims["mopd_keeps_90/general-max"]["holds"]  # the caller's claims are not changed
     # no cached replay of 4 episodes a prompt: it plays one, and this run has no specialist to play
+    # (the replay's error, raised in its process, reaches the caller)
     with pytest.raises(SystemExit, match="rl-general-max/eval.json is missing"):
-        bench_outcomes.replay_kept_shares(tmp_path, claims, 4)
+        bench_outcomes.replay_kept_shares({run: claims}, 4)
+
+
+def test_replays_of_several_runs_and_pairs_in_lanes_land_on_their_own_claims(tmp_path: Path) -> None:
+    """Two one-thread processes share the replays of two runs' pairs; each result goes back to its
+    run and claim."""
+    shares = {
+        tmp_path / "seed-0": {"general-max": 0.95, "agent-low": 0.91},
+        tmp_path / "seed-1": {"general-max": 0.85, "agent-low": 1.02},
+    }
+    runs = {
+        _run(root, kept): {f"mopd_keeps_90/{pair}": claim(0.5, 0.1, ">=0.9") for pair in kept}
+        for root, kept in shares.items()
+    }
+    out = bench_outcomes.replay_kept_shares(runs, 8, lanes=2)
+    assert {
+        root: {name.split("/")[1]: row["value"] for name, row in claims.items()}
+        for root, claims in out.items()
+    } == shares
+    assert [row["holds"] for row in out[tmp_path / "seed-1"].values()] == [False, True]
