@@ -147,3 +147,28 @@ def test_qat_fake_quant_is_active_in_generation_and_scoring(model):
         torch.tensor(engine.score([sample])[0]), torch.tensor(with_qat), atol=1e-5, rtol=0
     )
     assert max(abs(a - b) for a, b in zip(with_qat, without_qat, strict=True)) > 1e-4
+
+
+def test_decoding_leaves_the_trained_module_trainable_with_unchanged_gradients(model):
+    """The engine decodes and scores with the trainer's own module (RL's embedded rollouts): what it
+    caches meanwhile (the MX weight copies, kept row caches) must not reach a later training
+    forward, whose loss and gradients equal a twin's that never decoded."""
+    trained, twin = copy.deepcopy(model).train(), copy.deepcopy(model).train()
+    for policy in (trained, twin):
+        assert apply_qat(policy, QATConfig(scheme="k3"))
+    engine = EmbeddedEngine(trained)
+    sample = engine.generate([prompt_sample("t", [5, 6, 7, 8])], SamplingConfig(max_tokens=6, seed=4))[0]
+    engine.score([sample])
+    assert trained.training and not any(p.is_inference() for p in trained.parameters())
+
+    def loss_and_grads(policy: torch.nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        policy.zero_grad()
+        logits = policy(input_ids=torch.tensor([sample.tokens])).logits.float()
+        loss = torch.nn.functional.cross_entropy(logits[0, :-1], torch.tensor(sample.tokens[1:]))
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in policy.parameters() if p.grad is not None]
+
+    loss, grads = loss_and_grads(trained)
+    twin_loss, twin_grads = loss_and_grads(twin)
+    assert torch.equal(loss, twin_loss) and len(grads) == len(twin_grads) > 0
+    assert all(torch.equal(a, b) for a, b in zip(grads, twin_grads, strict=True))
