@@ -4,7 +4,6 @@ posttrain.envs.env_eval.paired_ratio (tests/envs/test_env_eval.py)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -13,10 +12,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))  # kept_replay imports its sibling stage_policy
-_spec = importlib.util.spec_from_file_location("kept_replay", REPO / "bench" / "kept_replay.py")
-kept_replay = importlib.util.module_from_spec(_spec)
-sys.modules["kept_replay"] = kept_replay
-_spec.loader.exec_module(kept_replay)
+# A plain import: one kept_replay module however many tests import it (bench/outcomes.py, tested
+# beside this, sends kept_replay.kept_share by reference to its replay processes).
+import kept_replay  # noqa: E402
 
 
 def _rl_stage(root: Path, domain: str, effort: str, prompts: int) -> Path:
