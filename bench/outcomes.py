@@ -44,7 +44,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from kept_replay import kept_share  # noqa: E402
+from kept_replay import kept_share, one_thread  # noqa: E402
 
 from orchestration.outcomes import claim, run_claims, seed_summary, subset_pass_rates, subsets_all_holding  # noqa: E402
 
@@ -96,9 +96,7 @@ def replay_kept_shares(
     ]
     out = {run: dict(claims) for run, claims in runs.items()}
     spawn = multiprocessing.get_context("spawn")  # not fork: the parent's OpenMP state is not fork-safe
-    with ProcessPoolExecutor(
-        lanes, mp_context=spawn, initializer=torch.set_num_threads, initargs=(1,)
-    ) as pool:
+    with ProcessPoolExecutor(lanes, mp_context=spawn, initializer=one_thread) as pool:
         jobs = {
             pool.submit(kept_share, run, name.split("/", 1)[1], samples): (run, name) for run, name in pairs
         }

