@@ -68,7 +68,7 @@ def run_seed(
 
 def cpu_model() -> str:
     """The CPU's name, family/model and whether it has AVX-512 (Linux's /proc/cpuinfo): 2-core VMs of
-    one kind ran a seed in 16 to 49 minutes by these alone (bench/RESULTS.md), with the same results
+    one kind ran a seed in 16 to 51 minutes by these alone (bench/RESULTS.md), with the same results
     wherever the float path (torch's AVX2 or AVX-512 kernels) was the same."""
     info = Path("/proc/cpuinfo")
     if not info.is_file():
