@@ -20,10 +20,7 @@ given the mean, its standard error and how many runs keep at least `--bound`.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +30,7 @@ from stage_policy import environment, load_policy
 from orchestration.outcomes import claim, seed_summary
 from posttrain.envs.env_eval import EvalConfig, evaluate, mean_standard_error, paired_ratio, prompt_means
 from posttrain.envs.environments import EnvironmentConfig
-from posttrain.files import atomic_write_text
+from posttrain.files import atomic_write_text, exclusive_lock
 from posttrain.trainers.mopd_eval import EPISODES_FILE
 
 CACHE_FILE = "kept_replay.json"  # in the run dir: a report (bench/outcomes.py) reads the replays again
@@ -146,23 +143,11 @@ def one_thread() -> None:
     torch.set_num_threads(1)
 
 
-@contextlib.contextmanager
-def _cache_lock(cache_file: Path) -> Iterator[None]:
-    """Held by every process writing `cache_file`'s run dir cache (bench/outcomes.py replays pairs
-    in parallel processes over one run dir)."""
-    with open(cache_file.with_name(f".{cache_file.name}.lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
 def store(cache_file: Path, key: str, row: dict[str, Any]) -> None:
     """Add one replay to the cache: read again under the lock and merged, so a replay another
     process stored while this one played is kept (a write of this process's first read would drop
     it)."""
-    with _cache_lock(cache_file):
+    with exclusive_lock(cache_file.with_name(f".{cache_file.name}.lock")):
         cache = json.loads(cache_file.read_text()) if cache_file.is_file() else {}
         cache[key] = row
         atomic_write_text(cache_file, json.dumps(cache, indent=1))

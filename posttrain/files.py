@@ -8,6 +8,7 @@ renaming it away first. Content is identified by sha256.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -16,6 +17,18 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+
+@contextmanager
+def exclusive_lock(path: Path) -> Iterator[None]:
+    """Held while other processes sharing `path` (a lock file, created if missing) wait: around a
+    read-merge-write of a file several processes update (the budget cache, a replay cache)."""
+    with open(path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def fsync_file(path: Path) -> None:

@@ -24,7 +24,6 @@ model or a changed setting re-estimates instead of reusing a stale budget. The `
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import math
@@ -32,7 +31,7 @@ import os
 import re
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
@@ -44,7 +43,7 @@ from posttrain.data.chat import ChatRenderer
 from posttrain.data.sample import EFFORTS, Sample
 from posttrain.engines.base import Engine
 from posttrain.envs.environments import Environment
-from posttrain.files import sha256_file
+from posttrain.files import exclusive_lock, sha256_file
 
 UsageKind = Literal["thinking", "output"]
 
@@ -495,15 +494,8 @@ class BudgetCache:
         """Held while a stage estimates b0 for `domain`, by every process sharing the directory."""
         return self._locked(f"cold-start:{domain}")
 
-    @contextlib.contextmanager
-    def _locked(self, prompt_id: str) -> Iterator[None]:
-        lock_path = self.path_for(prompt_id).with_suffix(".lock")
-        with open(lock_path, "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
+    def _locked(self, prompt_id: str) -> contextlib.AbstractContextManager[None]:
+        return exclusive_lock(self.path_for(prompt_id).with_suffix(".lock"))
 
     def _write_atomic(self, path: Path, data: dict[str, Any]) -> None:
         fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{path.name}.", suffix=".tmp")
