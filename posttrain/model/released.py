@@ -130,12 +130,16 @@ def released_config_dict(
     """
     text = config.to_dict()
     top = {key: text.pop(key) for key in _TOP_LEVEL if key in text}
-    for key in ("architectures", "model_type", "dtype", "torch_dtype", "auto_map"):
+    # _name_or_path: the directory this config was read from (a base model, the SFT stage's output);
+    # kept, it would publish that machine's path and make equal weights' config.json (and the run's
+    # model hashes) differ between run dirs.
+    for key in ("architectures", "model_type", "dtype", "torch_dtype", "auto_map", "_name_or_path"):
         text.pop(key, None)
     dtype_name = str(dtype).removeprefix("torch.")
     text.update(model_type=TEXT_MODEL_TYPE, tie_word_embeddings=False, dtype=dtype_name)
     # the model's own vision header (from a release) over the defaults, so every key vLLM reads exists
     vision = {**default_vision_config(config.hidden_size), **(top.pop("vision_config", None) or {})}
+    vision.pop("_name_or_path", None)
     placeholder = top.pop("media_placeholder_token_id", None)
     if media_placeholder_token_id is not None:
         placeholder = media_placeholder_token_id

@@ -173,6 +173,25 @@ def test_old_flat_dirs_and_the_engines_load_both_layouts(tmp_path, renderer):
         torch.testing.assert_close(torch.tensor(scores), reference_logprobs(model, tokens), rtol=0, atol=1e-5)
 
 
+def test_equal_weights_read_from_two_dirs_publish_equal_config_bytes(tmp_path):
+    # A stage's model is read from its init's directory (the base, the SFT stage's output) and
+    # written with save_released; the manifest hashes the written files, and a release must not
+    # name the machine it was made on, so no config may carry the directory it was read from.
+    from posttrain.model import save_released
+
+    tiny_k3(3).save_pretrained(str(tmp_path / "a"))
+    build_released_dir(tmp_path / "b", vision=True)  # a release's header: vision_config and all
+    for source in ("a", "b"):
+        (tmp_path / f"{source}-copy").symlink_to(tmp_path / source, target_is_directory=True)
+        written = []
+        for read_from in (source, f"{source}-copy"):
+            model = AutoModelForCausalLM.from_pretrained(str(tmp_path / read_from), dtype=torch.float32)
+            save_released(model, tmp_path / f"{read_from}-out")
+            written.append((tmp_path / f"{read_from}-out" / "config.json").read_text())
+        assert written[0] == written[1], source
+        assert "_name_or_path" not in written[0] and str(tmp_path) not in written[0], source
+
+
 def test_an_sft_stage_runs_from_a_released_dir_and_its_output_exports_and_loads(
     tmp_path, sft_recipe, stage_runner, posttrain
 ):
