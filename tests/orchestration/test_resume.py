@@ -88,12 +88,15 @@ def test_kill_9_at_random_moments_then_rerun_is_bit_identical(write, tmp_path: P
 
 
 def test_a_stage_that_keeps_no_checkpoints_starts_over_after_a_kill(write, tmp_path: Path) -> None:
-    # Long enough (a few seconds) that the throttled progress reports see it mid-run: with no
-    # checkpoint they are the only sign of the step reached.
-    stage = write("train.yaml", STAGE.replace("steps: 100", "steps: 3000") + "keep_checkpoints: 0\n")
+    # Long enough (at least 3 s, whatever the machine: each step sleeps 10 ms) that the progress
+    # reports, at most every 0.2 s, see it mid-run: with no checkpoint they are the only sign of the
+    # step reached.
+    stage = write(
+        "train.yaml", STAGE.replace("steps: 100", "steps: 300") + "pause: 0.01\nkeep_checkpoints: 0\n"
+    )
     reference, killed = tmp_path / "reference", tmp_path / "killed"
     finish(start_cli("run", stage, "--run-dir", reference, cwd=tmp_path))
-    event = kill_when(stage, killed, 600, 0.0)
+    event = kill_when(stage, killed, 150, 0.0)
     assert not any((killed / "train" / "checkpoints").glob("step-*")), event
     finish(start_cli("run", stage, "--run-dir", killed, cwd=tmp_path))
 

@@ -158,7 +158,8 @@ def body(**keys) -> dict:
         "teacher_engine": "fake-dying",
         "train": {"steps": 2, "lr": 1e-4},
         "rollout": {"prompts_per_domain": 1},
-        "eval": {"prompts_per_domain": 1, "samples_per_prompt": 1},
+        # two accuracy prompts a domain, not the default 96: the failures are in the scored episodes
+        "eval": {"prompts_per_domain": 1, "accuracy_prompts_per_domain": 2, "samples_per_prompt": 1},
         "environments": {d: {"max_tokens_per_turn": 6, "max_turns": 2} for d in DOMAINS},
         "checkpoint_every": 1,
         **keys,
@@ -232,7 +233,7 @@ def test_a_vllm_server_teacher_killed_mid_stage_restarts_and_scores_as_transform
             "teachers": {"general-high": {"model": str(llama), "engine": engine}},
             "train": {"steps": 2, "lr": 1e-4},
             "rollout": {"prompts_per_domain": 2},
-            "eval": {"prompts_per_domain": 1, "samples_per_prompt": 1},
+            "eval": {"prompts_per_domain": 1, "accuracy_prompts_per_domain": 2, "samples_per_prompt": 1},
             "environments": {"general": {"max_tokens_per_turn": 12, "max_turns": 1}},
             "checkpoint_every": 1,
         }
