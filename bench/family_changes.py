@@ -14,7 +14,8 @@ import argparse
 import json
 from pathlib import Path
 
-from posttrain.envs.env_eval import eval_family, paired_standard_error
+from posttrain.envs.env_eval import eval_family
+from posttrain.stats import paired_standard_error
 
 
 def changes(eval_json: Path) -> list[str]:

@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 
 from posttrain.envs.env_eval import family_sums
-from posttrain.trainers.mopd_eval import EPISODES_FILE
+from posttrain.stages import EPISODES_FILE
 
 
 def pair_counts(run: Path, pair: str, student: dict[str, dict]) -> dict[str, dict[str, float]]:

@@ -28,10 +28,11 @@ import torch
 from stage_policy import environment, load_policy
 
 from orchestration.outcomes import claim, seed_summary
-from posttrain.envs.env_eval import EvalConfig, evaluate, mean_standard_error, paired_ratio, prompt_means
+from posttrain.envs.env_eval import EvalConfig, evaluate, prompt_means
 from posttrain.envs.environments import EnvironmentConfig
 from posttrain.files import atomic_write_text, exclusive_lock
-from posttrain.trainers.mopd_eval import EPISODES_FILE
+from posttrain.stages import EPISODES_FILE
+from posttrain.stats import mean_standard_error, paired_ratio
 
 CACHE_FILE = "kept_replay.json"  # in the run dir: a report (bench/outcomes.py) reads the replays again
 

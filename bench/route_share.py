@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 from stage_policy import environment, load_policy, rl_harness
 
-from posttrain.envs.env_eval import eval_episodes, eval_family, mean_standard_error
+from posttrain.envs.env_eval import eval_episodes, eval_family
+from posttrain.stats import mean_standard_error
 
 # A rendered call opens with the K3 tool-call id `functions.<name>:<index>` after <|tool_call_begin|>
 # (the tool's result repeats the id after <|im_tool|>; bench/family_episodes.py reads calls the same way).

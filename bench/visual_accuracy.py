@@ -29,9 +29,10 @@ from pathlib import Path
 import torch
 from stage_policy import environment, load_policy
 
-from posttrain.envs.env_eval import eval_episodes, mean_standard_error, paired_standard_error
+from posttrain.envs.env_eval import eval_episodes
 from posttrain.envs.environments import EnvironmentConfig
 from posttrain.model.vision_model import KimiK3ForConditionalGeneration
+from posttrain.stats import mean_standard_error, paired_standard_error
 
 
 def per_prompt(samples: list, samples_per_prompt: int) -> list[float]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import math
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import signal
 import sys
@@ -280,6 +281,14 @@ def _fork_server() -> multiprocessing.context.ForkServerContext:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["orchestration.preload"])
     return context
+
+
+def start_fork_server() -> None:
+    """Start the local executor's fork server now rather than at the first stage: its imports
+    (torch, the plug-ins: about 9 s on a slow 2-core VM) then run while the driver reads and
+    validates the stage files, which import the stage kinds' modules themselves."""
+    _fork_server()
+    multiprocessing.forkserver.ensure_running()
 
 
 class _LocalBackend:

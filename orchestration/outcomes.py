@@ -30,8 +30,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from posttrain.envs.env_eval import mean_standard_error, paired_ratio
-from posttrain.trainers.mopd_eval import EPISODES_FILE
+from posttrain.stages import EPISODES_FILE
+from posttrain.stats import mean_standard_error, paired_ratio
 
 EFFORTS = ("low", "high", "max")
 

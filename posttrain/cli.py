@@ -37,7 +37,7 @@ from orchestration.console import (
     summary_lines,
     summary_table,
 )
-from orchestration.executors import busy_machine_warning, execute
+from orchestration.executors import busy_machine_warning, execute, start_fork_server
 from orchestration.pipeline import Pipeline, load_pipeline
 from orchestration.report import REPORT, write_report
 from orchestration.rundir import StageLock, StageState, plan_states, read_manifest
@@ -184,6 +184,11 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
+    local = args.executor == "local"
+    # Sampled first: the fork server's imports, started next, are this run's work, not other work.
+    busy = busy_machine_warning(os.environ.get("OMP_WAIT_POLICY")) if local else None
+    if local:
+        start_fork_server()
     pipeline = load_pipeline(args.file, args.overrides)
     if args.max_parallel is not None and args.max_parallel < 1:
         raise ConfigError([Issue("command line", f"--max-parallel {args.max_parallel}: must be at least 1")])
@@ -227,7 +232,6 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
                 markup=False,
                 highlight=False,
             )
-        busy = busy_machine_warning(os.environ.get("OMP_WAIT_POLICY")) if args.executor == "local" else None
         if busy:
             log.warning(busy)
             console.print(f"[yellow]warning[/] {escape(busy)}", highlight=False, soft_wrap=True)

@@ -35,6 +35,12 @@ from posttrain.config.stage_file import models_in
 from posttrain.metrics import MetricsLogger
 from posttrain.registry import Registry
 
+# What an evaluating stage kind writes in its stage dir, read back by the run's report
+# (orchestration/report.py, outcomes.py) and by bench/: the evaluation with its standard errors,
+# and (MOPD) the episodes behind it, before and after training.
+EVAL_FILE = "eval.json"
+EPISODES_FILE = "eval_episodes.json"
+
 
 class NoConfig(BaseModel):
     """The body of a kind that takes no keys of its own."""

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -37,6 +36,7 @@ from posttrain.data.sample import Sample
 from posttrain.engines.base import Engine
 from posttrain.envs.environments import TRUNCATED, Environment
 from posttrain.envs.tasks import TASK_FAMILIES
+from posttrain.stats import mean_standard_error, paired_standard_error
 
 if TYPE_CHECKING:
     import torch
@@ -101,38 +101,6 @@ def domain_subsets(cfg: EvalConfig, env: Environment) -> dict[str, EvalSubset]:
 def subset_config(cfg: EvalConfig, subset: EvalSubset) -> EvalConfig:
     """The evaluation settings of one subset: the domain's, with its own episodes per prompt."""
     return cfg.model_copy(update={"samples_per_prompt": subset.samples_per_prompt, "subsets": {}})
-
-
-def mean_standard_error(values: Sequence[float]) -> float:
-    """Standard error of the mean of `values` (sample standard deviation / sqrt(n)); 0.0 below
-    two values, where none can be estimated."""
-    n = len(values)
-    if n < 2:
-        return 0.0
-    mean = sum(values) / n
-    return math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
-
-
-def paired_ratio(numerator: Sequence[float], denominator: Sequence[float]) -> tuple[float, float]:
-    """(sum numerator / sum denominator, its standard error by the delta method) when both measure
-    the same units (a student's and its teacher's accuracy on the same prompts): var(R) ~ var(n_i -
-    R d_i) / (units x mean(d)^2), so what the two share (a prompt's difficulty) cancels."""
-    if len(numerator) != len(denominator) or len(denominator) < 2:
-        raise ValueError(f"need two or more paired units, got {len(numerator)} and {len(denominator)}")
-    mean = sum(denominator) / len(denominator)
-    if mean <= 0:
-        raise ValueError("the denominator's values sum to zero or less: the ratio is undefined")
-    ratio = sum(numerator) / sum(denominator)
-    residual = [a - ratio * b for a, b in zip(numerator, denominator, strict=True)]
-    return ratio, mean_standard_error(residual) / mean
-
-
-def paired_standard_error(before: Sequence[float], after: Sequence[float]) -> float:
-    """Standard error of mean(after) - mean(before) when both measure the same units (episode i of
-    each is the same prompt): the error of the mean of the differences."""
-    if len(before) != len(after):
-        raise ValueError(f"paired values need equal lengths, got {len(before)} and {len(after)}")
-    return mean_standard_error([a - b for b, a in zip(before, after, strict=True)])
 
 
 def episode_rows(samples: Sequence[Sample]) -> dict[str, list]:

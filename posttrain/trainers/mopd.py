@@ -38,7 +38,7 @@ from posttrain.envs.env_eval import eval_episodes, eval_protocol
 from posttrain.envs.environments import EnvironmentConfig, play_episodes
 from posttrain.files import remove_tree
 from posttrain.rewards.budget import model_digest
-from posttrain.stages import StageContext, stage_kind
+from posttrain.stages import EVAL_FILE, StageContext, stage_kind
 from posttrain.trainers.common import (
     AccelerateConfig,
     LoRAConfig,
@@ -52,7 +52,6 @@ from posttrain.trainers.common import (
     save_final_model,
 )
 from posttrain.trainers.mopd_eval import (
-    EVAL_FILE,
     accuracy_rows,
     by_pair,
     episode_table,

@@ -22,10 +22,9 @@ from posttrain.algos.mopd_reward import paired_change_standard_error, reverse_kl
 from posttrain.data.sample import Sample
 from posttrain.envs.env_eval import episode_rows, paired_changes, same_episodes, summary
 from posttrain.files import atomic_write_text
+from posttrain.stages import EPISODES_FILE, EVAL_FILE
 from posttrain.trainers.mopd_teachers import pair_name
 
-EVAL_FILE = "eval.json"
-EPISODES_FILE = "eval_episodes.json"
 RESULT_KEYS = (
     "kl",
     "kl_se",

@@ -56,7 +56,7 @@ from posttrain.envs.environments import Environment, EnvironmentConfig, make_env
 from posttrain.files import atomic_write_text, remove_tree
 from posttrain.rewards.budget import BudgetConfig, base_budgets, model_digest, trajectory_rewards
 from posttrain.rewards.genrm import GenRM, GenRMConfig, stage_judge
-from posttrain.stages import StageContext, stage_kind
+from posttrain.stages import EVAL_FILE, StageContext, stage_kind
 from posttrain.trainers.common import (
     AccelerateConfig,
     OptimConfig,
@@ -72,7 +72,6 @@ from posttrain.trainers.policy_sync import publish_policy, rollout_engine, serve
 from posttrain.trainers.rollout import PartialRolloutConfig, RolloutQueue
 
 Effort = Literal["low", "high", "max"]
-EVAL_FILE = "eval.json"
 # Per-iteration rates whose medians the stage returns (bench/RESULTS.md reports them for GPU runs).
 THROUGHPUT = ("rollout/tokens_per_s", "train_tokens_per_s")
 

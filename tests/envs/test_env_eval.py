@@ -10,13 +10,11 @@ import pytest
 from posttrain.envs.env_eval import (
     eval_family,
     family_sums,
-    mean_standard_error,
     paired_changes,
-    paired_ratio,
-    paired_standard_error,
     prompt_means,
     summary,
 )
+from posttrain.stats import mean_standard_error, paired_ratio, paired_standard_error
 
 
 def test_mean_standard_error_is_the_sample_sd_over_root_n():

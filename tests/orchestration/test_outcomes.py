@@ -19,7 +19,7 @@ from orchestration.outcomes import (
     subset_pass_rates,
     subsets_all_holding,
 )
-from posttrain.envs.env_eval import mean_standard_error
+from posttrain.stats import mean_standard_error
 
 
 def _rl(

@@ -25,11 +25,11 @@ from posttrain.data.chat import ChatRenderer
 from posttrain.data.sample import DOMAINS, EFFORTS, Sample
 from posttrain.engines import EmbeddedEngine, SamplingConfig
 from posttrain.engines.testing import ScriptedTurns, save_tiny_k3
-from posttrain.envs.env_eval import mean_standard_error
 from posttrain.envs.environments import EnvironmentConfig, make_environment, play_episodes
 from posttrain.envs.tasks import TASK_FAMILIES, Episode
 from posttrain.metrics import read_metrics
 from posttrain.qat import qat_config_of, restore_qat
+from posttrain.stats import mean_standard_error
 from posttrain.trainers import mopd
 from posttrain.trainers.common import TrainState
 from posttrain.trainers.mopd import Distiller, MOPDConfig, token_rewards

@@ -17,10 +17,10 @@ from safetensors.torch import load_file
 
 from posttrain.data.sample import Sample
 from posttrain.engines.testing import tiny_k3
-from posttrain.envs.env_eval import paired_standard_error
 from posttrain.metrics import read_metrics
 from posttrain.rewards.budget import trajectory_rewards
 from posttrain.stages import StageContext
+from posttrain.stats import paired_standard_error
 from posttrain.testing import TINY_RL_BODY
 from posttrain.trainers.rl import RLConfig
 

@@ -1,0 +1,22 @@
+"""The command line reads no model: `posttrain --help`, `status` and the run report (written by
+the driver at the end of every `posttrain run`) import neither torch nor transformers, which take
+seconds to import (bench/RESULTS.md, "The command line's start"); the stages, which need them,
+import them in their own processes (the fork server's preload)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+HEAVY = ("torch", "transformers", "vllm")
+
+
+def test_the_cli_and_the_run_report_import_no_model_stack():
+    code = (
+        "import json, sys\n"
+        "import posttrain.cli, orchestration.report, orchestration.outcomes, posttrain.stats\n"
+        f"print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
