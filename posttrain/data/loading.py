@@ -20,8 +20,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import datasets
-
 from posttrain.data.chat_media import MEDIA_PART_TYPES
 from posttrain.data.sample import Sample
 from posttrain.data.trajectory import (
@@ -33,6 +31,8 @@ from posttrain.data.trajectory import (
 )
 
 if TYPE_CHECKING:
+    import datasets
+
     from posttrain.data.chat import ChatRenderer
 
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -40,6 +40,10 @@ _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 def read_rows(source: str | Path, split: str = "train") -> datasets.Dataset:
     """Raw rows of a local file, a directory of files, or a hub dataset id (needs a network)."""
+    # Imported here, where rows are read: the stage kinds' modules import this one, and the CLI
+    # validating a stage file (or a GPU test of a trainer) needs no data library until data loads.
+    import datasets
+
     path = Path(source)
     if path.is_dir() and split != "train":  # a dataset folder whose files name their splits
         return datasets.load_dataset(str(path), split=split)
@@ -107,6 +111,8 @@ def load_trajectories(
         raise BadTrajectoryError(
             f"{source}: no trajectory survived validation ({report.summary()}): {examples}"
         )
+    import datasets  # where rows are read (read_rows says why)
+
     return datasets.Dataset.from_list(kept), report
 
 

@@ -22,13 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import datasets
-
 from posttrain.data.loading import load_trajectories
 from posttrain.data.trajectory import ValidationReport
 from posttrain.registry import Registry, RegistryError
 
 if TYPE_CHECKING:
+    import datasets
+
     from posttrain.data.chat import ChatRenderer
 
 
@@ -147,6 +147,8 @@ def build_mixture(
         train = rows.select([i for i, flag in enumerate(held_out) if not flag])
         rng = random.Random(f"{seed}:{number}:{source.path}")
         train_parts.append(train.select(weighted_indices(len(train), source.weight, rng)))
+    import datasets  # where data is loaded, as posttrain.data.loading.read_rows says why
+
     train = datasets.concatenate_datasets(train_parts).shuffle(seed=seed)
     eval_rows = datasets.concatenate_datasets(eval_parts).shuffle(seed=seed)
     if len(train) == 0:

@@ -1,7 +1,8 @@
 """The command line reads no model: `posttrain --help`, `status` and the run report (written by
 the driver at the end of every `posttrain run`) import neither torch nor transformers, which take
 seconds to import (bench/RESULTS.md, "The command line's start"); the stages, which need them,
-import them in their own processes (the fork server's preload)."""
+import them in their own processes (the fork server's preload). Validating a stage file imports
+the stage kinds' modules, but not `datasets` until a stage loads data."""
 
 from __future__ import annotations
 
@@ -20,3 +21,13 @@ def test_the_cli_and_the_run_report_import_no_model_stack():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+def test_the_stage_kinds_and_shipped_recipes_import_no_data_library():
+    code = (
+        "import json, sys\n"
+        "import posttrain.trainers, data_recipes\n"
+        "print(json.dumps('datasets' in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) is False
