@@ -154,7 +154,7 @@ def seed_summary(runs: Sequence[dict[str, dict[str, Any]]]) -> dict[str, dict[st
         values = [r["value"] for r in rows]
         n = len(values)
         mean = sum(values) / n
-        spread = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n) if n > 1 else 0.0
+        spread = mean_standard_error(values)
         pooled = math.sqrt(sum(r["se"] ** 2 for r in rows)) / n
         rule = rows[0]["rule"]
         se = max(spread, pooled)

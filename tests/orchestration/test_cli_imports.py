@@ -13,21 +13,18 @@ import sys
 HEAVY = ("torch", "transformers", "vllm")
 
 
-def test_the_cli_and_the_run_report_import_no_model_stack():
-    code = (
-        "import json, sys\n"
-        "import posttrain.cli, orchestration.report, orchestration.outcomes, posttrain.stats\n"
-        f"print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))\n"
-    )
+def loaded_after(imports: str, watched: tuple[str, ...]) -> list[str]:
+    """Which of `watched` a fresh interpreter has imported after `import <imports>`."""
+    found = f"[m for m in {watched!r} if m in sys.modules]"
+    code = f"import json, sys\nimport {imports}\nprint(json.dumps({found}))\n"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_the_cli_and_the_run_report_import_no_model_stack():
+    imports = "posttrain.cli, orchestration.report, orchestration.outcomes, posttrain.stats"
+    assert loaded_after(imports, HEAVY) == []
 
 
 def test_the_stage_kinds_and_shipped_recipes_import_no_data_library():
-    code = (
-        "import json, sys\n"
-        "import posttrain.trainers, data_recipes\n"
-        "print(json.dumps('datasets' in sys.modules))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert json.loads(out.stdout.strip().splitlines()[-1]) is False
+    assert loaded_after("posttrain.trainers, data_recipes", ("datasets",)) == []
