@@ -11,8 +11,8 @@ Layout (docs/orchestration.md):
   DIR/<stage>/model/             final model, renamed into place when the stage finishes
 
 A stage is *done* when its manifest says so, its config hash equals the current one and the
-hashes of its inputs (its needs' model/ dirs) equal the ones it was trained on. Everything is
-decided from manifests, so skipping done stages costs no hashing of weights.
+hashes of its inputs (its needs' model/ dirs, the data files its kind reads) equal the ones it
+was trained on. Everything is decided from manifests and the data files (no hashing of weights).
 """
 
 from __future__ import annotations
@@ -117,13 +117,50 @@ class StageState:
     resume_step: int | None = None
 
 
+# Prefix of an input that is a file the stage reads (its kind's `data_files`), not a need.
+DATA_FILE = "file:"
+
+
 def input_hashes(pipeline: Pipeline, run_dir: Path, stage: Stage) -> dict[str, str | None]:
-    """need id -> the model hash its manifest records (None when it has no finished model)."""
+    """need id -> the model hash its manifest records (None when it has no finished model), and
+    "file:<path>" -> the content hash of each local file or directory the stage's kind reads
+    (posttrain.stages.stage_kind's `data_files`: an SFT's data)."""
     out: dict[str, str | None] = {}
     for need in stage.needs:
         manifest = read_manifest(stage_dir(run_dir, need)) or {}
         out[need] = manifest.get("model_hash") if manifest.get("status") == "done" else None
+    for path in data_files(stage):
+        out[f"{DATA_FILE}{path}"] = content_hash(path)
     return out
+
+
+def data_files(stage: Stage) -> list[Path]:
+    """The local files and directories `stage` reads, by its kind's `data_files` (resolved from
+    the directory `posttrain run` runs in, as the stage resolves them)."""
+    from posttrain.stages import STAGE_KINDS  # here: the kinds' registry loads the trainers
+
+    kind = STAGE_KINDS.get(stage.kind)
+    if kind.data_files is None:
+        return []
+    return sorted(Path(p).resolve() for p in kind.data_files(kind.config.model_validate(stage.body)))
+
+
+def content_hash(path: Path) -> str:
+    """sha256 of a file's bytes, or of a directory's listing of its files' sha256."""
+    from posttrain.files import hash_tree, sha256_file
+
+    return hash_tree(path)[1] if path.is_dir() else sha256_file(path)
+
+
+def changed_inputs(recorded: dict[str, str | None], current: dict[str, str | None]) -> list[str]:
+    """The inputs whose hash differs from the one a stage recorded. A data file its manifest does
+    not list was recorded before data files were hashed (or before the kind read it): not a change,
+    so a run dir from an older posttrain keeps its finished stages."""
+    return [
+        name
+        for name, digest in current.items()
+        if recorded.get(name) != digest and not (name.startswith(DATA_FILE) and name not in recorded)
+    ] + [name for name in recorded if name not in current]
 
 
 def plan_states(pipeline: Pipeline, run_dir: Path) -> dict[str, StageState]:
@@ -163,10 +200,10 @@ def _done_or_stale(
         return StageState("stale", "config changed")
     if unfinished:
         return StageState("stale", f"needs {', '.join(unfinished)} to run first")
-    current = input_hashes(pipeline, run_dir, stage)
-    changed = [n for n, h in current.items() if manifest.get("inputs", {}).get(n) != h]
+    changed = changed_inputs(manifest.get("inputs", {}), input_hashes(pipeline, run_dir, stage))
     if changed:
-        return StageState("stale", f"input {', '.join(changed)} changed")
+        shown = [name.removeprefix(DATA_FILE) for name in changed]
+        return StageState("stale", f"input {', '.join(shown)} changed")
     if not (stage_dir(run_dir, stage.id) / "model").is_dir():
         return StageState("stale", "model/ is missing")
     damage = model_damage(stage_dir(run_dir, stage.id), manifest)

@@ -32,6 +32,7 @@ from orchestration.rundir import (
     LOCK,
     PROGRESS,
     StageLock,
+    changed_inputs,
     input_hashes,
     model_stat,
     read_json,
@@ -107,7 +108,11 @@ def _run_locked(
     directory = stage_dir(run_dir, stage.id)
     old = read_manifest(directory) or {}
     inputs = request["inputs"]
-    if request["restart"] or old.get("config_hash") != stage.config_hash or old.get("inputs") != inputs:
+    if (
+        request["restart"]
+        or old.get("config_hash") != stage.config_hash
+        or changed_inputs(old.get("inputs", {}), inputs)
+    ):
         _clear(directory)
         old = {}
     started = time.time()

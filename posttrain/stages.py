@@ -162,30 +162,43 @@ def build_context(
 StageRun = Callable[[StageContext], Mapping[str, float]]
 
 
+# The local files and directories a stage of a kind reads besides its needs' models (an SFT's
+# data files), from its validated config: their content decides the result as much as the config.
+DataFiles = Callable[[Any], list[Path]]
+
+
 @dataclass(frozen=True)
 class StageKind:
-    """A registered kind: its name, the pydantic class of its YAML body, and its run function."""
+    """A registered kind: its name, the pydantic class of its YAML body, its run function, and
+    which local files its stages read (None: none)."""
 
     name: str
     config: type[BaseModel]
     run: StageRun
+    data_files: DataFiles | None = None
 
 
 STAGE_KINDS: Registry[StageKind] = Registry("stage kind")
 
 
-def stage_kind(name: str, config: type[BaseModel] | None = None) -> Callable[[StageRun], StageRun]:
+def stage_kind(
+    name: str, config: type[BaseModel] | None = None, data_files: DataFiles | None = None
+) -> Callable[[StageRun], StageRun]:
     """Decorator registering `run(ctx) -> {metric: float}` as stage kind `name`.
 
     `config` validates the stage file's keys other than the generic ones (stage, kind, needs,
     model, seed, resources, qat, plugins, matrix, description). It and every nested model must
     forbid unknown keys, so a misspelled key is an error rather than a silently ignored default.
+    `data_files(config)` lists the local files and directories a stage reads besides its needs'
+    models (the data a user names): the run hashes their content with the needs' model hashes, so
+    editing one makes a done stage stale and an interrupted one start over instead of resuming on
+    other data.
     """
     config = config or NoConfig
     _require_forbid(config, config.__name__)
 
     def decorator(run: StageRun) -> StageRun:
-        STAGE_KINDS.register(name)(StageKind(name, config, run))
+        STAGE_KINDS.register(name)(StageKind(name, config, run, data_files))
         return run
 
     return decorator

@@ -40,7 +40,14 @@ from posttrain.trainers.common import (
     load_policy,
     renderer_for,
 )
-from posttrain.trainers.sft_data import DataConfig, PackedStream, load_sft_data, pack, row_media
+from posttrain.trainers.sft_data import (
+    DataConfig,
+    PackedStream,
+    load_sft_data,
+    local_data_paths,
+    pack,
+    row_media,
+)
 from posttrain.trainers.tool_eval import tool_task_prompts, tool_task_success
 
 
@@ -201,7 +208,12 @@ class Evaluator:
         return metrics
 
 
-@stage_kind("sft", config=SFTConfig)
+def sft_data_files(cfg: SFTConfig) -> list[Path]:
+    """The user's data files and directories the stage trains on (their content joins its inputs)."""
+    return local_data_paths(cfg.data)
+
+
+@stage_kind("sft", config=SFTConfig, data_files=sft_data_files)
 def run_sft(ctx: StageContext) -> dict[str, float]:
     """Supervised fine-tuning on agent trajectories (packed rows, loss on assistant tokens)."""
     cfg: SFTConfig = ctx.config

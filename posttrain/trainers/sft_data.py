@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import random
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -18,9 +19,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from posttrain.data.chat import ChatRenderer
 from posttrain.data.images import MediaItem
 from posttrain.data.loading import decode_record
-from posttrain.data.mixture import build_mixture, recipe_for, weighted_indices
+from posttrain.data.mixture import DATA_RECIPES, build_mixture, recipe_for, weighted_indices
 from posttrain.data.packing import PackedRow, pack_documents
 from posttrain.data.trajectory import ValidationReport
+from posttrain.registry import RegistryError
 
 
 class DataConfig(BaseModel):
@@ -41,6 +43,23 @@ class DataConfig(BaseModel):
     strict: bool = Field(
         False, description="a bad row fails the stage (file, row, reason) instead of being skipped"
     )
+
+
+def local_data_paths(cfg: DataConfig) -> list[Path]:
+    """The local files and directories `recipes` names, resolved as `recipe_for` resolves them: what
+    the run hashes, so that editing a user's data makes a finished SFT stage stale. A registered
+    recipe is named by its name, as code is; a hub id has no local content; a name that resolves to
+    nothing is left to the stage's own clear error."""
+    paths = []
+    for name in cfg.recipes:
+        if name in DATA_RECIPES:
+            continue
+        try:
+            sources = recipe_for(name).sources
+        except (FileNotFoundError, RegistryError):
+            continue
+        paths += [Path(s.path) for s in sources if Path(s.path).exists()]
+    return paths
 
 
 @dataclass

@@ -99,6 +99,37 @@ def test_run_skip_stale_restart_from_only(write, posttrain, tmp_path: Path) -> N
     assert all(f"│ {s}" in out for s in STAGES) and out.count("done") == 3 and "total=12" in out
 
 
+def test_an_edited_data_file_makes_its_stage_stale(write, posttrain, tmp_path: Path) -> None:
+    data = tmp_path / "data.txt"
+    data.write_text("10")
+    toy = 'kind: toy-sum\nplugins: ["{toy}"]\n'
+    write("a.yaml", toy, f"value: 2\ndata: {data}\n")
+    dag = write("b.yaml", toy, "needs: [a.yaml]\nvalue: 3\n")
+    run = tmp_path / "run"
+    assert posttrain("run", dag, "--run-dir", run)[0] == 0
+    assert [value(run, s) for s in ("a", "b")] == [12, 15]
+    assert manifest(run, "a")["inputs"] == {f"file:{data.resolve()}": content_digest(data)}
+    assert plan_rows(posttrain("plan", dag, "--run-dir", run)[1]) == {"a": "done", "b": "done"}
+
+    data.write_text("20")  # same config, other data: the finished stage no longer vouches for it
+    code, out, _ = posttrain("plan", dag, "--run-dir", run)
+    assert plan_rows(out) == {"a": "stale", "b": "stale"} and f"input {data.resolve()}" in out
+    assert posttrain("run", dag, "--run-dir", run)[0] == 0
+    assert [value(run, s) for s in ("a", "b")] == [22, 25]
+
+    # A manifest written before data files were hashed lists none: its stage stays done.
+    a = manifest(run, "a")
+    (run / "a" / "manifest.json").write_text(json.dumps({**a, "inputs": {}}))
+    data.write_text("30")
+    assert plan_rows(posttrain("plan", dag, "--run-dir", run)[1]) == {"a": "done", "b": "done"}
+
+
+def content_digest(path: Path) -> str:
+    from posttrain.files import sha256_file
+
+    return sha256_file(path)
+
+
 def test_report_has_every_stage_and_the_curves_that_were_logged(write, posttrain, tmp_path: Path) -> None:
     toy = 'kind: toy-sum\nplugins: ["{toy}"]\n'
     write("sft.yaml", toy)

@@ -226,3 +226,20 @@ def test_warmup_then_cosine_schedule():
     assert schedule(4) == pytest.approx(1.0)
     assert schedule(9) == pytest.approx(0.1 + 0.9 * 0.5)
     assert schedule(14) == pytest.approx(0.1) and schedule(20) == pytest.approx(0.1)
+
+
+def test_data_files_are_the_local_files_and_dirs_the_recipes_name(tmp_path, monkeypatch):
+    """What the run hashes as the SFT stage's data: files and directories named directly (relative
+    ones from the working directory), not registered recipes (code) or hub ids (nothing local)."""
+    from posttrain.trainers.sft import sft_data_files
+
+    (tmp_path / "mine.jsonl").write_text("{}\n")
+    (tmp_path / "shards").mkdir()
+    monkeypatch.chdir(tmp_path)
+    cfg = SFTConfig.model_validate(
+        {
+            "train": {"steps": 1},
+            "data": {"recipes": {"agent_sft": 1.0, "mine.jsonl": 1.0, "shards": 2.0, "owner/set:train": 1.0}},
+        }
+    )
+    assert sft_data_files(cfg) == [tmp_path / "mine.jsonl", tmp_path / "shards"]

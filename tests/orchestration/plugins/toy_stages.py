@@ -1,8 +1,9 @@
 """Small stage kinds for the orchestration tests, loaded through a stage file's `plugins:` list
 exactly as a user's own stage kinds are.
 
-`toy-sum` writes value.txt = its `value` plus the values of its inputs, so a test can tell from
-the output which inputs a stage saw (and gpus.txt, which GPUs it was given); it logs a few curves
+`toy-sum` writes value.txt = its `value` plus the values of its inputs (plus the integer in its
+`data` file, a file it reads as an SFT stage reads its data), so a test can tell from the output
+which inputs a stage saw (and gpus.txt, which GPUs it was given); it logs a few curves
 so reports have something to plot. With `rendezvous`, it waits until `parties` stages have
 arrived there: stages that only finish when run at the same time, which is how a test sees
 --max-parallel without timing anything.
@@ -33,14 +34,21 @@ class ToySum(BaseModel):
     train: Train = Train()
     rendezvous: str | None = None
     parties: int = 2
+    data: str | None = None
 
 
-@stage_kind("toy-sum", config=ToySum)
+def data_files(config: ToySum) -> list[Path]:
+    return [Path(config.data)] if config.data else []
+
+
+@stage_kind("toy-sum", config=ToySum, data_files=data_files)
 def run_toy_sum(ctx: StageContext) -> dict[str, float]:
     """Add `value` to the sum of the inputs' values."""
     if ctx.config.rendezvous:
         meet(Path(ctx.config.rendezvous), ctx.stage_id, ctx.config.parties)
     total = ctx.config.value + sum(int((path / "value.txt").read_text()) for path in ctx.inputs.values())
+    if ctx.config.data:
+        total += int(Path(ctx.config.data).read_text())
     effort = {"low": 1, "high": 2, "max": 3}.get(ctx.matrix.get("effort"), 1)
     for step in range(1, ctx.config.train.steps + 1):
         ctx.metrics.log(
