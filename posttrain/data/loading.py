@@ -87,7 +87,9 @@ def load_trajectories(
     report = ValidationReport()
     kept: list[dict[str, Any]] = []
     for index, (where, row) in enumerate(_placed_rows(source, split)):
-        record = clean_record(row) if isinstance(row, dict) else {}
+        # our own JSONL reader never pads rows; everything else went through Arrow
+        arrow_padded = not _jsonl_files(source)
+        record = clean_record(row, arrow_padded=arrow_padded) if isinstance(row, dict) else {}
         verdict = (
             validate_trajectory(record, renderer, max_length)
             if isinstance(row, dict)
