@@ -11,7 +11,9 @@ from pathlib import Path
 import datasets
 import pytest
 
+from posttrain.data.loading import load_trajectories
 from posttrain.data.mixture import build_mixture, recipe_for
+from posttrain.data.trajectory import BadTrajectoryError
 from posttrain.registry import RegistryError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -84,3 +86,53 @@ def test_sft_trains_on_a_users_jsonl_with_a_broken_line(posttrain, tmp_path: Pat
     assert code == 1
     error = json.loads((tmp_path / "strict" / "sft" / "manifest.json").read_text())["error"]
     assert "my data.jsonl line 5: broken_line" in error
+
+
+def test_a_line_in_another_encoding_is_one_broken_line(tmp_path: Path) -> None:
+    """A latin-1 byte failed the whole file with a UnicodeDecodeError naming neither file nor line;
+    lines are decoded one by one, so it is that line's broken_line (strict: the usual error)."""
+    lines = [json.dumps(r, ensure_ascii=False).encode() for r in shipped_rows(10)]
+    lines[7] = json.dumps({**shipped_rows(8)[7], "uid": "caf\u00e9"}, ensure_ascii=False).encode("latin-1")
+    data = tmp_path / "latin1.jsonl"
+    data.write_bytes(b"\n".join(lines) + b"\n")
+    rows, report = load_trajectories(data)
+    assert len(rows) == 9 and dict(report.skipped) == {"broken_line": 1}
+    assert f"{data} line 8: not UTF-8 text" in report.first_example["broken_line"]
+    with pytest.raises(BadTrajectoryError, match=r"latin1\.jsonl line 8: broken_line: not UTF-8 text"):
+        load_trajectories(data, strict=True)
+
+
+def test_file_suffixes_any_case_and_messages_that_name_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`.JSONL` is read (alone or in a directory); an existing file of another type says which
+    formats are read; a directory's errors name its file; a missing local-looking path is "no
+    such file or directory", never a hub id lookup."""
+    rows = shipped_rows(20)
+    upper = tmp_path / "upper.JSONL"
+    upper.write_text("".join(json.dumps(r) + "\n" for r in rows[:10]))
+    assert len(load_trajectories(upper)[0]) == 10
+    folder = tmp_path / "dir"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[10:]) + "{cut\n")
+    (folder / "b.JSONL").write_text("".join(json.dumps(r) + "\n" for r in rows[:10]))
+    mixture = build_mixture(str(folder))
+    assert len(mixture.train) + len(mixture.eval) == 20
+    assert f"{folder / 'a.jsonl'} line 11: not one JSON object" in mixture.report.first_example["broken_line"]
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (alone / "only.jsonl").write_text(json.dumps(rows[0]) + "\n{cut\n")
+    assert f"{alone / 'only.jsonl'} line 2" in load_trajectories(alone)[1].first_example["broken_line"]
+
+    gz = tmp_path / "traces.jsonl.gz"
+    gz.write_bytes(b"\x1f\x8b")
+    with pytest.raises(
+        ValueError, match=r"traces\.jsonl\.gz: a \.gz file is not read .* \.jsonl, \.json or \.parquet"
+    ):
+        build_mixture(str(gz))
+    monkeypatch.chdir(tmp_path)
+    for missing in ("./traces_dir", "../traces_dir", "~/no-such-traces", "nowhere/x.JSONL"):
+        with pytest.raises(FileNotFoundError, match="no such file or directory"):
+            recipe_for(missing)
+        with pytest.raises(FileNotFoundError, match="no such file or directory"):
+            load_trajectories(missing)
