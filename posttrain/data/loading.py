@@ -16,6 +16,7 @@ line or row and the reason; a source where nothing survives is always an error.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -99,6 +100,7 @@ def load_trajectories(
     kept: list[dict[str, Any]] = []
     files = _jsonl_files(source, split)
     rows = _jsonl_rows(files) if files else _dataset_rows(source, split)
+    uid_prefix = _uid_prefix(source, split)
     for index, (where, row) in enumerate(rows):
         record = clean_record(row, arrow_padded=not files) if isinstance(row, dict) else {}
         verdict = (
@@ -110,7 +112,7 @@ def load_trajectories(
             raise BadTrajectoryError(f"{where}: {verdict.reason}: {verdict.detail}")
         report.add(verdict, where)
         if verdict.ok:
-            uid = str(record.get("uid", f"{Path(str(source)).stem}-{index}"))
+            uid = str(record.get("uid", f"{uid_prefix}-{index}"))
             kept.append(
                 {
                     "uid": uid,
@@ -127,6 +129,15 @@ def load_trajectories(
     import datasets  # where rows are read (read_rows says why)
 
     return datasets.Dataset.from_list(kept), report
+
+
+def _uid_prefix(source: str | Path, split: str) -> str:
+    """What a row without a uid is named by, before its index: the source's stem and a short hash
+    of its resolved path (or id) and split, so same-named files in two directories, or two splits
+    of one dataset, never give two rows one uid (the split and eval de-duplication go by uid)."""
+    path = Path(source).expanduser()
+    place = str(path.resolve()) if path.exists() else str(source)
+    return f"{path.stem}-{hashlib.sha256(f'{place}:{split}'.encode()).hexdigest()[:8]}"
 
 
 def _supported_file(path: Path) -> str:

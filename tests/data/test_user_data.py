@@ -5,6 +5,8 @@ real SFT stage trained on a user's JSONL through the CLI."""
 from __future__ import annotations
 
 import json
+import logging
+import re
 import textwrap
 from pathlib import Path
 
@@ -15,6 +17,7 @@ from posttrain.data.loading import load_trajectories
 from posttrain.data.mixture import build_mixture, recipe_for
 from posttrain.data.trajectory import BadTrajectoryError
 from posttrain.registry import RegistryError
+from posttrain.trainers.sft_data import DataConfig, load_sft_data
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = REPO / "data_recipes" / "data" / "agent_sft.jsonl"
@@ -136,3 +139,36 @@ def test_file_suffixes_any_case_and_messages_that_name_the_file(
             recipe_for(missing)
         with pytest.raises(FileNotFoundError, match="no such file or directory"):
             load_trajectories(missing)
+
+
+def test_rows_without_uids_in_same_named_files_get_distinct_uids(
+    tmp_path: Path, renderer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Generated uids were `<stem>-<index>`: two train.jsonl files in two directories gave their rows
+    the same uids, so the second file's held-out rows were neither trained nor evaluated. They now
+    carry a hash of the file's path; explicit uids shared by different rows are warned about."""
+    rows = [{k: v for k, v in r.items() if k != "uid"} for r in shipped_rows(80)]
+    for name, part in (("a", rows[:40]), ("b", rows[40:])):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+    config = DataConfig(
+        recipes={str(tmp_path / "a" / "train.jsonl"): 1.0, str(tmp_path / "b" / "train.jsonl"): 1.0}
+    )
+    data = load_sft_data(config, renderer, seed=0, max_length=512, log=logging.getLogger("test"))
+    assert len(data.train) + len(data.eval) == 80 and len({d.uid for d in data.train + data.eval}) == 80
+    assert "uids are given to more than one" not in caplog.text
+
+    (tmp_path / "c.jsonl").write_text(
+        "".join(json.dumps({**r, "uid": f"row-{i}"}) + "\n" for i, r in enumerate(rows[:40]))
+    )
+    (tmp_path / "d.jsonl").write_text(
+        "".join(json.dumps({**r, "uid": f"row-{i}"}) + "\n" for i, r in enumerate(rows[40:]))
+    )
+    config = DataConfig(recipes={str(tmp_path / "c.jsonl"): 1.0, str(tmp_path / "d.jsonl"): 2.0})
+    with caplog.at_level(logging.WARNING):
+        load_sft_data(config, renderer, seed=0, max_length=512, log=logging.getLogger("test"))
+    assert re.search(
+        rf"40 uids are given to more than one different row, e.g. 'row-\d+' in "
+        rf"{re.escape(str(tmp_path / 'c.jsonl'))} and in ",
+        caplog.text,
+    )
