@@ -100,8 +100,7 @@ def load_trajectories(
     kept: list[dict[str, Any]] = []
     files = _jsonl_files(source, split)
     rows = _jsonl_rows(files) if files else _dataset_rows(source, split)
-    uid_prefix = _uid_prefix(source, split)
-    for index, (where, row) in enumerate(rows):
+    for where, row in rows:
         record = clean_record(row, arrow_padded=not files) if isinstance(row, dict) else {}
         verdict = (
             validate_trajectory(record, renderer, max_length)
@@ -112,7 +111,7 @@ def load_trajectories(
             raise BadTrajectoryError(f"{where}: {verdict.reason}: {verdict.detail}")
         report.add(verdict, where)
         if verdict.ok:
-            uid = str(record.get("uid", f"{uid_prefix}-{index}"))
+            uid = str(record["uid"]) if "uid" in record else content_uid(record)
             kept.append(
                 {
                     "uid": uid,
@@ -131,13 +130,15 @@ def load_trajectories(
     return datasets.Dataset.from_list(kept), report
 
 
-def _uid_prefix(source: str | Path, split: str) -> str:
-    """What a row without a uid is named by, before its index: the source's stem and a short hash
-    of its resolved path (or id) and split, so same-named files in two directories, or two splits
-    of one dataset, never give two rows one uid (the split and eval de-duplication go by uid)."""
-    path = Path(source).expanduser()
-    place = str(path.resolve()) if path.exists() else str(source)
-    return f"{path.stem}-{hashlib.sha256(f'{place}:{split}'.encode()).hexdigest()[:8]}"
+def content_uid(record: dict[str, Any]) -> str:
+    """A row without a uid is named by a hash of its own cleaned content: the split and SFT's eval
+    de-duplication go by uid, so it must differ between different rows (two train.jsonl files in two
+    directories gave `train-0` twice when it was the file's stem and the row's index) and stay the
+    same wherever the file is moved, however it is named and whatever rows are added around it (a
+    path or an index would move rows between train and eval). Equal rows get one uid, so one side
+    of the split: a duplicate is never both trained on and evaluated."""
+    digest = hashlib.sha256(json.dumps(record, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+    return f"row-{digest[:16]}"
 
 
 def _supported_file(path: Path) -> str:

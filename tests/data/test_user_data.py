@@ -146,7 +146,8 @@ def test_rows_without_uids_in_same_named_files_get_distinct_uids(
 ) -> None:
     """Generated uids were `<stem>-<index>`: two train.jsonl files in two directories gave their rows
     the same uids, so the second file's held-out rows were neither trained nor evaluated. They now
-    carry a hash of the file's path; explicit uids shared by different rows are warned about."""
+    carry a hash of the row's content (the same wherever the file lies); explicit uids shared by
+    different rows are warned about."""
     rows = [{k: v for k, v in r.items() if k != "uid"} for r in shipped_rows(80)]
     for name, part in (("a", rows[:40]), ("b", rows[40:])):
         (tmp_path / name).mkdir()
@@ -156,6 +157,25 @@ def test_rows_without_uids_in_same_named_files_get_distinct_uids(
     )
     data = load_sft_data(config, renderer, seed=0, max_length=512, log=logging.getLogger("test"))
     assert len(data.train) + len(data.eval) == 80 and len({d.uid for d in data.train + data.eval}) == 80
+    moved = tmp_path / "moved" / "traces.jsonl"
+    moved.parent.mkdir()
+    moved.write_text((tmp_path / "a" / "train.jsonl").read_text())
+    again = load_sft_data(
+        DataConfig(recipes={str(moved): 1.0}, eval_fraction=0.5),
+        renderer,
+        seed=0,
+        max_length=512,
+        log=logging.getLogger("t"),
+    )
+    first = load_sft_data(
+        DataConfig(recipes={str(tmp_path / "a" / "train.jsonl"): 1.0}, eval_fraction=0.5),
+        renderer,
+        seed=0,
+        max_length=512,
+        log=logging.getLogger("t"),
+    )
+    # the same rows in another file elsewhere: the same uids, so the same split
+    assert [d.uid for d in again.eval] == [d.uid for d in first.eval] and len(again.eval) > 0
     assert "uids are given to more than one" not in caplog.text
 
     (tmp_path / "c.jsonl").write_text(
