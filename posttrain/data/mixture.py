@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from posttrain.data.loading import load_trajectories
+from posttrain.data.loading import SUPPORTED_FILES, data_builder, is_local_path, load_trajectories
 from posttrain.data.trajectory import ValidationReport
 from posttrain.registry import Registry, RegistryError
 
@@ -65,26 +65,30 @@ class Recipe:
 DATA_RECIPES: Registry[Callable[[], Recipe]] = Registry("data recipe")
 # Held-out share of a file or `datasets` source named directly in a stage file's `data.recipes`.
 DIRECT_EVAL_FRACTION = 0.05
-DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
 def recipe_for(name: str) -> Recipe:
     """What a key of a stage file's `data.recipes` names: a registered recipe; a .jsonl / .json /
     .parquet file or a directory of them (relative paths from the directory `posttrain run` was
     started in); or a `datasets` dataset, `ID[:SPLIT]` (a hub id or a local dataset folder, split
-    `train` unless given). A file or dataset is one source with DIRECT_EVAL_FRACTION held out."""
+    `train` unless given). A file or dataset is one source with DIRECT_EVAL_FRACTION held out. A
+    name with a data file's suffix or written as a local path (./, ../, /, ~) is never looked up
+    on the hub: missing, it is "no such file or directory"."""
     if name in DATA_RECIPES:
         return DATA_RECIPES.get(name)()
     path = Path(name).expanduser()
     if path.exists():
         return Recipe(sources=(MixtureSource(str(path.resolve())),), eval_fraction=DIRECT_EVAL_FRACTION)
-    if path.suffix in DATA_SUFFIXES:
-        raise FileNotFoundError(f"data.recipes: {name}: no such file (relative to {Path.cwd()})")
     spec, split = name, "train"
     if ":" in name and "/" not in name.rpartition(":")[2]:
         spec, _, split = name.rpartition(":")
-    if "/" in spec or Path(spec).exists():
-        local = Path(spec).expanduser()
+    local = Path(spec).expanduser()
+    if not local.exists() and (data_builder(path) is not None or is_local_path(spec)):
+        raise FileNotFoundError(
+            f"data.recipes: {name}: no such file or directory (relative to {Path.cwd()}); a file "
+            f"is {SUPPORTED_FILES}, or a directory of them"
+        )
+    if "/" in spec or local.exists():
         source = MixtureSource(str(local.resolve()) if local.exists() else spec, split=split)
         return Recipe(sources=(source,), eval_fraction=DIRECT_EVAL_FRACTION)
     try:

@@ -27,7 +27,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from posttrain.data.chat import ROLES, tool_call_id
+from posttrain.data.chat import ROLES, SPECIAL_TOKENS, tool_call_id
 from posttrain.data.chat_media import MEDIA_PART_TYPES
 from posttrain.data.sample import EFFORTS
 
@@ -45,6 +45,11 @@ REASONS: tuple[str, ...] = (
     "too_long",  # more rendered tokens than max_length
     "broken_line",  # a line of a .jsonl file that is not one JSON object
 )
+# The renderer wraps an assistant's reasoning_content in these and reads thinking from nowhere else,
+# so thinking given another way would be trained as content (tags in text: the tokenizer makes them
+# the special tokens) or silently dropped (other keys); such rows are malformed, not converted.
+THINK_TAGS = (SPECIAL_TOKENS["think_begin"], SPECIAL_TOKENS["think_end"])
+OTHER_THINKING_KEYS = ("thinking", "reasoning")
 
 
 class Verdict(NamedTuple):
@@ -93,17 +98,22 @@ class ValidationReport:
         )
 
 
-def clean_record(row: dict[str, Any]) -> dict[str, Any]:
-    """Undo what Arrow storage does to a record and make tool-call ids K3-style.
+def clean_record(row: dict[str, Any], *, arrow_padded: bool = False) -> dict[str, Any]:
+    """Undo what storage does to a record and make tool-call ids K3-style.
 
-    Arrow unifies struct fields across rows, so a row read back through `datasets` carries None for
-    every key another row had; those are dropped (records never need an explicit null). `tools` and
-    `task` may be stored as JSON strings (common on the hub). Tool-call ids are rewritten to
-    ``functions.<name>:<k>`` (k counts calls in the conversation), the ids the model writes itself,
-    and tool results follow their call's new id. Types are not checked here: that is
-    `validate_trajectory`'s job, so malformed rows survive cleaning to be counted.
+    A null under a record's or a message's key means the key is absent (OpenAI writes `"content":
+    null` beside tool calls) and is dropped. Deeper values are what the model trains on and are kept
+    exactly, nulls included: an argument `"site": null`, a schema's `"default": null`. Rows read back
+    through Arrow (`arrow_padded`: parquet, JSON arrays, `datasets`) are the exception: Arrow unifies
+    struct fields across rows at every depth, so such a row carries None for every key another row
+    had, inside tool schemas, tasks and dict arguments too, where it cannot be told from a null of the
+    file's own; all of them are dropped (a `tools`, `task` or `arguments` stored as a JSON string
+    keeps its nulls). `tools` and `task` may be JSON strings (common on the hub). Tool-call ids are
+    rewritten to ``functions.<name>:<k>`` (k counts calls in the conversation), the ids the model
+    writes itself, and tool results follow their call's new id. Types are not checked here: that is
+    `validate_trajectory`'s job, so malformed rows survive cleaning (without raising) to be counted.
     """
-    record = _drop_none(row)
+    record = _drop_none(row) if arrow_padded else _without_none(row)
     for key in ("tools", "task"):
         if isinstance(record.get(key), str):
             try:
@@ -112,8 +122,14 @@ def clean_record(row: dict[str, Any]) -> dict[str, Any]:
                 pass
     messages = record.get("messages")
     if isinstance(messages, list):
-        record["messages"] = _canonical_call_ids(messages)
+        record["messages"] = _canonical_call_ids(
+            [_without_none(m) if isinstance(m, dict) else m for m in messages]
+        )
     return record
+
+
+def _without_none(mapping: dict[str, Any]) -> dict[str, Any]:
+    return {key: item for key, item in mapping.items() if item is not None}
 
 
 def _drop_none(value: Any) -> Any:
@@ -137,7 +153,8 @@ def _canonical_call_ids(messages: list[Any]) -> list[Any]:
         if message.get("role") == "assistant" and isinstance(calls, list):
             new_calls = []
             for call in calls:
-                name = call.get("function", {}).get("name") if isinstance(call, dict) else None
+                function = call.get("function") if isinstance(call, dict) else None
+                name = function.get("name") if isinstance(function, dict) else None
                 if isinstance(name, str):
                     new_id = tool_call_id(name, count)
                     if isinstance(call.get("id"), str):
@@ -146,8 +163,8 @@ def _canonical_call_ids(messages: list[Any]) -> list[Any]:
                     count += 1
                 new_calls.append(call)
             message["tool_calls"] = new_calls
-        elif message.get("role") == "tool" and message.get("tool_call_id") in renamed:
-            message["tool_call_id"] = renamed[message["tool_call_id"]]
+        elif message.get("role") == "tool" and isinstance(message.get("tool_call_id"), str):
+            message["tool_call_id"] = renamed.get(message["tool_call_id"], message["tool_call_id"])
         out.append(message)
     return out
 
@@ -165,6 +182,14 @@ def validate_trajectory(
     effort = record.get("effort")
     if effort is not None and effort not in EFFORTS:
         return Verdict(False, "malformed_record", f"effort {effort!r} is not one of {', '.join(EFFORTS)}")
+    task = record.get("task", {})
+    if not isinstance(task, dict):  # verifiers and environments read it as a dict (task["family"])
+        return Verdict(
+            False,
+            "malformed_record",
+            f"'task' must be a JSON object of verifier data such as {{\"family\": ...}} (or a JSON "
+            f"string of one), got {type(task).__name__} {task!r:.60}",
+        )
     images = record.get("images", [])
     verdict = _check_media(messages, images)
     if not verdict.ok:
@@ -241,6 +266,15 @@ def _check_message(message: Any, index: int, pending: set[str], declared: set[st
         return Verdict(
             False, "unknown_role", f"{where} has role {role!r}; expected one of {', '.join(ROLES)}"
         )
+    misplaced = OTHER_THINKING_KEYS + (("reasoning_content",) if role != "assistant" else ())
+    for key in misplaced:
+        if message.get(key) not in (None, ""):
+            return Verdict(
+                False,
+                "malformed_record",
+                f"{where} ({role}) has thinking under '{key}', which is never rendered: thinking belongs "
+                "in an assistant message's 'reasoning_content'",
+            )
     for key in ("content", "reasoning_content"):
         value = message.get(key, "")
         # a list of parts (text and media, checked by _check_media) is content outside assistant turns
@@ -248,8 +282,20 @@ def _check_message(message: Any, index: int, pending: set[str], declared: set[st
             key == "content" and role != "assistant" and isinstance(value, list)
         ):
             return Verdict(False, "malformed_record", f"{where} '{key}' must be a string")
+        tag = next((tag for tag in THINK_TAGS if role == "assistant" and tag in value), None)
+        if tag is not None:
+            return Verdict(
+                False,
+                "malformed_record",
+                f"{where} '{key}' contains {tag}: thinking belongs in 'reasoning_content' without tags "
+                "(the renderer wraps it in <think>...</think>)",
+            )
     if role == "tool":
         call_id = message.get("tool_call_id")
+        if not isinstance(call_id, str | None):
+            return Verdict(
+                False, "malformed_record", f"{where} 'tool_call_id' must be the string id of a tool call"
+            )
         if call_id not in pending:
             return Verdict(
                 False, "unmatched_tool_result", f"{where} answers {call_id!r}, no open tool call has that id"

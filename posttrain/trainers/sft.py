@@ -188,7 +188,8 @@ class Evaluator:
         self.renderer = renderer
         self.rows = rows
         self.media = media
-        self.prompts = tool_task_prompts(records, cfg.tool_prompts)
+        # 0 skips the tool eval: the records are not even looked at
+        self.prompts = tool_task_prompts(records, cfg.tool_prompts) if cfg.tool_prompts else []
 
     def loss(self, model: nn.Module, suffix: str) -> dict[str, float]:
         return {f"eval_loss_{suffix}": eval_loss(model, self.rows, self.media)} if self.rows else {}

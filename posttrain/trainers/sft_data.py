@@ -88,12 +88,16 @@ def load_sft_data(
     cfg: DataConfig, renderer: ChatRenderer, seed: int, max_length: int, log: logging.Logger
 ) -> SFTData:
     """Build every recipe's mixture (validated, split by (seed, uid)), weight the recipes' train rows
-    and render everything once. Eval rows shared by two recipes count once."""
+    and render everything once. Eval rows shared by two recipes count once. A uid given to two
+    different rows is warned about: both are held out or trained together, and only the first of
+    two held-out ones is evaluated."""
     report = ValidationReport()
     train: list[Document] = []
     eval_docs: list[Document] = []
     eval_records: list[dict[str, Any]] = []
     seen_eval: set[str] = set()
+    first_rows: dict[str, tuple[str, str]] = {}  # uid -> (source, record) of its first row
+    shared: dict[str, tuple[str, str]] = {}  # uid -> the two sources of two different rows
     for name, weight in cfg.recipes.items():
         if not weight > 0:
             raise ValueError(f"data.recipes.{name}: weight must be > 0, got {weight}")
@@ -104,6 +108,11 @@ def load_sft_data(
             recipe, seed=seed, renderer=renderer, max_length=max_length, strict=cfg.strict
         )
         report.merge(mixture.report)
+        for part in (mixture.train, mixture.eval):
+            for uid, source, record in zip(part["uid"], part["source"], part["record"], strict=True):
+                first_source, first_record = first_rows.setdefault(uid, (source, record))
+                if record != first_record:  # a weight's repeats and a file shared by recipes are equal
+                    shared.setdefault(uid, (first_source, source))
         rows = mixture.train.select(
             weighted_indices(len(mixture.train), weight, random.Random(f"{seed}:{name}"))
         )
@@ -115,6 +124,16 @@ def load_sft_data(
                 eval_records.append(record)
                 eval_docs.append(_render(record, renderer))
     log.info("SFT data: %s; %d train and %d eval trajectories", report.summary(), len(train), len(eval_docs))
+    if shared:
+        uid, (first_source, source) = next(iter(shared.items()))
+        log.warning(
+            "%d uids are given to more than one different row, e.g. %r in %s and in %s: rows are held "
+            "out by uid and evaluated once per uid, so give every row its own uid",
+            len(shared),
+            uid,
+            first_source,
+            source,
+        )
     for reason, example in sorted(report.first_example.items()):
         log.warning("skipped %d rows as %s, e.g. %s", report.skipped[reason], reason, example)
     return SFTData(train=train, eval=eval_docs, eval_records=eval_records, report=report)

@@ -4,6 +4,7 @@ file, row and reason under strict loading, and an error when nothing survives.""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -199,3 +200,142 @@ def test_tool_calls_must_name_a_declared_tool(tmp_path):
     path = _write_jsonl(tmp_path / "tools.jsonl", [GOOD, BAD_ROWS["undeclared_tool"]])
     with pytest.raises(BadTrajectoryError, match=r"tools\.jsonl line 2: undeclared_tool"):
         load_trajectories(path, strict=True)
+
+
+def _strict_error(tmp_path: Path, row: dict[str, Any]) -> str:
+    """The strict loading error of a file whose line 2 is `row`."""
+    with pytest.raises(BadTrajectoryError) as error:
+        load_trajectories(_write_jsonl(tmp_path / "strict.jsonl", [GOOD, row]), strict=True)
+    return str(error.value)
+
+
+def test_wrong_types_are_counted_malformed_records_not_crashes(tmp_path):
+    """Cleaning runs before validation and checks no types: a call whose function is a string, a
+    tool_call_id that is a list or a task that is not an object must still reach validation and be
+    a malformed_record named by file and line, never a bare AttributeError / TypeError."""
+    function_text = _row(
+        "function-text",
+        [
+            USER,
+            {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": "calculator"}]},
+        ],
+    )
+    list_id = _row(
+        "list-id",
+        [
+            USER,
+            _calling(_call("c1", "calculator", '{"expression": "2+3"}')),
+            {"role": "tool", "tool_call_id": ["c1"], "content": "5"},
+            {"role": "assistant", "content": "5"},
+        ],
+    )
+    task_text = {**GOOD, "uid": "task-text", "task": "arithmetic"}
+    rows = [GOOD, function_text, list_id, task_text, {**GOOD, "uid": "task-json", "task": '{"family": "x"}'}]
+    dataset, report = load_trajectories(_write_jsonl(tmp_path / "types.jsonl", rows))
+    assert dataset["uid"] == ["good", "task-json"] and dict(report.skipped) == {"malformed_record": 3}
+    assert "types.jsonl line 2: message 1 tool call 0 needs id" in report.first_example["malformed_record"]
+    for row, detail in (
+        (function_text, "message 1 tool call 0 needs id, type 'function' and function.name"),
+        (list_id, "message 2 'tool_call_id' must be the string id of a tool call"),
+        (task_text, "'task' must be a JSON object of verifier data .* got str 'arithmetic'"),
+    ):
+        assert re.search(rf"strict\.jsonl line 2: malformed_record: {detail}", _strict_error(tmp_path, row))
+
+
+def test_thinking_anywhere_but_an_assistants_reasoning_content_is_malformed(tmp_path):
+    """docs/data.md: thinking is an assistant message's `reasoning_content`, which the renderer wraps
+    in <think>...</think>. Tags in the text would be rendered as the special tokens (an R1-style
+    inline block gives `<think></think><think>...</think>5`), other keys would be dropped: both are
+    rejected (they were accepted silently, strict or not), with where the thinking belongs."""
+    assistant = {"role": "assistant", "content": "5"}
+    cases = {
+        "inline": (
+            [USER, {"role": "assistant", "content": "<think>2+3 is 5.</think>5"}],
+            "'content' contains <think>",
+        ),
+        "closing tag": (
+            [USER, {**assistant, "content": "2+3 is 5.</think>5"}],
+            "'content' contains </think>",
+        ),
+        "tags in reasoning": (
+            [USER, {**assistant, "reasoning_content": "<think>2+3 is 5.</think>"}],
+            "'reasoning_content' contains <think>",
+        ),
+        "thinking key": ([USER, {**assistant, "thinking": "2+3 is 5."}], "has thinking under 'thinking'"),
+        "reasoning key": ([USER, {**assistant, "reasoning": "2+3 is 5."}], "has thinking under 'reasoning'"),
+        "user reasoning": (
+            [{**USER, "reasoning_content": "2+3 is 5."}, assistant],
+            "message 0 \\(user\\) has thinking under 'reasoning_content'",
+        ),
+    }
+    for name, (messages, detail) in cases.items():
+        verdict = validate_trajectory(clean_record(_row(name, messages)))
+        assert verdict.reason == "malformed_record" and re.search(detail, verdict.detail), (name, verdict)
+        assert "thinking belongs in" in verdict.detail and "'reasoning_content'" in verdict.detail
+        assert "strict.jsonl line 2: malformed_record: message" in _strict_error(
+            tmp_path, _row(name, messages)
+        )
+    # empty values hold no thinking to lose
+    empty = _row("empty", [{**USER, "reasoning_content": ""}, {**assistant, "thinking": ""}])
+    assert validate_trajectory(clean_record(empty)).ok
+
+
+def test_jsonl_nulls_inside_arguments_tools_and_task_are_kept(tmp_path, renderer):
+    """What the model trains on is what the file says: a null argument and a schema's
+    `"default": null` stay (only a record's or message's null key means absent and is dropped;
+    Arrow's padding, test_parquet_and_arrow_null_padding, is the other case)."""
+    schema = {
+        "type": "function",
+        "function": {
+            "name": "search",
+            "parameters": {
+                "type": "object",
+                "properties": {"site": {"type": ["string", "null"], "default": None}},
+            },
+        },
+    }
+    arguments = {"query": "price", "site": None}
+    row = {
+        "uid": "nulls",
+        "effort": None,
+        "messages": [
+            USER,
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": "c", "type": "function", "function": {"name": "search", "arguments": arguments}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c", "content": "12"},
+            {"role": "assistant", "reasoning_content": None, "content": "12"},
+        ],
+        "tools": [schema],
+        "task": {"family": "x", "site": None},
+    }
+    dataset, report = load_trajectories(_write_jsonl(tmp_path / "nulls.jsonl", [row]))
+    loaded = decode_record(dataset[0])
+    assert loaded["messages"][1]["tool_calls"][0]["function"]["arguments"] == arguments
+    assert loaded["tools"] == [schema] and loaded["task"] == {"family": "x", "site": None}
+    assert "effort" not in loaded and "content" not in loaded["messages"][1]
+    assert "reasoning_content" not in loaded["messages"][3]
+    text = renderer.decode(renderer.render(loaded["messages"], loaded["tools"])[0])
+    assert '{"query": "price", "site": null}' in text and '"default":null' in text
+
+
+def test_a_call_without_id_gets_its_k3_id(tmp_path):
+    """docs/data.md: ids are rewritten from the name and the call's position, so a call without one
+    is given one like any other (its result must then name that id) and the row is kept."""
+    call = {"type": "function", "function": {"name": "calculator", "arguments": '{"expression": "2+3"}'}}
+    row = _row(
+        "no-id",
+        [
+            USER,
+            _calling(call),
+            {"role": "tool", "tool_call_id": "functions.calculator:0", "content": "5"},
+            {"role": "assistant", "content": "5"},
+        ],
+    )
+    cleaned = clean_record(row)
+    assert cleaned["messages"][1]["tool_calls"][0]["id"] == "functions.calculator:0"
+    assert validate_trajectory(cleaned).ok

@@ -22,7 +22,7 @@ from posttrain.engines.testing import tiny_k3
 from posttrain.metrics import read_metrics
 from posttrain.model import KimiK3ForCausalLM
 from posttrain.trainers.common import AccelerateConfig, NonFiniteLossError, WarmupCosine, accelerator_plugins
-from posttrain.trainers.sft import SFTConfig
+from posttrain.trainers.sft import EvalConfig, Evaluator, SFTConfig
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = REPO / "data_recipes" / "data" / "agent_sft.jsonl"
@@ -243,3 +243,9 @@ def test_data_files_are_the_local_files_and_dirs_the_recipes_name(tmp_path, monk
         }
     )
     assert sft_data_files(cfg) == [tmp_path / "mine.jsonl", tmp_path / "shards"]
+
+
+def test_no_tool_prompts_reads_no_records(renderer):
+    """`eval.tool_prompts: 0` skips the tool eval without reading the held-out records' tasks (a
+    plain-string `task` crashed every such run in tool_task_prompts before)."""
+    assert Evaluator(EvalConfig(tool_prompts=0), renderer, [], [{"task": "arithmetic"}]).prompts == []
