@@ -11,6 +11,7 @@ a stage file's ``plugins`` list.
 from __future__ import annotations
 
 import difflib
+import hashlib
 import importlib
 import importlib.util
 import pathlib
@@ -128,13 +129,22 @@ def import_plugin(spec: str) -> None:
         path = pathlib.Path(spec).resolve()
         if not path.exists():
             raise FileNotFoundError(f"plug-in file {spec} does not exist")
-        name = f"posttrain_user_plugin_{path.stem}"
+        # Named by the resolved path, not the file name alone: a/domain.py and b/domain.py are two
+        # plug-ins, while one file listed by two stage files (or twice) is imported once.
+        digest = hashlib.sha256(str(path).encode()).hexdigest()[:12]
+        name = f"posttrain_user_plugin_{path.stem}_{digest}"
         if name in sys.modules:
             return
         module_spec = importlib.util.spec_from_file_location(name, path)
         assert module_spec and module_spec.loader
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[name] = module
-        module_spec.loader.exec_module(module)
+        try:
+            module_spec.loader.exec_module(module)
+        except BaseException:
+            # A half-imported module left here would make the next import a silent no-op: the
+            # fixed file could not be retried, and its real error would turn into "unknown name".
+            del sys.modules[name]
+            raise
     else:
         importlib.import_module(spec)
