@@ -74,7 +74,7 @@ def recipe_for(name: str) -> Recipe:
     started in); or a `datasets` dataset, `ID[:SPLIT]` (a hub id or a local dataset folder, split
     `train` unless given). A file or dataset is one source with DIRECT_EVAL_FRACTION held out."""
     if name in DATA_RECIPES:
-        return DATA_RECIPES.get(name)()
+        return _registered(name)
     path = Path(name).expanduser()
     if path.exists():
         return Recipe(sources=(MixtureSource(str(path.resolve())),), eval_fraction=DIRECT_EVAL_FRACTION)
@@ -88,12 +88,24 @@ def recipe_for(name: str) -> Recipe:
         source = MixtureSource(str(local.resolve()) if local.exists() else spec, split=split)
         return Recipe(sources=(source,), eval_fraction=DIRECT_EVAL_FRACTION)
     try:
-        return DATA_RECIPES.get(name)()
+        return _registered(name)
     except RegistryError as error:
         raise RegistryError(
             f"data.recipes: {error}; a key may also be a .jsonl/.json/.parquet file or a directory "
             "of them, or a datasets id like owner/name[:split]"
         ) from None
+
+
+def _registered(name: str) -> Recipe:
+    """What the registered recipe `name` returns, checked: a plug-in's recipe that returns a path
+    string would otherwise fail later as an AttributeError naming no recipe."""
+    recipe = DATA_RECIPES.get(name)()
+    if not isinstance(recipe, Recipe):
+        raise TypeError(
+            f"data recipe {name!r} returned {type(recipe).__name__}, not Recipe; return "
+            "Recipe(sources=(MixtureSource(path),)), or name the file itself under data.recipes"
+        )
+    return recipe
 
 
 @dataclass

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import numbers
 import random
+import reprlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -83,6 +85,17 @@ class TaskFamily(ABC):
     def make_prompt(self, rng: random.Random, effort: str) -> Sample:
         """A fresh prompt: messages up to the first assistant turn, tools, domain, effort, and in
         ``task`` the family name plus everything `verify` needs (never rendered)."""
+
+    def prompt(self, rng: random.Random, effort: str) -> Sample:
+        """`make_prompt`, checked: what callers use, so a family that returns anything but a Sample
+        is named here, not met as an AttributeError deep in an episode loop."""
+        prompt = self.make_prompt(rng, effort)
+        if not isinstance(prompt, Sample):
+            raise TypeError(
+                f"task family {self.name}: make_prompt returned {type(prompt).__name__}, not Sample; "
+                "build it with self.sample(uid, effort, messages, task)"
+            )
+        return prompt
 
     @abstractmethod
     def verify(self, sample: Sample, state: FinalState) -> float:
@@ -194,4 +207,13 @@ class Episode:
         return FinalState(answer=answer, files=files, tool_calls=self.tool_calls)
 
     def reward(self) -> float:
-        return self.family.verify(self.sample, self.final_state())
+        """The family's `verify` of the final state, checked: a reward that is not a number in
+        [0, 1] (a forgotten return, NaN, a score out of 100) is a bug in the family, and training
+        on it would be silently wrong, so it is an error rather than clamped."""
+        reward = self.family.verify(self.sample, self.final_state())
+        if not isinstance(reward, numbers.Real) or not 0.0 <= reward <= 1.0:  # NaN fails the range
+            raise ValueError(
+                f"task family {self.family.name}: verify returned {reprlib.repr(reward)} for "
+                f"{self.sample.uid}; it must return a float in [0, 1]"
+            )
+        return float(reward)
