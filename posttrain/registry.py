@@ -34,10 +34,16 @@ class RegistryError(KeyError):
 
 
 class Registry(Generic[T]):
-    """Name -> object, filled by the ``register`` decorator."""
+    """Name -> object, filled by the ``register`` decorator.
 
-    def __init__(self, kind: str) -> None:
+    named: the entries carry their own name in a ``name`` attribute (tools, task families), which
+    must equal the name they are registered under: a tool is offered to the model and called by its
+    own name, a prompt names its family by the family's, and lookups go through the registry's.
+    """
+
+    def __init__(self, kind: str, *, named: bool = False) -> None:
         self.kind = kind
+        self.named = named
         self._entries: dict[str, T] = {}
 
     def register(self, name: str) -> Callable[[T], T]:
@@ -46,6 +52,12 @@ class Registry(Generic[T]):
                 raise RegistryError(
                     f"{self.kind} {name!r} is registered twice "
                     f"(first by {_origin(self._entries[name])}, again by {_origin(obj)}); rename one"
+                )
+            own = getattr(obj, "name", None)
+            if self.named and own != name:
+                raise RegistryError(
+                    f"{self.kind} {name!r} is registered under another name than its own: "
+                    f"{_origin(obj)}.name is {own!r}; register it as {own!r} or set name = {name!r}"
                 )
             self._entries[name] = obj
             return obj

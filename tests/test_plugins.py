@@ -4,7 +4,8 @@ run` (its own process, stage processes forked from the preloaded server) runs it
 point the same file names an unknown kind: the entry point, not the import path, does the work.
 posttrain's own packages are plain imports (tests/test_architecture.py). A stage file's plug-in
 files are each imported, whatever their names, and a file whose import failed is imported again
-once fixed. And the registry's own contract: a taken name is an error naming both entries."""
+once fixed. And the registry's own contract: a taken name is an error naming both entries, and a
+tool or task family is registered under its own name."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from pathlib import Path
 import pytest
 
 from orchestration.pipeline import load_pipeline
+from posttrain.envs.tasks import TASK_FAMILIES, TaskFamily
+from posttrain.envs.tools import TOOLS, Tool
 from posttrain.registry import Registry, RegistryError, import_plugin
 from posttrain.stages import STAGE_KINDS
 
@@ -120,3 +123,19 @@ def test_a_registry_rejects_a_second_entry_under_a_taken_name() -> None:
         things.register("a")(type("Second", (), {}))
     with pytest.raises(RegistryError, match=r"unknown thing 'b' \(registered: a\)"):
         things.get("b")
+
+
+def test_tools_and_task_families_are_registered_under_their_own_name() -> None:
+    # The model calls a tool by its `name` and a prompt names its family by the family's: another
+    # registry key would make every demonstrated call undeclared, every prompt's family unknown.
+    echo = type("Echo", (Tool,), {"name": "echo"})
+    with pytest.raises(
+        RegistryError,
+        match=r"tool 'echo_tool' is registered under another name than its own: .*Echo.name is 'echo'; "
+        r"register it as 'echo' or set name = 'echo_tool'",
+    ):
+        TOOLS.register("echo_tool")(echo)
+    family = type("Sum", (TaskFamily,), {"name": "math/other_name"})
+    with pytest.raises(RegistryError, match=r"task family 'math/add' is registered under another name"):
+        TASK_FAMILIES.register("math/add")(family)
+    assert "echo_tool" not in TOOLS and "math/add" not in TASK_FAMILIES

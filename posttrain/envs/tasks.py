@@ -70,14 +70,32 @@ class TaskFamily(ABC):
     def make_toolset(self) -> dict[str, Tool]:
         """The tools an episode offers, by name (instances of posttrain.envs.tools.Tool)."""
 
+    def toolset(self) -> dict[str, Tool]:
+        """`make_toolset`, checked: each key must be its tool's `name`. The prompt declares a tool
+        by its name and the episode runs a call by the key, so a key of its own would let the
+        demonstrations call a tool no prompt declares and leave the model's calls unknown."""
+        tools = self.make_toolset()
+        for key, tool in tools.items():
+            if not isinstance(tool, Tool):
+                raise TypeError(
+                    f"task family {self.name}: make_toolset()[{key!r}] is {tool!r}, not a Tool instance"
+                )
+            if key != tool.name:
+                raise ValueError(
+                    f"task family {self.name}: make_toolset offers tool {tool.name!r} "
+                    f"({type(tool).__qualname__}) under the key {key!r}; key it by its name, "
+                    f"{{{tool.name!r}: {type(tool).__qualname__}()}}, and call it by that name"
+                )
+        return tools
+
     @property
     def tools(self) -> list[dict[str, Any]]:
         """JSON schemas of the offered tools, as rendered into the prompt."""
-        return [tool.schema for tool in self.make_toolset().values()]
+        return [tool.schema for tool in self.toolset().values()]
 
     def open_sandbox(self) -> contextlib.AbstractContextManager[Sandbox | None]:
         """A fresh sandbox for one episode, or a null context when no offered tool needs one."""
-        if not any(tool.needs_sandbox for tool in self.make_toolset().values()):
+        if not any(tool.needs_sandbox for tool in self.toolset().values()):
             return contextlib.nullcontext()
         return Sandbox(memory_mb=512, cpu_seconds=30, max_processes=64, network=False)
 
@@ -130,7 +148,7 @@ class TaskFamily(ABC):
         )
 
 
-TASK_FAMILIES: Registry[type[TaskFamily]] = Registry("task family")
+TASK_FAMILIES: Registry[type[TaskFamily]] = Registry("task family", named=True)
 
 
 class Episode:
@@ -140,7 +158,7 @@ class Episode:
         self.family = family
         self.sample = sample
         self.sandbox = sandbox
-        self.toolset = family.make_toolset()
+        self.toolset = family.toolset()
         self.messages: list[dict[str, Any]] = [dict(message) for message in sample.messages]
         # A resumed episode (a paused partial rollout) keeps counting from the calls it already made.
         self.tool_calls = sum(

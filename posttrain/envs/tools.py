@@ -80,7 +80,7 @@ class Tool:
         raise NotImplementedError
 
 
-TOOLS: Registry[type[Tool]] = Registry("tool")
+TOOLS: Registry[type[Tool]] = Registry("tool", named=True)
 
 
 def _string_parameters(**properties: str) -> dict[str, Any]:

@@ -24,7 +24,9 @@ from posttrain.envs.environments import (
     HarnessConfig,
     make_environment,
 )
+from posttrain.envs.sandbox import Sandbox
 from posttrain.envs.tasks import TASK_FAMILIES, Episode, FinalState, TaskFamily
+from posttrain.envs.tools import Tool
 
 
 def sampling(renderer: ChatRenderer, max_tokens: int = 6) -> SamplingConfig:
@@ -102,6 +104,34 @@ class PromptDict(Verdict):
 
     def make_prompt(self, rng: random.Random, effort: str) -> Sample:
         return {"uid": "x", "messages": [{"role": "user", "content": "hi"}]}  # the bug: not a Sample
+
+
+class Echo(Tool):
+    name = "echo"
+    description = "Echo the text."
+    parameters = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
+
+    def execute(self, sandbox: Sandbox | None, text: str) -> str:
+        return text
+
+
+@TASK_FAMILIES.register("plugin-bugs/tool_key")
+class ToolKey(Verdict):
+    name = "plugin-bugs/tool_key"
+
+    def make_toolset(self) -> dict:
+        return {"echo_tool": Echo()}  # the bug: the prompt declares "echo", calls would say "echo_tool"
+
+
+def test_a_toolset_keyed_otherwise_than_its_tools_names_is_an_error_naming_both(tmp_path, renderer):
+    cfg = EnvironmentConfig(families=["plugin-bugs/tool_key"])
+    with PluginBugs(renderer, cfg, sandbox_dir=tmp_path) as env:
+        with pytest.raises(
+            ValueError,
+            match=r"task family plugin-bugs/tool_key: make_toolset offers tool 'echo' \(Echo\) under the "
+            r"key 'echo_tool'; key it by its name",
+        ):
+            env.prompts("train", 1, seed=0)
 
 
 @pytest.mark.parametrize("verdict", [5.0, -0.5, math.nan, None, "1.0"])
