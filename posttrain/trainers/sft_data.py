@@ -9,16 +9,19 @@ worker, prefetch queue or sampler state has to be checkpointed.
 from __future__ import annotations
 
 import logging
+import math
 import random
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from posttrain.config.stage_file import NEEDS_CONTEXT
 from posttrain.data.chat import ChatRenderer
 from posttrain.data.images import MediaItem
 from posttrain.data.loading import decode_record
-from posttrain.data.mixture import build_mixture, recipe_for, weighted_indices
+from posttrain.data.mixture import DATA_RECIPES, DATA_SUFFIXES, build_mixture, recipe_for, weighted_indices
 from posttrain.data.packing import PackedRow, pack_documents
 from posttrain.data.trajectory import ValidationReport
 
@@ -30,7 +33,8 @@ class DataConfig(BaseModel):
     recipes: dict[str, float] = Field(
         default_factory=lambda: {"agent_sft": 1.0},
         description="registered data recipe, .jsonl/.json/.parquet file or dir, or datasets id[:split] "
-        "-> weight (0.5: a seeded half of its train rows, 2: twice)",
+        "-> weight, positive and finite (0.5: a seeded half of its train rows, 2: twice); a local file "
+        "or dir that does not exist fails plan",
     )
     eval_fraction: float | None = Field(
         None, ge=0, lt=1, description="held-out share of every recipe; null: each recipe's own"
@@ -41,6 +45,49 @@ class DataConfig(BaseModel):
     strict: bool = Field(
         False, description="a bad row fails the stage (file, row, reason) instead of being skipped"
     )
+
+    @field_validator("recipes")
+    @classmethod
+    def _weighted_and_present(cls, recipes: dict[str, float], info: ValidationInfo) -> dict[str, float]:
+        """At least one recipe, each with a positive finite weight (0 and NaN would drop it, inf has
+        no row count). When the orchestrator validates the stage file (the needs context given) a
+        local data file that does not exist is an error too, so `plan` reports it; a stage process
+        re-validating skips that, and `recipe_for` applies the same rule when the stage loads it."""
+        if not recipes:
+            raise ValueError("no recipe: name at least one, e.g. {agent_sft: 1.0}")
+        for name, weight in recipes.items():
+            if not (weight > 0 and math.isfinite(weight)):
+                raise ValueError(f"{name}: weight must be a positive finite number, got {weight}")
+        if (info.context or {}).get(NEEDS_CONTEXT) is not None:
+            missing = [name for name in recipes if _missing_local_data(name)]
+            if missing:
+                raise ValueError(
+                    f"{', '.join(missing)}: no such file or directory (relative paths are read from the "
+                    f"directory `posttrain run` is started in, here {Path.cwd()})"
+                )
+        return recipes
+
+
+# How a recipe key that means a local path starts (one that ends in a DATA_SUFFIXES suffix needn't).
+PATH_PREFIXES = ("./", "../", "/", "~")
+
+
+def _missing_local_data(name: str) -> bool:
+    """Whether recipe key `name` names a local file or directory that does not exist, read as
+    `posttrain.data.mixture.recipe_for` reads it: a registered recipe first; a key ending in a data
+    suffix is a file; one starting like a path is a file, directory or dataset folder, with an
+    optional `:SPLIT`. Anything else (a hub id) is only known when it loads."""
+    if name in DATA_RECIPES:
+        return False
+    path = Path(name).expanduser()
+    if path.suffix in DATA_SUFFIXES:
+        return not path.exists()
+    if not name.startswith(PATH_PREFIXES):
+        return False
+    spec, _, split = name.rpartition(":")
+    if not spec or "/" in split:  # no `:SPLIT` after the path
+        spec = name
+    return not (path.exists() or Path(spec).expanduser().exists())
 
 
 @dataclass
@@ -76,8 +123,6 @@ def load_sft_data(
     eval_records: list[dict[str, Any]] = []
     seen_eval: set[str] = set()
     for name, weight in cfg.recipes.items():
-        if not weight > 0:
-            raise ValueError(f"data.recipes.{name}: weight must be > 0, got {weight}")
         recipe = recipe_for(name)
         if cfg.eval_fraction is not None:
             recipe = replace(recipe, eval_fraction=cfg.eval_fraction)
