@@ -53,11 +53,12 @@ class Registry(Generic[T]):
                     f"{self.kind} {name!r} is registered twice "
                     f"(first by {_origin(self._entries[name])}, again by {_origin(obj)}); rename one"
                 )
-            own = getattr(obj, "name", None)
-            if self.named and own != name:
+            own = getattr(obj, "name", None) if self.named else name
+            if own != name:
+                fix = f"register it as {own!r} or set name = {name!r}" if own else f"set name = {name!r}"
                 raise RegistryError(
                     f"{self.kind} {name!r} is registered under another name than its own: "
-                    f"{_origin(obj)}.name is {own!r}; register it as {own!r} or set name = {name!r}"
+                    f"{_origin(obj)}.name is {own!r}; {fix}"
                 )
             self._entries[name] = obj
             return obj

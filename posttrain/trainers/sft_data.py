@@ -49,10 +49,11 @@ class DataConfig(BaseModel):
     @field_validator("recipes")
     @classmethod
     def _weighted_and_present(cls, recipes: dict[str, float], info: ValidationInfo) -> dict[str, float]:
-        """At least one recipe, each with a positive finite weight (0 and NaN would drop it, inf has
-        no row count). When the orchestrator validates the stage file (the needs context given) a
-        local data file that does not exist is an error too, so `plan` reports it; a stage process
-        re-validating skips that, and `recipe_for` applies the same rule when the stage loads it."""
+        """At least one recipe, each with a positive finite weight (0 or less keeps none of its rows,
+        and NaN or inf is no row count). When the orchestrator validates the stage file (the needs
+        context given) a local data file that does not exist is an error too, so `plan` reports it;
+        a stage process re-validating skips that, and `recipe_for` applies the same rule when the
+        stage loads it."""
         if not recipes:
             raise ValueError("no recipe: name at least one, e.g. {agent_sft: 1.0}")
         for name, weight in recipes.items():
