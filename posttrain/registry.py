@@ -11,6 +11,7 @@ a stage file's ``plugins`` list.
 from __future__ import annotations
 
 import difflib
+import hashlib
 import importlib
 import importlib.util
 import pathlib
@@ -33,10 +34,16 @@ class RegistryError(KeyError):
 
 
 class Registry(Generic[T]):
-    """Name -> object, filled by the ``register`` decorator."""
+    """Name -> object, filled by the ``register`` decorator.
 
-    def __init__(self, kind: str) -> None:
+    named: the entries carry their own name in a ``name`` attribute (tools, task families), which
+    must equal the name they are registered under: a tool is offered to the model and called by its
+    own name, a prompt names its family by the family's, and lookups go through the registry's.
+    """
+
+    def __init__(self, kind: str, *, named: bool = False) -> None:
         self.kind = kind
+        self.named = named
         self._entries: dict[str, T] = {}
 
     def register(self, name: str) -> Callable[[T], T]:
@@ -45,6 +52,13 @@ class Registry(Generic[T]):
                 raise RegistryError(
                     f"{self.kind} {name!r} is registered twice "
                     f"(first by {_origin(self._entries[name])}, again by {_origin(obj)}); rename one"
+                )
+            own = getattr(obj, "name", None) if self.named else name
+            if own != name:
+                fix = f"register it as {own!r} or set name = {name!r}" if own else f"set name = {name!r}"
+                raise RegistryError(
+                    f"{self.kind} {name!r} is registered under another name than its own: "
+                    f"{_origin(obj)}.name is {own!r}; {fix}"
                 )
             self._entries[name] = obj
             return obj
@@ -128,13 +142,22 @@ def import_plugin(spec: str) -> None:
         path = pathlib.Path(spec).resolve()
         if not path.exists():
             raise FileNotFoundError(f"plug-in file {spec} does not exist")
-        name = f"posttrain_user_plugin_{path.stem}"
+        # Named by the resolved path, not the file name alone: a/domain.py and b/domain.py are two
+        # plug-ins, while one file listed by two stage files (or twice) is imported once.
+        digest = hashlib.sha256(str(path).encode()).hexdigest()[:12]
+        name = f"posttrain_user_plugin_{path.stem}_{digest}"
         if name in sys.modules:
             return
         module_spec = importlib.util.spec_from_file_location(name, path)
         assert module_spec and module_spec.loader
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[name] = module
-        module_spec.loader.exec_module(module)
+        try:
+            module_spec.loader.exec_module(module)
+        except BaseException:
+            # A half-imported module left here would make the next import a silent no-op: the
+            # fixed file could not be retried, and its real error would turn into "unknown name".
+            del sys.modules[name]
+            raise
     else:
         importlib.import_module(spec)

@@ -32,7 +32,7 @@ def family_rows(family_name: str, per_family: int) -> int:
 def sft_prompt(family_name: str, index: int, seed: int = 0) -> Sample:
     """The prompt of a family's `index`-th SFT row: its own seeded draw, efforts in turn."""
     rng = random.Random(f"sft:{seed}:{family_name}:{index}")
-    return TASK_FAMILIES.get(family_name)().make_prompt(rng, EFFORTS[index % len(EFFORTS)])
+    return TASK_FAMILIES.get(family_name)().prompt(rng, EFFORTS[index % len(EFFORTS)])
 
 
 def generate_trajectory(family_name: str, index: int, seed: int = 0) -> dict[str, Any]:

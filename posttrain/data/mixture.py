@@ -75,7 +75,7 @@ def recipe_for(name: str) -> Recipe:
     name with a data file's suffix or written as a local path (./, ../, /, ~) is never looked up
     on the hub: missing, it is "no such file or directory"."""
     if name in DATA_RECIPES:
-        return DATA_RECIPES.get(name)()
+        return _registered(name)
     path = Path(name).expanduser()
     if path.exists():
         return Recipe(sources=(MixtureSource(str(path.resolve())),), eval_fraction=DIRECT_EVAL_FRACTION)
@@ -92,12 +92,24 @@ def recipe_for(name: str) -> Recipe:
         source = MixtureSource(str(local.resolve()) if local.exists() else spec, split=split)
         return Recipe(sources=(source,), eval_fraction=DIRECT_EVAL_FRACTION)
     try:
-        return DATA_RECIPES.get(name)()
+        return _registered(name)
     except RegistryError as error:
         raise RegistryError(
             f"data.recipes: {error}; a key may also be a .jsonl/.json/.parquet file or a directory "
             "of them, or a datasets id like owner/name[:split]"
         ) from None
+
+
+def _registered(name: str) -> Recipe:
+    """What the registered recipe `name` returns, checked: a plug-in's recipe that returns a path
+    string would otherwise fail later as an AttributeError naming no recipe."""
+    recipe = DATA_RECIPES.get(name)()
+    if not isinstance(recipe, Recipe):
+        raise TypeError(
+            f"data recipe {name!r} returned {type(recipe).__name__}, not Recipe; return "
+            "Recipe(sources=(MixtureSource(path),)), or name the file itself under data.recipes"
+        )
+    return recipe
 
 
 @dataclass

@@ -219,7 +219,7 @@ class Environment:
         for attempt in range(count * 50):
             if len(out) == count:
                 break
-            prompt = self._families[names[attempt % len(names)]].make_prompt(rng, "high")
+            prompt = self._families[names[attempt % len(names)]].prompt(rng, "high")
             if _question(prompt) in seen:
                 continue
             seen.add(_question(prompt))
@@ -411,7 +411,7 @@ class Environment:
                 play.sample.metrics[TASK_REWARD] = float(reward)
 
     def _verify(self, play: _Play) -> float:
-        return float(play.episode.reward())
+        return play.episode.reward()
 
     def close(self) -> None:
         self.sandboxes.close()

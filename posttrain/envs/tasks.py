@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import numbers
 import random
+import reprlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -68,14 +70,32 @@ class TaskFamily(ABC):
     def make_toolset(self) -> dict[str, Tool]:
         """The tools an episode offers, by name (instances of posttrain.envs.tools.Tool)."""
 
+    def toolset(self) -> dict[str, Tool]:
+        """`make_toolset`, checked: each key must be its tool's `name`. The prompt declares a tool
+        by its name and the episode runs a call by the key, so a key of its own would let the
+        demonstrations call a tool no prompt declares and leave the model's calls unknown."""
+        tools = self.make_toolset()
+        for key, tool in tools.items():
+            if not isinstance(tool, Tool):
+                raise TypeError(
+                    f"task family {self.name}: make_toolset()[{key!r}] is {tool!r}, not a Tool instance"
+                )
+            if key != tool.name:
+                raise ValueError(
+                    f"task family {self.name}: make_toolset offers tool {tool.name!r} "
+                    f"({type(tool).__qualname__}) under the key {key!r}; key it by its name, "
+                    f"{{{tool.name!r}: {type(tool).__qualname__}()}}, and call it by that name"
+                )
+        return tools
+
     @property
     def tools(self) -> list[dict[str, Any]]:
         """JSON schemas of the offered tools, as rendered into the prompt."""
-        return [tool.schema for tool in self.make_toolset().values()]
+        return [tool.schema for tool in self.toolset().values()]
 
     def open_sandbox(self) -> contextlib.AbstractContextManager[Sandbox | None]:
         """A fresh sandbox for one episode, or a null context when no offered tool needs one."""
-        if not any(tool.needs_sandbox for tool in self.make_toolset().values()):
+        if not any(tool.needs_sandbox for tool in self.toolset().values()):
             return contextlib.nullcontext()
         return Sandbox(memory_mb=512, cpu_seconds=30, max_processes=64, network=False)
 
@@ -83,6 +103,17 @@ class TaskFamily(ABC):
     def make_prompt(self, rng: random.Random, effort: str) -> Sample:
         """A fresh prompt: messages up to the first assistant turn, tools, domain, effort, and in
         ``task`` the family name plus everything `verify` needs (never rendered)."""
+
+    def prompt(self, rng: random.Random, effort: str) -> Sample:
+        """`make_prompt`, checked: what callers use, so a family that returns anything but a Sample
+        is named here, not met as an AttributeError deep in an episode loop."""
+        prompt = self.make_prompt(rng, effort)
+        if not isinstance(prompt, Sample):
+            raise TypeError(
+                f"task family {self.name}: make_prompt returned {type(prompt).__name__}, not Sample; "
+                "build it with self.sample(uid, effort, messages, task)"
+            )
+        return prompt
 
     @abstractmethod
     def verify(self, sample: Sample, state: FinalState) -> float:
@@ -117,7 +148,7 @@ class TaskFamily(ABC):
         )
 
 
-TASK_FAMILIES: Registry[type[TaskFamily]] = Registry("task family")
+TASK_FAMILIES: Registry[type[TaskFamily]] = Registry("task family", named=True)
 
 
 class Episode:
@@ -127,7 +158,7 @@ class Episode:
         self.family = family
         self.sample = sample
         self.sandbox = sandbox
-        self.toolset = family.make_toolset()
+        self.toolset = family.toolset()
         self.messages: list[dict[str, Any]] = [dict(message) for message in sample.messages]
         # A resumed episode (a paused partial rollout) keeps counting from the calls it already made.
         self.tool_calls = sum(
@@ -194,4 +225,13 @@ class Episode:
         return FinalState(answer=answer, files=files, tool_calls=self.tool_calls)
 
     def reward(self) -> float:
-        return self.family.verify(self.sample, self.final_state())
+        """The family's `verify` of the final state, checked: a reward that is not a number in
+        [0, 1] (a forgotten return, NaN, a score out of 100) is a bug in the family, and training
+        on it would be silently wrong, so it is an error rather than clamped."""
+        reward = self.family.verify(self.sample, self.final_state())
+        if not isinstance(reward, numbers.Real) or not 0.0 <= reward <= 1.0:  # NaN fails the range
+            raise ValueError(
+                f"task family {self.family.name}: verify returned {reprlib.repr(reward)} for "
+                f"{self.sample.uid}; it must return a float in [0, 1]"
+            )
+        return float(reward)

@@ -4,6 +4,8 @@ An agent episode alternates assistant turns that call tools and tool messages th
 both are trajectory messages in `Sample.messages`. `call_tool` executes one OpenAI-style call
 against a sandbox and returns the answering message. A tool never raises on bad input or a
 sandbox refusal: the model sees an "error: ..." result and can recover, as it would in production.
+A tool that raises anything else has a bug; `call_tool` still answers with the error (its type and
+message) and logs a warning naming the tool once, so one buggy plug-in tool does not end a run.
 
 The shipped task families (data_recipes/agent_tasks) generate their SFT demonstrations with these
 same tools, so the policy meets in RL the very interface (names, schemas, result wording) it
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -24,6 +27,9 @@ from typing import Any, ClassVar
 from posttrain.envs.sandbox import RunResult, Sandbox, SandboxError
 from posttrain.registry import Registry
 
+LOG = logging.getLogger(__name__)
+# Tools whose unexpected exception was logged in this process (`_answer`).
+_FAILED_TOOLS: set[str] = set()
 DEFAULT_TIMEOUT_S = 10.0
 DEFAULT_MAX_CHARS = 8000
 JSON_TYPES: dict[str, type | tuple[type, ...]] = {
@@ -74,7 +80,7 @@ class Tool:
         raise NotImplementedError
 
 
-TOOLS: Registry[type[Tool]] = Registry("tool")
+TOOLS: Registry[type[Tool]] = Registry("tool", named=True)
 
 
 def _string_parameters(**properties: str) -> dict[str, Any]:
@@ -279,10 +285,31 @@ def call_tool(
             )
         if arguments is not None:
             if isinstance(arguments, dict):
-                content = tools[name].call(sandbox, arguments)
+                content = _answer(tools[name], name, sandbox, arguments)
             else:
                 content = f"error: arguments must be a JSON object, got {type(arguments).__name__}"
     return {"role": "tool", "tool_call_id": tool_call.get("id", ""), "content": content}
+
+
+def _answer(tool: Tool, name: str, sandbox: Sandbox | None, arguments: dict[str, Any]) -> str:
+    """`tool.call`, with any exception it lets out as the model's error result: a plug-in tool's bug
+    (a KeyError on an argument it did not expect) must not abort the whole batch of episodes it is
+    played in. KeyboardInterrupt and SystemExit are no Exception and still stop the run."""
+    try:
+        return tool.call(sandbox, arguments)
+    except Exception as exc:
+        if name not in _FAILED_TOOLS:  # once per tool: a bug repeats on every call that meets it
+            _FAILED_TOOLS.add(name)
+            LOG.warning(
+                "tool %r (%s) raised %s; the model gets it as an error result. A tool should answer bad "
+                "input with an 'error: ...' result or raise ValueError; later failures of this tool "
+                "are not logged",
+                name,
+                type(tool).__qualname__,
+                type(exc).__name__,
+                exc_info=True,
+            )
+        return f"error: {type(exc).__name__}: {exc}"
 
 
 def _argument_problem(arguments: Mapping[str, Any], schema: dict[str, Any]) -> str | None:

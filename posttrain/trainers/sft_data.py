@@ -9,13 +9,15 @@ worker, prefetch queue or sampler state has to be checkpointed.
 from __future__ import annotations
 
 import logging
+import math
 import random
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from posttrain.config.stage_file import NEEDS_CONTEXT
 from posttrain.data.chat import ChatRenderer
 from posttrain.data.images import MediaItem
 from posttrain.data.loading import decode_record
@@ -32,7 +34,8 @@ class DataConfig(BaseModel):
     recipes: dict[str, float] = Field(
         default_factory=lambda: {"agent_sft": 1.0},
         description="registered data recipe, .jsonl/.json/.parquet file or dir, or datasets id[:split] "
-        "-> weight (0.5: a seeded half of its train rows, 2: twice)",
+        "-> weight, positive and finite (0.5: a seeded half of its train rows, 2: twice); a local file "
+        "or dir that does not exist fails plan",
     )
     eval_fraction: float | None = Field(
         None, ge=0, lt=1, description="held-out share of every recipe; null: each recipe's own"
@@ -43,6 +46,46 @@ class DataConfig(BaseModel):
     strict: bool = Field(
         False, description="a bad row fails the stage (file, row, reason) instead of being skipped"
     )
+
+    @field_validator("recipes")
+    @classmethod
+    def _weighted_and_present(cls, recipes: dict[str, float], info: ValidationInfo) -> dict[str, float]:
+        """At least one recipe, each with a positive finite weight (0 or less keeps none of its rows,
+        and NaN or inf is no row count). When the orchestrator validates the stage file (the needs
+        context given) a local data file that does not exist is an error too, so `plan` reports it;
+        a stage process re-validating skips that, and `recipe_for` applies the same rule when the
+        stage loads it."""
+        if not recipes:
+            raise ValueError("no recipe: name at least one, e.g. {agent_sft: 1.0}")
+        for name, weight in recipes.items():
+            if not (weight > 0 and math.isfinite(weight)):
+                raise ValueError(f"{name}: weight must be a positive finite number, got {weight}")
+        if (info.context or {}).get(NEEDS_CONTEXT) is not None:
+            problems = _unresolved([name for name in recipes if name not in DATA_RECIPES])
+            if problems:
+                raise ValueError("; ".join(problems))
+        return recipes
+
+
+def _unresolved(names: list[str]) -> list[str]:
+    """Why recipe keys name nothing, by `recipe_for`'s own rules: local files or directories that do
+    not exist, unknown recipe names. Registered recipes are not passed here: a recipe function may do
+    work (visual_sft writes its file). A hub id is only known when it loads."""
+    missing, problems = [], []
+    for name in names:
+        try:
+            recipe_for(name)
+        except FileNotFoundError:
+            missing.append(name)
+        except RegistryError as error:
+            problems.append(str(error).removeprefix("data.recipes: "))
+    if missing:
+        problems.insert(
+            0,
+            f"{', '.join(missing)}: no such file or directory (relative paths are read from the "
+            f"directory `posttrain run` is started in, here {Path.cwd()})",
+        )
+    return problems
 
 
 def local_data_paths(cfg: DataConfig) -> list[Path]:
@@ -99,8 +142,6 @@ def load_sft_data(
     first_rows: dict[str, tuple[str, str]] = {}  # uid -> (source, record) of its first row
     shared: dict[str, tuple[str, str]] = {}  # uid -> the two sources of two different rows
     for name, weight in cfg.recipes.items():
-        if not weight > 0:
-            raise ValueError(f"data.recipes.{name}: weight must be > 0, got {weight}")
         recipe = recipe_for(name)
         if cfg.eval_fraction is not None:
             recipe = replace(recipe, eval_fraction=cfg.eval_fraction)

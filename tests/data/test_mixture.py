@@ -87,3 +87,13 @@ def test_recipe_and_source_errors_are_clear(tmp_path):
     path.write_text(json.dumps(row) + "\n")
     with pytest.raises(ValueError, match="no rows of domains \\['coding'\\]"):
         build_mixture(Recipe(sources=(MixtureSource(str(path), domains=("coding",)),)))
+
+
+def test_a_registered_recipe_that_returns_no_recipe_is_named():
+    # A plug-in's recipe returning the path it meant to wrap; registered here, after collection,
+    # so the parametrized test above never builds it.
+    name = "test_recipe_returning_a_path"
+    if name not in DATA_RECIPES:
+        DATA_RECIPES.register(name)(lambda: "data_recipes/data/agent_sft.jsonl")
+    with pytest.raises(TypeError, match=f"data recipe '{name}' returned str, not Recipe; return Recipe"):
+        build_mixture(name)

@@ -4,12 +4,14 @@ that come back as result text rather than exceptions."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from posttrain.envs.sandbox import Sandbox
-from posttrain.envs.tools import TOOLS, call_tool, make_tools
+from posttrain.envs.tools import TOOLS, Tool, call_tool, make_tools
 
 DOCS = {
     "catalog.txt": "Trail Lamp: price 24 dollars.\nRiver Tent: price 180 dollars.\n",
@@ -108,6 +110,30 @@ def test_a_call_is_answered_by_a_tool_message_and_bad_calls_by_error_text(tools,
     ]
     for name, raw, expected in cases:
         assert _call(tools, sandbox, name, raw)["content"] == expected
+
+
+class CapitalOf(Tool):
+    """A plug-in tool with a bug: it indexes its table with whatever country the model names."""
+
+    name = "capital_of"
+    description = "The capital city of a country."
+    parameters = {"type": "object", "properties": {"country": {"type": "string"}}, "required": ["country"]}
+
+    def execute(self, sandbox: Sandbox | None, **arguments: Any) -> str:
+        if arguments["country"] == "Stop":
+            raise KeyboardInterrupt
+        return {"France": "Paris"}[arguments["country"]]
+
+
+def test_a_tool_that_raises_is_answered_with_the_error_and_logged_once(caplog):
+    tools = {"capital_of": CapitalOf()}
+    with caplog.at_level(logging.WARNING, logger="posttrain.envs.tools"):
+        answers = [_call(tools, None, "capital_of", {"country": c})["content"] for c in ("Atlantis", "Mu")]
+    assert answers == ["error: KeyError: 'Atlantis'", "error: KeyError: 'Mu'"]
+    assert len(caplog.records) == 1 and "tool 'capital_of' (CapitalOf) raised KeyError" in caplog.text
+    assert _call(tools, None, "capital_of", {"country": "France"})["content"] == "Paris"
+    with pytest.raises(KeyboardInterrupt):  # not an Exception: an interrupt still stops the run
+        _call(tools, None, "capital_of", {"country": "Stop"})
 
 
 def test_sandbox_refusals_become_error_text(tools, tmp_path):

@@ -6,6 +6,8 @@ exactly as an engine appends what it generated, and the environment acts on them
 from __future__ import annotations
 
 import json
+import math
+import random
 
 import pytest
 
@@ -17,11 +19,14 @@ from posttrain.engines.testing import ScriptedTurns
 from posttrain.envs.environments import (
     SUBMISSION_FEEDBACK,
     SUBMISSIONS,
+    Environment,
     EnvironmentConfig,
     HarnessConfig,
     make_environment,
 )
-from posttrain.envs.tasks import TASK_FAMILIES, Episode
+from posttrain.envs.sandbox import Sandbox
+from posttrain.envs.tasks import TASK_FAMILIES, Episode, FinalState, TaskFamily
+from posttrain.envs.tools import Tool
 
 
 def sampling(renderer: ChatRenderer, max_tokens: int = 6) -> SamplingConfig:
@@ -63,6 +68,97 @@ def first_turn(sample: Sample) -> dict:
     """The family's own first assistant turn for this prompt (its scripted demonstration)."""
     family = TASK_FAMILIES.get(sample.task["family"])()
     return next(family.demonstration(sample, Episode(family, sample, None)))
+
+
+class PluginBugs(Environment):
+    """A user's environment whose task families have the bugs a plug-in can have."""
+
+    domain = "plugin-bugs"
+
+
+@TASK_FAMILIES.register("plugin-bugs/verdict")
+class Verdict(TaskFamily):
+    """Its verify returns `verdict`, whatever a test sets it to."""
+
+    name = "plugin-bugs/verdict"
+    domain = "plugin-bugs"
+    verdict: object = 1.0
+
+    def make_toolset(self) -> dict:
+        return {}
+
+    def make_prompt(self, rng: random.Random, effort: str) -> Sample:
+        n = rng.randrange(10**6)
+        return self.sample(f"{self.name}-{n}", effort, [{"role": "user", "content": f"Say {n}."}], {})
+
+    def verify(self, sample: Sample, state: FinalState) -> float:
+        return self.verdict  # the bug under test: anything a test sets
+
+    def demonstration(self, sample: Sample, episode: Episode):
+        yield episode.assistant("", content="ok")
+
+
+@TASK_FAMILIES.register("plugin-bugs/prompt_dict")
+class PromptDict(Verdict):
+    name = "plugin-bugs/prompt_dict"
+
+    def make_prompt(self, rng: random.Random, effort: str) -> Sample:
+        return {"uid": "x", "messages": [{"role": "user", "content": "hi"}]}  # the bug: not a Sample
+
+
+class Echo(Tool):
+    name = "echo"
+    description = "Echo the text."
+    parameters = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
+
+    def execute(self, sandbox: Sandbox | None, text: str) -> str:
+        return text
+
+
+@TASK_FAMILIES.register("plugin-bugs/tool_key")
+class ToolKey(Verdict):
+    name = "plugin-bugs/tool_key"
+
+    def make_toolset(self) -> dict:
+        return {"echo_tool": Echo()}  # the bug: the prompt declares "echo", calls would say "echo_tool"
+
+
+def test_a_toolset_keyed_otherwise_than_its_tools_names_is_an_error_naming_both(tmp_path, renderer):
+    cfg = EnvironmentConfig(families=["plugin-bugs/tool_key"])
+    with PluginBugs(renderer, cfg, sandbox_dir=tmp_path) as env:
+        with pytest.raises(
+            ValueError,
+            match=r"task family plugin-bugs/tool_key: make_toolset offers tool 'echo' \(Echo\) under the "
+            r"key 'echo_tool'; key it by its name",
+        ):
+            env.prompts("train", 1, seed=0)
+
+
+@pytest.mark.parametrize("verdict", [5.0, -0.5, math.nan, None, "1.0"])
+def test_a_verify_that_returns_no_reward_in_0_1_is_an_error_naming_the_family(
+    tmp_path, renderer, tiny_k3_engine, monkeypatch, verdict
+):
+    monkeypatch.setattr(Verdict, "verdict", verdict)
+    cfg = EnvironmentConfig(families=["plugin-bugs/verdict"])
+    with PluginBugs(renderer, cfg, sandbox_dir=tmp_path) as env:
+        sample = env.start(env.prompts("train", 1, seed=0)[0], uid="v/0", group="v", effort="high")
+        engine = ScriptedTurns(tiny_k3_engine)
+        scripted(engine, sample, renderer, {"role": "assistant", "content": "ok"}, "stop")
+        with pytest.raises(ValueError) as error:
+            env.play(engine, [sample], sampling(renderer))
+    assert str(error.value) == (
+        f"task family plugin-bugs/verdict: verify returned {verdict!r} for v/0; "
+        "it must return a float in [0, 1]"
+    )
+
+
+def test_a_make_prompt_that_returns_no_sample_is_an_error_naming_the_family(tmp_path, renderer):
+    cfg = EnvironmentConfig(families=["plugin-bugs/prompt_dict"])
+    with PluginBugs(renderer, cfg, sandbox_dir=tmp_path) as env:
+        with pytest.raises(
+            TypeError, match=r"task family plugin-bugs/prompt_dict: make_prompt returned dict, not Sample"
+        ):
+            env.prompts("train", 1, seed=0)
 
 
 def test_tool_calls_run_for_real_and_results_are_appended_never_rerendered(

@@ -391,3 +391,47 @@ def test_mopd_plays_the_specialists_harness_so_their_accuracies_compare() -> Non
     assert mopd["environments"] == rl["environments"]
     assert mopd["eval"].get("seed", 0) == rl["eval"].get("seed", 0)  # both schemas default to 0
     assert mopd["eval"]["accuracy_prompts_per_domain"] <= rl["eval"]["prompts"]
+
+
+@pytest.mark.parametrize(
+    ("recipes", "message"),
+    [
+        ("{agent_sft: 0}", "agent_sft: weight must be a positive finite number, got 0.0"),
+        ("{agent_sft: -1}", "agent_sft: weight must be a positive finite number, got -1.0"),
+        ("{agent_sft: .inf}", "agent_sft: weight must be a positive finite number, got inf"),
+        ("{agent_sft: .nan}", "agent_sft: weight must be a positive finite number, got nan"),
+        ("{}", "no recipe: name at least one"),
+        (
+            "{agent_sft: 1, traces/mine.jsonl: 1, ./hub_copy:test: 1, /no/such/dir: 1}",
+            "traces/mine.jsonl, ./hub_copy:test, /no/such/dir: no such file or directory (relative "
+            "paths are read from the directory `posttrain run` is started in",
+        ),
+        ("{agent_sfx: 1}", "unknown data recipe 'agent_sfx'; did you mean 'agent_sft'?"),
+    ],
+)
+def test_sft_recipe_weights_and_local_files_are_checked_by_plan(
+    write, posttrain, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, recipes: str, message: str
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    path = write("sft.yaml", "kind: sft\ntrain: {steps: 1}\ndata:\n  recipes: ", recipes, "\n")
+    assert_user_error(
+        posttrain("plan", path, "--run-dir", tmp_path / "run"), "sft.yaml:4: data.recipes: ", message
+    )
+
+
+def test_sft_recipe_files_that_exist_plan(write, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Relative to the directory `posttrain run` starts in (not the stage file's); a hub id is only
+    # known when it loads.
+    monkeypatch.chdir(tmp_path)
+    write("traces/mine.jsonl", "")
+    write("hub_copy/data.jsonl", "")
+    recipes = "{agent_sft: 1, traces/mine.jsonl: 2, ./hub_copy:test: 0.5, owner/name:train: 1}"
+    pipeline = load_pipeline(
+        write("stages/sft.yaml", "kind: sft\ntrain: {steps: 1}\ndata:\n  recipes: ", recipes, "\n")
+    )
+    assert list(pipeline.stages["sft"].body["data"]["recipes"]) == [
+        "agent_sft",
+        "traces/mine.jsonl",
+        "./hub_copy:test",
+        "owner/name:train",
+    ]

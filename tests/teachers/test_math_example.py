@@ -22,7 +22,7 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "math_domain.py"
 
 @pytest.fixture(scope="module", autouse=True)
 def math_plugin() -> None:
-    # By file path, as a stage file's `plugins:` entry loads it (posttrain_user_plugin_math_domain).
+    # By file path, as a stage file's `plugins:` entry loads it (posttrain_user_plugin_math_domain_<hash>).
     import_plugin(str(EXAMPLE))
 
 
