@@ -109,6 +109,18 @@ def expand_matrix(
     """
     matrix = data.get("matrix")
     if matrix is None:
+        used = _variables(data)
+        if used:  # left as written, a ${name} would reach the stage as literal text
+            return [], [
+                Issue(
+                    file,
+                    f"${{{name}}} is used but this file has no matrix:",
+                    key=key_path(path),
+                    line=line_of(lines, path),
+                    hint=f"add matrix: {{{name}: [...]}} or write the value itself",
+                )
+                for path, name in used
+            ]
         body = dict(data)
         body.setdefault("stage", stem)
         return [({}, body)], []
@@ -157,24 +169,68 @@ def expand_matrix(
     names = list(matrix)
     for values in itertools.product(*(matrix[n] for n in names)):
         chosen = dict(zip(names, values, strict=True))
-        body = {k: _substitute(v, chosen) for k, v in data.items() if k != "matrix"}
-        body["stage"] = _substitute(template, chosen)
+        clashes: list[KeyPath] = []
+        body = {k: _substitute(v, chosen, (k,), clashes) for k, v in data.items() if k != "matrix"}
+        if clashes:
+            shown = ", ".join(f"{n}={v}" for n, v in chosen.items())
+            return [], [
+                Issue(
+                    file,
+                    f"with {shown} two keys of {key_path(path[:-1]) or 'the file'} become {path[-1]!r}",
+                    key=key_path(path[:-1]),
+                    line=line_of(lines, path[:-1]),
+                    hint="a ${name} key must not equal another key for any matrix value",
+                )
+                for path in clashes
+            ]
+        body["stage"] = _substitute(template, chosen, ("stage",), clashes)
         body["matrix"] = copy.deepcopy(matrix)
         instances.append((chosen, body))
     return instances, []
 
 
-def _substitute(value: Any, chosen: dict[str, Any]) -> Any:
+def _substitute(value: Any, chosen: dict[str, Any], path: KeyPath, clashes: list[KeyPath]) -> Any:
+    """`value` with every ${name} of `chosen` replaced, in mapping keys too (a per-domain block
+    `environments: {${domain}: ...}` is the common case: a key left as written was a silently ignored
+    setting); a key that becomes another key of its mapping is appended to `clashes`."""
     if isinstance(value, str):
         whole = MATRIX_VARIABLE.fullmatch(value)
         if whole and whole.group(1) in chosen:
             return chosen[whole.group(1)]  # "${effort}" alone keeps the value's type
-        return MATRIX_VARIABLE.sub(lambda m: str(chosen.get(m.group(1), m.group(0))), value)
+        return _in_text(value, chosen)
     if isinstance(value, list):
-        return [_substitute(v, chosen) for v in value]
+        return [_substitute(v, chosen, (*path, i), clashes) for i, v in enumerate(value)]
     if isinstance(value, dict):
-        return {k: _substitute(v, chosen) for k, v in value.items()}
+        out: dict[Any, Any] = {}
+        for key, item in value.items():
+            new = _in_text(key, chosen) if isinstance(key, str) else key  # keys stay strings
+            if new in out:
+                clashes.append((*path, new))
+            out[new] = _substitute(item, chosen, (*path, key), clashes)
+        return out
     return value
+
+
+def _in_text(text: str, chosen: dict[str, Any]) -> str:
+    return MATRIX_VARIABLE.sub(lambda m: str(chosen.get(m.group(1), m.group(0))), text)
+
+
+def _variables(value: Any, path: KeyPath = ()) -> list[tuple[KeyPath, str]]:
+    """(key path, name) of every ${name} in a mapping's keys and string values."""
+    if isinstance(value, str):
+        return [(path, name) for name in MATRIX_VARIABLE.findall(value)]
+    if isinstance(value, list):
+        return [found for i, v in enumerate(value) for found in _variables(v, (*path, i))]
+    if isinstance(value, dict):
+        return [
+            found
+            for key, item in value.items()
+            for found in (
+                [((*path, key), name) for name in MATRIX_VARIABLE.findall(str(key))]
+                + _variables(item, (*path, key))
+            )
+        ]
+    return []
 
 
 def models_in(annotation: Any) -> list[type[BaseModel]]:

@@ -257,6 +257,44 @@ def test_matrix_expands_with_typed_substitution(write) -> None:
     assert stage.needs == ["sft"]
 
 
+def test_matrix_names_are_substituted_in_keys_too(write, posttrain) -> None:
+    """A per-value block (`environments: {${domain}: ...}` in an rl file) was left with the literal
+    key, so the kind read no block for the domain and silently used its defaults."""
+    path = write(
+        "rl.yaml",
+        HEADER,
+        """
+    matrix: {domain: [general, coding]}
+    train:
+      ${domain}: 1
+    """,
+    )
+    assert_user_error(posttrain("plan", path), "train.general: unknown key", "train.coding: unknown key")
+    clash = write(
+        "clash.yaml",
+        HEADER,
+        """
+    matrix: {domain: [general, coding]}
+    train:
+      ${domain}: 1
+      general: 2
+    """,
+    )
+    assert_user_error(
+        posttrain("plan", clash),
+        "clash.yaml:4: train: with domain=general two keys of train become 'general'",
+    )
+
+
+def test_a_matrix_name_in_a_file_without_a_matrix_is_an_error(write, posttrain, tmp_path: Path) -> None:
+    path = write("a.yaml", HEADER, 'fail_message: "effort ${effort}"\n')
+    assert_user_error(
+        posttrain("run", path, "--run-dir", tmp_path / "run"),
+        "a.yaml:3: fail_message: ${effort} is used but this file has no matrix:",
+    )
+    assert not (tmp_path / "run").exists()
+
+
 def test_matrix_stage_id_must_use_every_name(write, posttrain) -> None:
     path = write(
         "rl.yaml",
