@@ -329,6 +329,8 @@ def _validate(
     except ValidationError as exc:
         issues.extend(pydantic_issues(exc, StageHeader, inst.display, inst.lines, overridden, GENERIC_KEYS))
         header = None
+    else:  # seed: true, keep_checkpoints: false, resources.cpus: .inf pass pydantic as 1, 0 and inf
+        issues.extend(number_issues(header_data, StageHeader, inst.display, inst.lines, overridden))
     kind = inst.data["kind"]  # checked while loading: the DAG cannot be built without it
     registered = kind in STAGE_KINDS
     if registered:

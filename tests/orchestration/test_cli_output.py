@@ -92,6 +92,15 @@ def test_numbers_that_are_not_sane_are_refused(write, posttrain, tmp_path: Path)
     assert "train.steps" in err and "true" in err
     code, out, err = posttrain("plan", stage, "garbage")
     assert code == 2 and "e.g. sft.train.steps=3" in err
+    # the generic keys too: keep_checkpoints: false was taken as 0, turning resume off
+    header = write("b.yaml", TOY, "seed: true\nkeep_checkpoints: false\nresources: {cpus: .inf}\n")
+    code, out, err = posttrain("plan", header)
+    assert code == 2
+    assert "b.yaml:3: seed: expects a number, got true" in err
+    assert "b.yaml:4: keep_checkpoints: expects a number, got false" in err
+    assert "b.yaml:5: resources.cpus: must be a finite number, got inf" in err
+    code, out, err = posttrain("plan", stage, "keep_checkpoints=false")
+    assert code == 2 and "command line override 'keep_checkpoints=false'" in err
 
 
 def test_a_new_key_inside_a_mapping_gets_a_stage_prefixed_hint(write, posttrain, tmp_path: Path) -> None:
