@@ -34,6 +34,7 @@ from orchestration.rundir import (
     is_running,
     read_manifest,
     read_progress,
+    restart_started,
     stage_dir,
     stage_state,
     write_manifest,
@@ -149,6 +150,8 @@ def execute(
                     display.finished(sid, "skipped")
                     continue
                 write_request(pipeline, run_dir, sid, restart=sid in forced)
+                if sid in forced:
+                    restart_started(run_dir, sid)
                 log(f"stage {sid} starting ({state.status}: {state.reason})")
                 given[sid], free_gpus = free_gpus[: gpus(sid)], free_gpus[gpus(sid) :]
                 devices = given[sid] if machine_gpus else None

@@ -257,6 +257,40 @@ class DamagedModelError(RuntimeError):
     """A need's published model no longer matches its manifest."""
 
 
+# DIR/restart.json: the stages a `--restart`/`--from` asked to start over and those it has started
+# over, so that the same command after an interruption continues that restart instead of beginning
+# it again (which would throw away the progress of a stage it had started, or even finished).
+RESTART = "restart.json"
+
+
+def continue_restart(run_dir: Path, forced: set[str]) -> set[str]:
+    """The stages this run must start over: `forced` (the command's `--restart`/`--from` stages),
+    less those an interrupted run of the same request already started over (they resume, or are
+    done). A run with another request, or none, begins a new record."""
+    path = Path(run_dir) / RESTART
+    record = read_json(path)
+    if forced and record is not None and set(record.get("forced", [])) == forced:
+        return forced - set(record.get("started", []))
+    if forced:
+        atomic_write_text(path, json.dumps({"forced": sorted(forced), "started": []}) + "\n")
+    else:
+        path.unlink(missing_ok=True)
+    return forced
+
+
+def restart_started(run_dir: Path, stage_id: str) -> None:
+    """Record that the current restart request has started `stage_id` over."""
+    path = Path(run_dir) / RESTART
+    record = read_json(path) or {"forced": [stage_id], "started": []}
+    record["started"] = sorted({*record.get("started", []), stage_id})
+    atomic_write_text(path, json.dumps(record) + "\n")
+
+
+def restart_finished(run_dir: Path) -> None:
+    """Every stage of the restart ran to the end: the next `--restart` is a new one."""
+    (Path(run_dir) / RESTART).unlink(missing_ok=True)
+
+
 def _finished_at(manifest: dict[str, Any]) -> str:
     finished = manifest.get("finished")
     return time.strftime("finished %Y-%m-%d %H:%M", time.localtime(finished)) if finished else "finished"

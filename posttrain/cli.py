@@ -40,7 +40,14 @@ from orchestration.console import (
 from orchestration.executors import busy_machine_warning, execute, start_fork_server
 from orchestration.pipeline import Pipeline, load_pipeline
 from orchestration.report import REPORT, write_report
-from orchestration.rundir import StageLock, StageState, plan_states, read_manifest
+from orchestration.rundir import (
+    StageLock,
+    StageState,
+    continue_restart,
+    plan_states,
+    read_manifest,
+    restart_finished,
+)
 from orchestration.runner import RUN_LOG
 from posttrain import __version__
 from posttrain.config.errors import ConfigError, Issue, did_you_mean
@@ -213,6 +220,9 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         )
     log = _driver_log(run_dir)
     try:
+        # The same command after an interruption continues its --restart/--from, not begins it anew.
+        forced = continue_restart(run_dir, forced)
+        to_run = [sid for sid in scope if sid in forced or states[sid].status != "done"]
         (run_dir / "pipeline.json").write_text(
             json.dumps(
                 {
@@ -265,6 +275,8 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
             ):
                 console.print(f"[yellow]warning[/] {sid}: {escape(warning)}", highlight=False, soft_wrap=True)
         log.info("run finished: %s", ", ".join(f"{k}={v}" for k, v in outcome.status.items()))
+        if outcome.ok:
+            restart_finished(run_dir)
         return 0 if outcome.ok else 1
     finally:
         lock.release()

@@ -21,11 +21,11 @@ def finish(process: subprocess.Popen[str]) -> None:
     assert process.returncode == 0, out
 
 
-def kill_when(stage: Path, run: Path, step: int | None, delay: float) -> str:
-    """Start the run; SIGKILL it `delay` s after it reached `step` (or after start when None).
-    Returns what happened, for the failure message."""
+def kill_when(stage: Path, run: Path, step: int | None, delay: float, *flags: str) -> str:
+    """Start the run (with `flags`); SIGKILL it `delay` s after it reached `step` (or after start
+    when None). Returns what happened, for the failure message."""
     started = time.time()
-    process = start_cli("run", stage, "--run-dir", run, cwd=stage.parent)
+    process = start_cli("run", stage, "--run-dir", run, *flags, cwd=stage.parent)
     deadline = started + 240
     while step is not None and process.poll() is None and time.time() < deadline:
         if reached(run / "train", started) >= step:
@@ -105,3 +105,24 @@ def test_a_stage_that_keeps_no_checkpoints_starts_over_after_a_kill(write, tmp_p
     expected = (reference / "train" / "model" / "model.safetensors").read_bytes()
     assert (killed / "train" / "model" / "model.safetensors").read_bytes() == expected
     assert metrics(killed) == metrics(reference), "the restart's metrics replace the killed attempt's"
+
+
+def test_the_same_restart_command_after_a_kill_resumes_the_restart(write, tmp_path: Path) -> None:
+    """`--restart` starts a done stage over once: killed, the same command continues that restart
+    from its checkpoint (it started over from step 0 again, throwing the progress away), and a
+    later `--restart`, the first having finished, starts over anew."""
+    stage = write("train.yaml", STAGE + "pause: 0.02\n")
+    run = tmp_path / "run"
+    finish(start_cli("run", stage, "--run-dir", run, cwd=tmp_path))
+    expected = (run / "train" / "model" / "model.safetensors").read_bytes()
+
+    event = kill_when(stage, run, 40, 0.0, "--restart", "train")
+    finish(start_cli("run", stage, "--run-dir", run, "--restart", "train", cwd=tmp_path))
+    manifest = json.loads((run / "train" / "manifest.json").read_text())
+    assert manifest["status"] == "done" and manifest["resumed_from_step"] >= 35, event
+    assert (run / "train" / "model" / "model.safetensors").read_bytes() == expected
+
+    finish(start_cli("run", stage, "--run-dir", run, "--restart", "train", cwd=tmp_path))
+    manifest = json.loads((run / "train" / "manifest.json").read_text())
+    assert manifest["resumed_from_step"] == 0 and manifest["attempts"] == 1
+    assert not (run / "restart.json").exists()
