@@ -334,6 +334,10 @@ def _local_stage(run_dir: str, stage_id: str, driver_pid: int, devices: list[str
     as it is), output to the stage's log, die with the driver."""
     if devices is not None:  # before anything initialises CUDA in this process
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
+    # Out of the terminal's foreground group: Ctrl-C there reaches the driver, which stops each stage
+    # with one SIGINT (`stop`); a second, straight from the terminal, cut short the stage's record of
+    # the first. The driver's death still ends it (exit_with_driver).
+    os.setpgrp()
     exit_with_driver(driver_pid)
     with open(stage_dir(Path(run_dir), stage_id) / STAGE_LOG, "ab") as log:
         os.dup2(log.fileno(), 1)

@@ -6,6 +6,7 @@ that YAML reads as numbers but are not sane ones, SIGTERM, and --version."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -119,6 +120,32 @@ def test_sigterm_stops_the_run_cleanly(write, tmp_path: Path) -> None:
     assert process.wait(timeout=60) == 143
     assert "terminated; rerun the same command to resume" in rest
     assert "leaked semaphore" not in rest and "Traceback" not in rest
+
+
+def test_ctrl_c_at_a_terminal_stops_the_stage_once_and_records_it(write, tmp_path: Path) -> None:
+    """A terminal's Ctrl-C signals the whole foreground process group, and the driver forwards
+    SIGINT to its stages as well: a stage in the driver's group got it twice, and the second
+    interrupted its own failure record (the manifest stayed `running`, .model-tmp stayed behind)."""
+    stage = write("a.yaml", TOY, f"value: 2\nrendezvous: {tmp_path / 'gate'}\nparties: 2\n")
+    run = tmp_path / "run"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "posttrain.cli", "run", str(stage), "--run-dir", str(run)],
+        cwd=tmp_path,
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own group, standing for the terminal's foreground group
+    )
+    wait_for_line(process, "a started")
+    while not (tmp_path / "gate" / "a").exists():  # the stage itself is running, at its rendezvous
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGINT)
+    rest = process.stdout.read()
+    assert process.wait(timeout=60) == 130, rest
+    manifest = json.loads((run / "a" / "manifest.json").read_text())
+    assert manifest["status"] == "failed" and manifest["error"].startswith("KeyboardInterrupt"), manifest
+    assert not (run / "a" / ".model-tmp").exists()
 
 
 def test_version(posttrain) -> None:
