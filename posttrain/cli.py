@@ -150,6 +150,12 @@ def _select(
         forced |= {args.from_stage} | pipeline.descendants(args.from_stage)
     if not args.only:
         return list(pipeline.stages), forced
+    # A stage to rerun that --only leaves out would silently not run: say so instead.
+    only = " ".join(f"--only {s}" for s in args.only)
+    for flag, sid in named:
+        if flag != "--only" and sid not in args.only:
+            hint = f"add --only {sid}, or drop --only"
+            issues.append(Issue("command line", f"{flag} {sid} is outside {only}", hint=hint))
     scope = [sid for sid in pipeline.stages if sid in args.only]
     for sid in scope:
         for need in pipeline.stages[sid].needs:

@@ -87,6 +87,11 @@ def test_run_skip_stale_restart_from_only(write, posttrain, tmp_path: Path) -> N
     now = started(run)
     assert now["a"] == before["a"] and now["b"] > before["b"] and now["c"] > before["c"]
 
+    # a stage to rerun that --only leaves out is refused, not silently skipped
+    for flags in (("--restart", "a"), ("--from", "a")):
+        code, out, err = posttrain("run", dag, "--run-dir", run, "--only", "b", *flags)
+        assert code == 2 and f"{' '.join(flags)} is outside --only b (add --only a, or drop --only)" in err
+    assert started(run) == now
     code, _, err = posttrain("run", dag, "--run-dir", run, "--only", "c", "b.value=3")
     assert code == 2 and "--only c: its need b is stale (config changed)" in err and "add --only b" in err
     before = now
