@@ -37,7 +37,7 @@ from orchestration.console import (
     summary_lines,
     summary_table,
 )
-from orchestration.executors import busy_machine_warning, execute, start_fork_server
+from orchestration.executors import busy_machine_warning, check_local_gpus, execute, start_fork_server
 from orchestration.pipeline import Pipeline, load_pipeline
 from orchestration.report import REPORT, write_report
 from orchestration.rundir import StageLock, StageState, plan_states, read_manifest
@@ -205,6 +205,8 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     unregistered = [pipeline.unregistered[sid] for sid in to_run if sid in pipeline.unregistered]
     if unregistered:
         raise ConfigError(unregistered)
+    if local:  # Ray places stages on the cluster's GPUs, which this machine cannot count
+        check_local_gpus(pipeline, scope, args.overrides)
     _run_dir(args, create=True)
     lock = StageLock(run_dir)
     if not lock.acquire(wait_s=0):
