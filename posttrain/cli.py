@@ -104,8 +104,23 @@ def _parser(command: str) -> argparse.ArgumentParser:
         parser.add_argument("source", type=Path, metavar="RUN_DIR/STAGE", help="stage dir or model dir")
         parser.add_argument("--format", required=True, choices=("bf16", "mxfp4"), dest="fmt")
         parser.add_argument("--out", required=True, type=Path, metavar="DIR", help="a new or empty directory")
-        parser.add_argument("--max-shard-size", default="5GB", help="shard above this size (default 5GB)")
+        parser.add_argument(
+            "--max-shard-size",
+            default="5GB",
+            type=_shard_size,
+            help="shard above this size: a number with KB, MB, GB or TB (default 5GB)",
+        )
     return parser
+
+
+def _shard_size(text: str) -> int:
+    """--max-shard-size in bytes, refused while parsing (exit 2 with usage), before anything loads."""
+    from posttrain.export import ExportError, shard_size_bytes
+
+    try:
+        return shard_size_bytes(text)
+    except ExportError as error:  # argparse names the flag already
+        raise argparse.ArgumentTypeError(str(error).removeprefix("--max-shard-size ")) from None
 
 
 def _run_dir(args: argparse.Namespace, create: bool = False) -> Path:
