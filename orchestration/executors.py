@@ -24,7 +24,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -41,6 +41,9 @@ from orchestration.rundir import (
 )
 from orchestration.runner import EXIT_BUSY, STAGE_LOG, exit_with_driver, run_stage, write_request
 from posttrain.config.errors import ConfigError, Issue
+from posttrain.config.overrides import apply_overrides, parse_overrides
+from posttrain.config.stage_file import relative_display
+from posttrain.config.yaml_source import line_of, load_yaml
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 POLL_S = 0.2
@@ -90,7 +93,9 @@ def execute(
     log: Callable[[str], None] = lambda message: None,
 ) -> Outcome:
     """Run the stages in `scope` (dependency order) that are not done; `forced` ones start over
-    even when done. Needs outside `scope` must already be done."""
+    even when done. Needs outside `scope` must already be done, and for the local executor
+    `check_local_gpus` must have passed (a stage wanting more GPUs than there are would wait
+    forever)."""
     display = display or QuietDisplay()
     backend: _Backend = _RayBackend(run_dir, ray_address) if executor == "ray" else _LocalBackend(run_dir)
     limit = max_parallel or len(scope)
@@ -108,19 +113,6 @@ def execute(
     # GPUs are whole devices here, handed to one stage at a time; Ray assigns its own
     free_gpus = visible_gpus() if executor == "local" else []
     machine_gpus = len(free_gpus)
-    too_many = [
-        Issue(
-            pipeline.stages[sid].file,
-            f"stage {sid} asks for {pipeline.stages[sid].resources['gpus']:g} GPU(s) but this machine has "
-            f"{machine_gpus} visible",
-            key="resources.gpus",
-            hint=f"lower it ({sid}.resources.gpus=N) or run where the GPUs are (--executor ray)",
-        )
-        for sid in scope
-        if executor == "local" and gpus(sid) > machine_gpus
-    ]
-    if too_many:
-        raise ConfigError(too_many)
     given: dict[str, list[str]] = {}
     outcome = Outcome()
     waiting = list(scope)
@@ -177,6 +169,48 @@ def execute(
     finally:
         backend.close()
     return outcome
+
+
+def check_local_gpus(pipeline: Pipeline, scope: list[str], overrides: Sequence[str] = ()) -> None:
+    """Refuse a stage in `scope` that asks for more whole GPUs than this machine shows, as the
+    user error it is, before the run dir is touched. The issue points where the value was set:
+    the command-line override (one of `overrides`, the KEY=VALUE texts the pipeline was loaded
+    with), else the stage file's line."""
+    wanted = {sid: math.ceil(float(pipeline.stages[sid].resources.get("gpus", 0.0))) for sid in scope}
+    if not any(wanted.values()):
+        return  # counting devices imports torch: not for a pipeline that wants none
+    machine_gpus = len(visible_gpus())
+    too_many = [sid for sid, count in wanted.items() if count > machine_gpus]
+    if not too_many:
+        return
+    # Stage carries the final values only; applying the overrides again to empty mappings, with
+    # `resources` the only known key, tells which override (if any) reached each stage's gpus.
+    parsed, _ = parse_overrides(overrides)
+    known = {sid: {("resources",), ("resources", "gpus")} for sid in pipeline.stages}
+    applied, _ = apply_overrides(parsed, {sid: {} for sid in pipeline.stages}, known)
+    gpus_key = ("resources", "gpus")
+    issues = []
+    for sid in too_many:
+        stage = pipeline.stages[sid]
+        source = next((text for path, text in applied[sid].items() if gpus_key[: len(path)] == path), None)
+        if source is None:
+            path = Path(stage.file)
+            file = relative_display(path)
+            _, lines, _ = load_yaml(path, file)
+            line = line_of(lines, gpus_key)
+        else:
+            file, line = f"command line override {source!r}", None
+        issues.append(
+            Issue(
+                file,
+                f"stage {sid} asks for {stage.resources['gpus']:g} GPU(s) but this machine has "
+                f"{machine_gpus} visible",
+                key="resources.gpus",
+                line=line,
+                hint=f"lower it ({sid}.resources.gpus=N) or run where the GPUs are (--executor ray)",
+            )
+        )
+    raise ConfigError(issues)
 
 
 def _settle(run_dir: Path, stage_id: str, code: int) -> str:

@@ -37,7 +37,7 @@ from orchestration.console import (
     summary_lines,
     summary_table,
 )
-from orchestration.executors import busy_machine_warning, execute, start_fork_server
+from orchestration.executors import busy_machine_warning, check_local_gpus, execute, start_fork_server
 from orchestration.pipeline import Pipeline, load_pipeline
 from orchestration.report import REPORT, write_report
 from orchestration.rundir import (
@@ -111,8 +111,23 @@ def _parser(command: str) -> argparse.ArgumentParser:
         parser.add_argument("source", type=Path, metavar="RUN_DIR/STAGE", help="stage dir or model dir")
         parser.add_argument("--format", required=True, choices=("bf16", "mxfp4"), dest="fmt")
         parser.add_argument("--out", required=True, type=Path, metavar="DIR", help="a new or empty directory")
-        parser.add_argument("--max-shard-size", default="5GB", help="shard above this size (default 5GB)")
+        parser.add_argument(
+            "--max-shard-size",
+            default="5GB",
+            type=_shard_size,
+            help="shard above this size: a number with KB, MB, GB or TB (default 5GB)",
+        )
     return parser
+
+
+def _shard_size(text: str) -> int:
+    """--max-shard-size in bytes, refused while parsing (exit 2 with usage), before anything loads."""
+    from posttrain.export import ExportError, shard_size_bytes
+
+    try:
+        return shard_size_bytes(text)
+    except ExportError as error:  # argparse names the flag already
+        raise argparse.ArgumentTypeError(str(error).removeprefix("--max-shard-size ")) from None
 
 
 def _run_dir(args: argparse.Namespace, create: bool = False) -> Path:
@@ -157,6 +172,12 @@ def _select(
         forced |= {args.from_stage} | pipeline.descendants(args.from_stage)
     if not args.only:
         return list(pipeline.stages), forced
+    # A stage to rerun that --only leaves out would silently not run: say so instead.
+    only = " ".join(f"--only {s}" for s in args.only)
+    for flag, sid in named:
+        if flag != "--only" and sid not in args.only:
+            hint = f"add --only {sid}, or drop --only"
+            issues.append(Issue("command line", f"{flag} {sid} is outside {only}", hint=hint))
     scope = [sid for sid in pipeline.stages if sid in args.only]
     for sid in scope:
         for need in pipeline.stages[sid].needs:
@@ -206,6 +227,8 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     unregistered = [pipeline.unregistered[sid] for sid in to_run if sid in pipeline.unregistered]
     if unregistered:
         raise ConfigError(unregistered)
+    if local:  # Ray places stages on the cluster's GPUs, which this machine cannot count
+        check_local_gpus(pipeline, scope, args.overrides)
     _run_dir(args, create=True)
     lock = StageLock(run_dir)
     if not lock.acquire(wait_s=0):

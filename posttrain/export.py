@@ -16,14 +16,15 @@ not at all.
 from __future__ import annotations
 
 import logging
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from posttrain.model.released import DEFAULT_MAX_SHARD_SIZE
-
 FORMATS = ("bf16", "mxfp4")
+# The units huggingface_hub's shard splitter reads in a size string (decimal, as it counts them).
+SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]B)\s*", re.IGNORECASE)
 log = logging.getLogger(__name__)
 
 
@@ -38,6 +39,42 @@ class ExportResult:
     qat_scheme: str | None  # the recorded QAT scheme, None when the stage recorded none
 
 
+def shard_size_bytes(size: str | int) -> int:
+    """`--max-shard-size` in bytes: a positive int, or a number with KB, MB, GB or TB ("5GB",
+    "200KB"), read as huggingface_hub's shard splitter reads it. Checked before the model loads:
+    the splitter's own error would come minutes later, as a traceback."""
+    if isinstance(size, int):
+        bytes_ = size
+    else:
+        match = SIZE.fullmatch(size)
+        if match is None:
+            raise ExportError(
+                f"--max-shard-size {size!r}: write a number and a unit (KB, MB, GB, TB), e.g. 5GB"
+            )
+        bytes_ = int(float(match[1]) * SIZE_UNITS[match[2].upper()])
+    if bytes_ < 1:
+        raise ExportError(f"--max-shard-size {size!r}: must be at least one byte, e.g. 5GB")
+    return bytes_
+
+
+def check_out_dir(out_dir: Path) -> None:
+    """Refuse an `--out` that cannot be written before the model loads: it must be new or an empty
+    directory, and the directory it goes in must be one this process may write (the export is
+    written as a sibling of `out_dir` and renamed, creating missing parents first)."""
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ExportError(f"--out {out_dir} exists and is not an empty directory: choose a new one")
+    parent = out_dir.absolute().parent
+    while not parent.exists():  # also False for a path under a file
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ExportError(f"--out {out_dir}: {parent} is a file, not a directory: choose an --out outside it")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ExportError(
+            f"--out {out_dir}: cannot write in {parent} (no permission or a read-only file system): "
+            "choose a directory you may write to"
+        )
+
+
 def model_dir_of(source: Path) -> Path:
     """The model directory of `source`: a stage dir (RUN_DIR/STAGE, holding `model/`) or a model dir."""
     if not source.exists():
@@ -45,28 +82,41 @@ def model_dir_of(source: Path) -> Path:
     for candidate in (source / "model", source):
         if (candidate / "config.json").is_file():
             return candidate
+    if (source / "model").is_dir():
+        raise ExportError(
+            f"{source / 'model'} has no config.json: not a Hugging Face model dir (the stage's kind saved "
+            "another format, or the file was removed); export takes a transformers model"
+        )
     if (source / "manifest.json").is_file():
-        raise ExportError(f"{source} is a stage dir without model/: the stage has not finished (see its log)")
+        raise ExportError(
+            f"{source} is a stage dir without model/: the stage has not finished (see its log), or its "
+            f"model/ was removed (rerun it with --restart {source.name})"
+        )
     raise ExportError(
         f"{source} holds neither model/config.json nor config.json: pass RUN_DIR/STAGE of a finished stage"
     )
 
 
 def export_model(
-    source: str | Path, fmt: str, out_dir: str | Path, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE
+    source: str | Path, fmt: str, out_dir: str | Path, max_shard_size: str | int | None = None
 ) -> ExportResult:
-    """Write the model of `source` (see `model_dir_of`) in format `fmt` to `out_dir` (new or empty)."""
+    """Write the model of `source` (see `model_dir_of`) in format `fmt` to `out_dir` (new or empty),
+    sharded above `max_shard_size` (None: the released layout's default)."""
+    # Imported here: the CLI checks --max-shard-size with this module while parsing, without
+    # paying for torch and transformers.
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from posttrain.model import KimiK3ForCausalLM, save_released
+    from posttrain.model.released import DEFAULT_MAX_SHARD_SIZE
     from posttrain.qat import qat_config_of, restore_qat
     from posttrain.qat.export import export_dequantized, export_mxfp4
 
     if fmt not in FORMATS:
         raise ExportError(f"--format {fmt!r}: use one of {', '.join(FORMATS)}")
+    max_shard_size = shard_size_bytes(DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size)
     out_dir = Path(out_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise ExportError(f"--out {out_dir} exists and is not an empty directory: choose a new one")
+    check_out_dir(out_dir)
     model_dir = model_dir_of(Path(source))
     try:
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)

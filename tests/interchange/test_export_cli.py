@@ -35,6 +35,20 @@ def test_bad_input_names_the_problem_and_writes_nothing(tmp_path, posttrain, ren
     assert code == 2 and "exists and is not an empty directory" in err
     code, _, err = posttrain("export", llama, "--format", "fp8", "--out", out)
     assert code == 2 and "invalid choice: 'fp8'" in err
+    for size, problem in (("abc", "write a number and a unit"), ("0KB", "must be at least one byte")):
+        code, _, err = posttrain("export", llama, "--format", "bf16", "--out", out, "--max-shard-size", size)
+        assert code == 2 and f"argument --max-shard-size: '{size}': {problem}" in err
+    (tmp_path / "afile").write_text("")
+    for under_a_file in (tmp_path / "afile" / "sub", tmp_path / "afile" / "sub" / "deeper"):
+        code, _, err = posttrain("export", llama, "--format", "bf16", "--out", under_a_file)
+        assert (
+            code == 2
+            and f"{tmp_path / 'afile'} is a file, not a directory: choose an --out outside it" in err
+        )
+    (stage / "model").mkdir()
+    (stage / "model" / "value.txt").write_text("5")  # a finished stage whose kind saved no HF model
+    code, _, err = posttrain("export", stage, "--format", "bf16", "--out", out)
+    assert code == 2 and "model has no config.json: not a Hugging Face model dir" in err
     assert not out.exists()
 
 

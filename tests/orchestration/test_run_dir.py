@@ -87,6 +87,11 @@ def test_run_skip_stale_restart_from_only(write, posttrain, tmp_path: Path) -> N
     now = started(run)
     assert now["a"] == before["a"] and now["b"] > before["b"] and now["c"] > before["c"]
 
+    # a stage to rerun that --only leaves out is refused, not silently skipped
+    for flags in (("--restart", "a"), ("--from", "a")):
+        code, out, err = posttrain("run", dag, "--run-dir", run, "--only", "b", *flags)
+        assert code == 2 and f"{' '.join(flags)} is outside --only b (add --only a, or drop --only)" in err
+    assert started(run) == now
     code, _, err = posttrain("run", dag, "--run-dir", run, "--only", "c", "b.value=3")
     assert code == 2 and "--only c: its need b is stale (config changed)" in err and "add --only b" in err
     before = now
@@ -261,3 +266,27 @@ def test_local_stages_get_their_own_gpus_and_wait_for_free_ones(
         and "resources.gpus: stage three asks for 3 GPU(s) but this machine has 2 visible" in out + err
     )
     assert not (tmp_path / "three" / "sft" / "model").exists()
+
+
+def test_too_many_gpus_is_refused_before_the_run_dir_is_written(
+    write, posttrain, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The error points where the value was set (the override, else the file's line), and neither
+    a fresh --run-dir nor an existing one (its pipeline.json is what `status` reads) is touched."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    dag, fresh = write_dag(write), tmp_path / "fresh"
+    code, _, err = posttrain("run", dag, "--run-dir", fresh, "b.resources.gpus=2")
+    assert code == 2 and (
+        "command line override 'b.resources.gpus=2': resources.gpus: stage b asks for 2 GPU(s) "
+        "but this machine has 1 visible" in err
+    )
+    assert not fresh.exists()
+
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    (existing / "pipeline.json").write_text('{"file": "earlier.yaml"}')
+    greedy = write("g.yaml", 'kind: toy-sum\nplugins: ["{toy}"]\n', "value: 1\nresources:\n  gpus: 2\n")
+    code, _, err = posttrain("run", greedy, "--run-dir", existing)
+    assert code == 2 and "g.yaml:5: resources.gpus: stage g asks for 2 GPU(s) but this machine has 1" in err
+    assert [p.name for p in existing.iterdir()] == ["pipeline.json"]
+    assert (existing / "pipeline.json").read_text() == '{"file": "earlier.yaml"}'
