@@ -260,26 +260,10 @@ def test_matrix_expands_with_typed_substitution(write) -> None:
 def test_matrix_names_are_substituted_in_keys_too(write, posttrain) -> None:
     """A per-value block (`environments: {${domain}: ...}` in an rl file) was left with the literal
     key, so the kind read no block for the domain and silently used its defaults."""
-    path = write(
-        "rl.yaml",
-        HEADER,
-        """
-    matrix: {domain: [general, coding]}
-    train:
-      ${domain}: 1
-    """,
-    )
+    per_domain = "matrix: {domain: [general, coding]}\ntrain:\n  ${domain}: 1\n"
+    path = write("rl.yaml", HEADER, per_domain)
     assert_user_error(posttrain("plan", path), "train.general: unknown key", "train.coding: unknown key")
-    clash = write(
-        "clash.yaml",
-        HEADER,
-        """
-    matrix: {domain: [general, coding]}
-    train:
-      ${domain}: 1
-      general: 2
-    """,
-    )
+    clash = write("clash.yaml", HEADER, per_domain + "  general: 2\n")
     assert_user_error(
         posttrain("plan", clash),
         "clash.yaml:4: train: with domain=general two keys of train become 'general'",
