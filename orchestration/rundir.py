@@ -2,6 +2,7 @@
 
 Layout (docs/orchestration.md):
   DIR/run.log, DIR/pipeline.json, DIR/report.md, DIR/plots/*.png
+  DIR/restart.json               an unfinished --restart/--from (continue_restart)
   DIR/<stage>/manifest.json      status, config hash, inputs' hashes, timings, final metrics
   DIR/<stage>/stage.json         the validated stage the worker runs
   DIR/<stage>/stage.log          the worker's stdout/stderr (tracebacks land here)
