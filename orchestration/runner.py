@@ -167,7 +167,8 @@ def _run_locked(
         metrics.close()
         remove_tree(output)  # an unpublished model is never used; the next attempt starts it anew
         manifest.update(status="failed", error=f"{type(exc).__name__}: {exc}")
-        log.exception("stage %s failed", stage.id)
+        # not also a warning: the manifest's `error` and the driver's summary already say it failed
+        log.exception("stage %s failed", stage.id, extra={NOT_A_WARNING: True})
         if not isinstance(exc, Exception):
             raise
         return 1
@@ -303,13 +304,18 @@ def _short(value: Any) -> Any:
         return str(value)
 
 
+# A log record's attribute that keeps it out of the manifest's `warnings` (the stage's own failure).
+NOT_A_WARNING = "not_a_warning"
+
+
 class _WarningCollector(logging.Handler):
     def __init__(self, sink: list[str]) -> None:
         super().__init__(logging.WARNING)
         self.sink = sink
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.sink.append(record.getMessage())
+        if not getattr(record, NOT_A_WARNING, False):
+            self.sink.append(record.getMessage())
 
 
 def _stage_logger(run_dir: Path, stage_id: str) -> tuple[logging.Logger, list[str]]:
