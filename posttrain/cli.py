@@ -311,7 +311,7 @@ def cmd_status(args: argparse.Namespace, console: Console) -> int:
             [
                 Issue(
                     str(args.run_dir),
-                    "run dir does not exist",
+                    "is a file, not a run dir" if args.run_dir.exists() else "run dir does not exist",
                     hint="pass the --run-dir of a run (default runs/<stem of the stage file>)",
                 )
             ]

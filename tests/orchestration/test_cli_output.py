@@ -83,6 +83,8 @@ def test_bad_run_dirs_are_user_errors(write, posttrain, tmp_path: Path) -> None:
     assert posttrain("run", stage, "--run-dir", tmp_path / "run")[0] == 0
     code, out, err = posttrain("status", tmp_path / "run" / "a")
     assert code == 2 and "is a stage dir of the run" in err and str(tmp_path / "run") in err
+    code, out, err = posttrain("status", tmp_path / "run" / "a" / "manifest.json")
+    assert code == 2 and "is a file, not a run dir" in err
 
 
 def test_numbers_that_are_not_sane_are_refused(write, posttrain, tmp_path: Path) -> None:
