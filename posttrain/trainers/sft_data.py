@@ -61,48 +61,45 @@ class DataConfig(BaseModel):
             if not (weight > 0 and math.isfinite(weight)):
                 raise ValueError(f"{name}: weight must be a positive finite number, got {weight}")
         if (info.context or {}).get(NEEDS_CONTEXT) is not None:
-            problems = _unresolved([name for name in recipes if name not in DATA_RECIPES])
+            problems = _resolve([name for name in recipes if name not in DATA_RECIPES])[1]
             if problems:
                 raise ValueError("; ".join(problems))
         return recipes
 
 
-def _unresolved(names: list[str]) -> list[str]:
-    """Why recipe keys name nothing, by `recipe_for`'s own rules: local files or directories that do
-    not exist, unknown recipe names. Registered recipes are not passed here: a recipe function may do
-    work (visual_sft writes its file). A hub id is only known when it loads."""
-    missing, problems = [], []
+def _resolve(names: list[str]) -> tuple[list[Path], list[str]]:
+    """What recipe keys that are not registered recipes name, by `recipe_for`'s own rules: the local
+    files and directories they resolve to, and why those that name nothing fail (a local path that
+    does not exist, an unknown recipe name). Registered recipes are not passed here: a recipe
+    function may do work (visual_sft writes its file). A hub id has no local content and is only
+    known when it loads."""
+    paths: list[Path] = []
+    missing: list[str] = []
+    problems: list[str] = []
     for name in names:
         try:
-            recipe_for(name)
+            sources = recipe_for(name).sources
         except FileNotFoundError:
             missing.append(name)
+            continue
         except RegistryError as error:
             problems.append(str(error).removeprefix("data.recipes: "))
+            continue
+        paths += [Path(s.path) for s in sources if Path(s.path).exists()]
     if missing:
         problems.insert(
             0,
             f"{', '.join(missing)}: no such file or directory (relative paths are read from the "
             f"directory `posttrain run` is started in, here {Path.cwd()})",
         )
-    return problems
+    return paths, problems
 
 
 def local_data_paths(cfg: DataConfig) -> list[Path]:
-    """The local files and directories `recipes` names, resolved as `recipe_for` resolves them: what
-    the run hashes, so that editing a user's data makes a finished SFT stage stale. A registered
-    recipe is named by its name, as code is; a hub id has no local content; a name that resolves to
-    nothing is left to the stage's own clear error."""
-    paths = []
-    for name in cfg.recipes:
-        if name in DATA_RECIPES:
-            continue
-        try:
-            sources = recipe_for(name).sources
-        except (FileNotFoundError, RegistryError):
-            continue
-        paths += [Path(s.path) for s in sources if Path(s.path).exists()]
-    return paths
+    """The local files and directories `recipes` names: what the run hashes, so that editing a
+    user's data makes a finished SFT stage stale. A registered recipe is named by its name, as code
+    is; a name that resolves to nothing is left to the stage's own clear error."""
+    return _resolve([name for name in cfg.recipes if name not in DATA_RECIPES])[0]
 
 
 @dataclass
