@@ -3,7 +3,9 @@
 PyYAML's `safe_load` returns plain dicts and forgets positions, so a schema error could only say
 *what* is wrong. Composing the node graph first keeps each node's start mark; we record the line
 of every key path so schema errors point at the line to edit. Duplicate keys, which PyYAML
-silently resolves to the last one, are reported as errors.
+silently resolves to the last one, are reported as errors. Keys are read as the text written:
+YAML 1.1 would make `on:` the boolean True, `~:` None and `3:` the integer 3, keys no schema names
+(and that JSON cannot sort beside names when a stage's config is hashed).
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ KeyPath = tuple[str | int, ...]
 
 
 def load_yaml(path: Path, display: str | None = None) -> tuple[Any, dict[KeyPath, int], list[Issue]]:
-    """Parse `path`; return (data, {key path: 1-based line}, issues). The empty path () maps to
-    line 1. `issues` lists duplicate keys (the data is still usable, so the caller can go on and
-    report every other mistake too).
+    """Parse `path`, every mapping key a string as written; return (data, {key path: 1-based line},
+    issues). The empty path () maps to line 1. `issues` lists duplicate keys (the data is still
+    usable, so the caller can go on and report every other mistake too).
 
     Raises ConfigError naming the file and line for syntax errors and a missing file.
     """
@@ -33,8 +35,12 @@ def load_yaml(path: Path, display: str | None = None) -> tuple[Any, dict[KeyPath
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError([Issue(name, f"cannot read file: {exc}")]) from None
     loader = yaml.SafeLoader(text)
+    lines: dict[KeyPath, int] = {(): 1}
+    issues: list[Issue] = []
     try:
         node = loader.get_single_node()
+        if node is not None:
+            _record_lines(node, (), lines, issues, name)
         data = loader.construct_document(node) if node is not None else None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
@@ -45,10 +51,6 @@ def load_yaml(path: Path, display: str | None = None) -> tuple[Any, dict[KeyPath
         raise ConfigError([Issue(name, f"YAML error: {exc}")]) from None
     finally:
         loader.dispose()
-    lines: dict[KeyPath, int] = {(): 1}
-    issues: list[Issue] = []
-    if node is not None:
-        _record_lines(node, (), lines, issues, name)
     return data, lines, issues
 
 
@@ -58,7 +60,11 @@ def _record_lines(
     if isinstance(node, yaml.MappingNode):
         seen: dict[str, int] = {}
         for key_node, value_node in node.value:
-            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else str(key_node.value)
+            if isinstance(key_node, yaml.ScalarNode):
+                key = key_node.value
+                key_node.tag = "tag:yaml.org,2002:str"  # constructed as written
+            else:
+                key = str(key_node.value)
             line = key_node.start_mark.line + 1
             if key in seen:
                 issues.append(

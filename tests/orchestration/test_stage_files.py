@@ -148,6 +148,26 @@ def test_missing_model_preset_and_duplicate_key(write, posttrain, tmp_path: Path
     )
 
 
+def test_keys_are_read_as_written_not_as_yaml_booleans_or_numbers(write, posttrain, tmp_path: Path) -> None:
+    """YAML 1.1 reads `on:` as True, `~:` as None and `3:` as 3; such keys crashed the config hash
+    (JSON cannot sort them beside names). Read as written, they are unknown keys at their lines."""
+    path = write(
+        "a.yaml",
+        HEADER,
+        """
+    on: 1
+    ~: 2
+    3: 3
+    """,
+    )
+    assert_user_error(
+        posttrain("plan", path, "--run-dir", tmp_path / "run"),
+        "a.yaml:3: on: unknown key",
+        "a.yaml:4: ~: unknown key",
+        "a.yaml:5: 3: unknown key",
+    )
+
+
 def test_qat_block_is_checked_by_the_qat_config(write, posttrain, tmp_path: Path) -> None:
     path = write(
         "a.yaml",
