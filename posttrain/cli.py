@@ -71,7 +71,8 @@ def _parser(command: str) -> argparse.ArgumentParser:
     parser = _Parser(prog=f"posttrain {command}", fromfile_prefix_chars="@")
     if command in ("run", "plan"):
         parser.add_argument("file", type=Path, help="stage file, e.g. stages/mopd.yaml")
-        parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)
+        # default=[]: argparse otherwise lists the optional KEY=VALUE among the missing arguments
+        parser.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE", help=OVERRIDES_HELP)
         parser.add_argument("--run-dir", type=Path, help="default: runs/<stem of FILE>")
     if command == "run":
         parser.add_argument(
@@ -367,6 +368,8 @@ def cmd_export(args: argparse.Namespace, console: Console) -> int:
 
 
 COMMANDS = {"run": cmd_run, "plan": cmd_plan, "status": cmd_status, "export": cmd_export}
+# The header over a command's user errors (status and export read no stage file).
+ERROR_TITLES = {"status": "cannot show the status", "export": "cannot export"}
 
 
 class Terminated(KeyboardInterrupt):
@@ -399,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[argv[0]](args, console)
     except ConfigError as exc:
-        print_config_error(errors, exc)
+        print_config_error(errors, exc, ERROR_TITLES.get(argv[0], "invalid stage configuration"))
         return 2
     except Terminated:
         errors.print("terminated; rerun the same command to resume", highlight=False)

@@ -31,6 +31,8 @@ def test_unknown_command_suggests_the_nearest(posttrain) -> None:
 def test_bad_flags_are_usage_errors(posttrain, tmp_path: Path) -> None:
     code, _, err = posttrain("run", tmp_path / "a.yaml", "--executor", "slurm")
     assert code == 2 and "invalid choice: 'slurm'" in err
+    code, _, err = posttrain("plan")  # the optional KEY=VALUE is not listed as missing
+    assert code == 2 and err.rstrip().endswith("the following arguments are required: file")
 
 
 def test_missing_stage_file_and_run_dir(posttrain, tmp_path: Path) -> None:
@@ -39,6 +41,7 @@ def test_missing_stage_file_and_run_dir(posttrain, tmp_path: Path) -> None:
     assert code == 2 and "mpod.yaml: stage file does not exist (did you mean 'mopd.yaml'?)" in err
     code, _, err = posttrain("status", tmp_path / "runs" / "nope")
     assert code == 2 and "run dir does not exist" in err
+    assert "cannot show the status" in err and "stage configuration" not in err
 
 
 def test_stage_flags_name_real_stages(posttrain, tmp_path: Path) -> None:
