@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import time
 from collections import defaultdict
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -155,8 +156,9 @@ def plot(pipeline: Pipeline, run_dir: Path, stem: str) -> Path | None:
     return path
 
 
-def write_report(pipeline: Pipeline, run_dir: Path) -> Path:
-    """Write DIR/report.md (and its plots) from the manifests and metrics.jsonl files."""
+def write_report(pipeline: Pipeline, run_dir: Path, blocked: Collection[str] = ()) -> Path:
+    """Write DIR/report.md (and its plots) from the manifests and metrics.jsonl files. `blocked`:
+    the stages this run did not start because a need failed (they have no manifest to say so)."""
     lines = [
         f"# Run report: {run_dir.name}",
         "",
@@ -169,8 +171,9 @@ def write_report(pipeline: Pipeline, run_dir: Path) -> Path:
     for sid, stage in pipeline.stages.items():
         manifest = read_manifest(stage_dir(run_dir, sid)) or {}
         seconds = manifest.get("run_seconds")
+        status = manifest.get("status", "blocked" if sid in blocked else "pending")
         lines.append(
-            f"| {sid} | {stage.kind} | {manifest.get('status', 'pending')} | {manifest.get('attempts', 0)} "
+            f"| {sid} | {stage.kind} | {status} | {manifest.get('attempts', 0)} "
             f"| {f'{seconds:.1f}' if seconds is not None else ''} | "
             f"{table_metrics(manifest.get('metrics', {}))} |"
         )

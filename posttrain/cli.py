@@ -289,7 +289,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
                 console.print(line, markup=False, highlight=False, soft_wrap=True)
         report = run_dir / REPORT
         if to_run or not report.exists():  # matplotlib costs seconds; a no-op rerun skips it
-            write_report(pipeline, run_dir)
+            write_report(pipeline, run_dir, [sid for sid, st in outcome.status.items() if st == "blocked"])
         console.print(
             f"report: {report}   log: {run_dir / RUN_LOG}", markup=False, highlight=False, soft_wrap=True
         )

@@ -166,9 +166,10 @@ def test_failed_stage_blocks_dependants_and_resumes_after_the_fix(write, posttra
     assert manifest(run, "a")["status"] == "done"
     failed = manifest(run, "f")
     assert failed["status"] == "failed" and failed["error"] == "RuntimeError: toy stage asked to fail"
-    assert failed["warnings"] == [] and "warning" not in out, "the failure is not also a warning"
+    assert failed["warnings"] == [] and "warning f:" not in out, "the failure is not also a warning"
     assert not (run / "f" / "model").exists() and not (run / "g").exists()
     assert "blocked" in out and "toy stage asked to fail" in out
+    assert "| g | toy-sum | blocked | 0 |" in (run / "report.md").read_text()
     assert "Traceback" in (run / "f" / "stage.log").read_text()
     assert plan_rows(posttrain("plan", dag, "--run-dir", run)[1]) == {
         "a": "done",
