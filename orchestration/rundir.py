@@ -28,7 +28,7 @@ from typing import Any
 
 from orchestration.pipeline import Pipeline, Stage
 from posttrain.checkpoint import CHECKPOINTS_DIR, latest_checkpoint_step
-from posttrain.files import atomic_write_text
+from posttrain.files import atomic_write_text, hash_tree, sha256_known
 
 MANIFEST = "manifest.json"
 LOCK = ".lock"
@@ -120,6 +120,8 @@ class StageState:
 
 # Prefix of an input that is a file the stage reads (its kind's `data_files`), not a need.
 DATA_FILE = "file:"
+# DIR/.data_stat.json: the size, mtime and sha256 of every data file last hashed for the run.
+DATA_STAT = ".data_stat.json"
 
 
 def input_hashes(pipeline: Pipeline, run_dir: Path, stage: Stage) -> dict[str, str | None]:
@@ -130,8 +132,14 @@ def input_hashes(pipeline: Pipeline, run_dir: Path, stage: Stage) -> dict[str, s
     for need in stage.needs:
         manifest = read_manifest(stage_dir(run_dir, need)) or {}
         out[need] = manifest.get("model_hash") if manifest.get("status") == "done" else None
-    for path in data_files(stage):
-        out[f"{DATA_FILE}{path}"] = content_hash(path)
+    paths = data_files(stage)
+    if paths:
+        known = read_json(run_dir / DATA_STAT) or {}
+        before = dict(known)
+        for path in paths:
+            out[f"{DATA_FILE}{path}"] = content_hash(path, known)
+        if known != before and run_dir.is_dir():  # `plan` of a run not started writes nothing
+            atomic_write_text(run_dir / DATA_STAT, json.dumps(known, indent=1, sort_keys=True))
     return out
 
 
@@ -146,11 +154,10 @@ def data_files(stage: Stage) -> list[Path]:
     return sorted(Path(p).resolve() for p in kind.data_files(kind.config.model_validate(stage.body)))
 
 
-def content_hash(path: Path) -> str:
-    """sha256 of a file's bytes, or of a directory's listing of its files' sha256."""
-    from posttrain.files import hash_tree, sha256_file
-
-    return hash_tree(path)[1] if path.is_dir() else sha256_file(path)
+def content_hash(path: Path, known: dict[str, list]) -> str:
+    """sha256 of a file's bytes, or of a directory's listing of its files' sha256; files whose size
+    and mtime are as `known` recorded them are not read again (posttrain.files.sha256_known)."""
+    return hash_tree(path, known)[1] if path.is_dir() else sha256_known(path, known)
 
 
 def changed_inputs(recorded: dict[str, str | None], current: dict[str, str | None]) -> list[str]:

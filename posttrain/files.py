@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -56,10 +57,29 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def hash_tree(directory: Path) -> tuple[dict[str, str], str]:
-    """({relative file: sha256}, digest of that listing) for a model dir."""
+RECENT_NS = 2_000_000_000
+
+
+def sha256_known(path: Path, known: dict[str, list]) -> str:
+    """`sha256_file(path)`, taken from `known` (absolute path -> [size, mtime_ns, sha256]) when the
+    file's size and mtime are as recorded there, else read and recorded: a data set of gigabytes is
+    not read again on every `plan` (trusting size and mtime, as `plan` trusts a model's files)."""
+    stat = path.stat()
+    entry = known.get(str(path))
+    if entry is not None and entry[:2] == [stat.st_size, stat.st_mtime_ns]:
+        return entry[2]
+    digest = sha256_file(path)
+    # A file written in the last seconds is not recorded: an edit of the same size within the
+    # filesystem's mtime resolution (a second on some) would otherwise keep its recorded digest.
+    if time.time_ns() - stat.st_mtime_ns > RECENT_NS:
+        known[str(path)] = [stat.st_size, stat.st_mtime_ns, digest]
+    return digest
+
+
+def hash_tree(directory: Path, known: dict[str, list] | None = None) -> tuple[dict[str, str], str]:
+    """({relative file: sha256}, digest of that listing) for a model dir; `known`: see sha256_known."""
     files = {
-        str(p.relative_to(directory)): sha256_file(p)
+        str(p.relative_to(directory)): sha256_file(p) if known is None else sha256_known(p, known)
         for p in sorted(Path(directory).rglob("*"))
         if p.is_file()
     }

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -127,6 +128,35 @@ def test_an_edited_data_file_makes_its_stage_stale(write, posttrain, tmp_path: P
     (run / "a" / "manifest.json").write_text(json.dumps({**a, "inputs": {}}))
     data.write_text("30")
     assert plan_rows(posttrain("plan", dag, "--run-dir", run)[1]) == {"a": "done", "b": "done"}
+
+
+def test_data_files_are_read_again_only_when_their_size_or_mtime_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`plan`, `status` and `run` hash a stage's data on every call: a file as recorded (size and
+    mtime) is not read again, a touched one is, and one written in the last seconds is not recorded
+    (a same-size edit within a coarse mtime could keep its old digest)."""
+    import posttrain.files as files
+    from orchestration.rundir import content_hash
+
+    data = tmp_path / "shards"
+    data.mkdir()
+    (data / "a.jsonl").write_text("one")
+    (data / "b.jsonl").write_text("two")
+    old = time.time_ns() - 10**10
+    for path in data.iterdir():
+        os.utime(path, ns=(old, old))
+    known: dict[str, list] = {}
+    digest = content_hash(data, known)
+    assert sorted(known) == [str(data / "a.jsonl"), str(data / "b.jsonl")]
+
+    read = []
+    real = files.sha256_file
+    monkeypatch.setattr(files, "sha256_file", lambda path: read.append(path.name) or real(path))
+    assert content_hash(data, known) == digest and read == []
+    (data / "b.jsonl").write_text("TWO")  # same size, new mtime (now): read, and not recorded
+    assert content_hash(data, known) != digest and read == ["b.jsonl"]
+    assert content_hash(data, known) != digest and read == ["b.jsonl", "b.jsonl"]
 
 
 def content_digest(path: Path) -> str:
