@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from posttrain.algos import group_advantages
 from posttrain.algos.policy_loss import PolicyLossConfig
@@ -160,12 +160,15 @@ class RLConfig(BaseModel):
     tokenizer: str | None = Field(None, description="tokenizer dir; null: the init model's")
     checkpoint_every: int = Field(1, gt=0, description="iterations between checkpoints")
 
-    @model_validator(mode="after")
-    def _domain_counts_usage(self) -> RLConfig:
-        # A custom domain needs budget.usage.<domain>: checked when the stage file is read.
-        if self.domain is not None:
-            self.budget.usage_kind(self.domain)
-        return self
+    @field_validator("budget")
+    @classmethod
+    def _domain_counts_usage(cls, budget: BudgetConfig, info: ValidationInfo) -> BudgetConfig:
+        # A custom domain needs budget.usage.<domain>: checked when the stage file is read, and
+        # reported at `budget:` (the key to edit), not at the top of the file.
+        domain = info.data.get("domain")
+        if domain is not None:
+            budget.usage_kind(domain)
+        return budget
 
     @model_validator(mode="after")
     def _one_logprob_kind_per_vllm_engine(self) -> RLConfig:
