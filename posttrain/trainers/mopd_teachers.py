@@ -137,6 +137,7 @@ class TeacherRoutingConfig(BaseModel):
     @field_validator("domains")
     @classmethod
     def _registered(cls, domains: list[str]) -> list[str]:
+        listed_once(domains, "domain", list(TEACHER_DOMAINS))
         for domain in domains:
             if domain not in TEACHER_DOMAINS:
                 raise ValueError(
@@ -149,6 +150,7 @@ class TeacherRoutingConfig(BaseModel):
     @field_validator("efforts")
     @classmethod
     def _known(cls, efforts: list[str]) -> list[str]:
+        listed_once(efforts, "effort", list(EFFORTS))
         if set(efforts) - set(EFFORTS):
             raise ValueError(f"{sorted(set(efforts) - set(EFFORTS))} are not efforts; use {list(EFFORTS)}")
         return efforts
@@ -195,6 +197,17 @@ class TeacherRoutingConfig(BaseModel):
     @classmethod
     def _backend(cls, engine: str) -> str:
         return registered_engine(engine)
+
+
+def listed_once(names: list[str], what: str, choices: list[str]) -> None:
+    """A list of the pairs' domains or efforts names at least one, each once: with none the stage
+    has nothing to distil, and a name listed twice would play its episodes twice under the same
+    uids (the same sampling noise), doubling their weight."""
+    if not names:
+        raise ValueError(f"no {what} listed; list at least one of {choices}")
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"{repeated} listed more than once; list each {what} once")
 
 
 # Routing ------------------------------------------------------------------------------------------

@@ -60,6 +60,15 @@ def test_a_pair_without_a_teacher_is_a_validation_error_naming_pair_and_fix():
         ({"efforts": ["medium"]}, "efforts", "['medium'] are not efforts; use ['low', 'high', 'max']"),
         ({"environments": {"math": {}}}, "environments", "['math'] are not in `domains`"),
         ({"environments": {"coding": {"reward": "genrm"}}}, "environments", "set reward: verifier"),
+        # nothing to distil, or a pair's episodes played twice under the same uids
+        ({"domains": [], "environments": {}}, "domains", "no domain listed; list at least one of"),
+        ({"efforts": []}, "efforts", "no effort listed; list at least one of ['low', 'high', 'max']"),
+        ({"domains": ["coding", "coding"]}, "domains", "['coding'] listed more than once"),
+        (
+            {"efforts": ["low", "max", "low"]},
+            "efforts",
+            "['low'] listed more than once; list each effort once",
+        ),
     ],
 )
 def test_other_routing_mistakes_are_validation_errors_at_their_key(keys, key, expected):
