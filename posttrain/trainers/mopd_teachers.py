@@ -126,12 +126,13 @@ class TeacherRoutingConfig(BaseModel):
     efforts: list[str] = Field(
         default_factory=lambda: list(EFFORTS), description="efforts each prompt is played at"
     )
+    # before `teachers`, whose check reads it
+    teacher_engine: str = Field("embedded", description="default teacher engine (an ENGINES name)")
     teachers: dict[str, TeacherConfig] = Field(
         default_factory=dict,
         validate_default=True,
         description="'<domain>-<effort>' -> teacher; other pairs use the domain's",
     )
-    teacher_engine: str = Field("embedded", description="default teacher engine (an ENGINES name)")
     max_teacher_retries: int = Field(2, ge=0, description="engine rebuilds per scoring call before failing")
 
     @field_validator("domains")
@@ -191,12 +192,39 @@ class TeacherRoutingConfig(BaseModel):
             check_model_reference(
                 declared or registered[effort], info, f"teacher of (domain {domain!r}, effort {effort!r})"
             )
+        default_engine = info.data.get("teacher_engine")
+        if default_engine is not None:  # else its own error is reported
+            check_servers(pairs, teachers, default_engine)
         return teachers
 
     @field_validator("teacher_engine")
     @classmethod
     def _backend(cls, engine: str) -> str:
         return registered_engine(engine)
+
+
+def check_servers(pairs: Mapping[str, Pair], teachers: Mapping[str, TeacherConfig], default: str) -> None:
+    """A trl_vllm teacher has its server's url, and only a trl_vllm teacher has one (another engine
+    would ignore it: the pair would be scored by a model other than the one the url serves)."""
+    without, unused = [], []
+    for key in pairs:
+        declared = teachers.get(key) or TeacherConfig()
+        engine = declared.engine or default
+        if engine == "trl_vllm" and not declared.url:
+            without.append(key)
+        elif engine != "trl_vllm" and declared.url:
+            unused.append(f"{key} (engine {engine})")
+    if without:
+        example = ", ".join(f"{key}: {{url: http://host:port}}" for key in without)
+        raise ValueError(
+            f"teachers {', '.join(without)} use engine trl_vllm without the url of their `trl vllm-serve` "
+            f"server; add `teachers: {{{example}}}`"
+        )
+    if unused:
+        raise ValueError(
+            f"teachers {', '.join(unused)} have a url, which only engine trl_vllm reads; set their "
+            "engine: trl_vllm or drop the url"
+        )
 
 
 def listed_once(names: list[str], what: str, choices: list[str]) -> None:
@@ -258,12 +286,7 @@ def route_teachers(cfg: TeacherRoutingConfig, inputs: Mapping[str, Path]) -> dic
                 inputs,
                 f"teacher of (domain {domain!r}, effort {effort!r})",
             )
-            engine = declared.engine or cfg.teacher_engine
-            if engine == "trl_vllm" and not declared.url:
-                raise TeacherRoutingError(
-                    f"teacher of (domain {domain!r}, effort {effort!r}) uses engine trl_vllm: give its "
-                    f"server, `teachers: {{{pair_name((domain, effort))}: {{url: http://host:port}}}}`"
-                )
+            engine = declared.engine or cfg.teacher_engine  # a trl_vllm one has its url (check_servers)
             routes[(domain, effort)] = Teacher(domain, effort, path, engine, declared.url)
     return routes
 

@@ -60,6 +60,24 @@ def test_a_pair_without_a_teacher_is_a_validation_error_naming_pair_and_fix():
         ({"efforts": ["medium"]}, "efforts", "['medium'] are not efforts; use ['low', 'high', 'max']"),
         ({"environments": {"math": {}}}, "environments", "['math'] are not in `domains`"),
         ({"environments": {"coding": {"reward": "genrm"}}}, "environments", "set reward: verifier"),
+        # a trl_vllm teacher needs its server's url (refused by plan, not when the stage starts)
+        (
+            {"teachers": {"general-high": {"engine": "trl_vllm"}}},
+            "teachers",
+            "teachers general-high use engine trl_vllm without the url of their `trl vllm-serve` server; "
+            "add `teachers: {general-high: {url: http://host:port}}`",
+        ),
+        (
+            {"teacher_engine": "trl_vllm", "domains": ["agent"], "efforts": ["low", "max"]},
+            "teachers",
+            "teachers agent-low, agent-max use engine trl_vllm without the url",
+        ),
+        # and only it: another engine would ignore the url and score with a different model
+        (
+            {"teachers": {"coding-max": {"url": "http://host:8000"}}},
+            "teachers",
+            "teachers coding-max (engine embedded) have a url, which only engine trl_vllm reads",
+        ),
         # nothing to distil, or a pair's episodes played twice under the same uids
         ({"domains": [], "environments": {}}, "domains", "no domain listed; list at least one of"),
         ({"efforts": []}, "efforts", "no effort listed; list at least one of ['low', 'high', 'max']"),
