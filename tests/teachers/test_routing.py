@@ -78,6 +78,17 @@ def test_a_pair_without_a_teacher_is_a_validation_error_naming_pair_and_fix():
             "teachers",
             "teachers coding-max (engine embedded) have a url, which only engine trl_vllm reads",
         ),
+        # what a domain's environment refused only when the stage built it (after every need ran)
+        (
+            {"environments": {"general": {"max_submissions": 2}}},
+            "environments",
+            "general: max_submissions is 2, but only the coding environment runs submissions",
+        ),
+        (
+            {"environments": {"agent": {"families": ["agent/order_totl"]}}},
+            "environments",
+            "agent: families: unknown task family 'agent/order_totl'; did you mean 'agent/order_total'?",
+        ),
         # nothing to distil, or a pair's episodes played twice under the same uids
         ({"domains": [], "environments": {}}, "domains", "no domain listed; list at least one of"),
         ({"efforts": []}, "efforts", "no effort listed; list at least one of ['low', 'high', 'max']"),
