@@ -297,7 +297,10 @@ def pydantic_issues(
             issues.append(Issue(where, "required key is missing", key=key_path(loc), line=line))
         else:
             got = err.get("input")
-            issues.append(Issue(where, f"{err['msg']} (got {got!r})", key=key_path(loc), line=line))
+            # A block's own check (a model or mapping validator) gets the whole block as input: its
+            # message says what is wrong, the line says where, and the block's text would bury both.
+            shown = "" if isinstance(got, dict) else f" (got {got!r})"
+            issues.append(Issue(where, f"{err['msg']}{shown}", key=key_path(loc), line=line))
     return issues
 
 

@@ -30,12 +30,13 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from posttrain.data.sample import Sample
 from posttrain.engines.base import Engine
 from posttrain.envs.environments import TRUNCATED, Environment
 from posttrain.envs.tasks import TASK_FAMILIES
+from posttrain.registry import RegistryError
 from posttrain.stats import mean_standard_error, paired_standard_error
 
 if TYPE_CHECKING:
@@ -51,6 +52,22 @@ class EvalSubset(BaseModel):
     families: list[str] = Field(min_length=1, description="task families of one domain, each offered there")
     prompts: int = Field(96, gt=0, description="held-out prompts of these families, in turn")
     samples_per_prompt: int = Field(1, gt=0, description="episodes per prompt")
+
+    @field_validator("families")
+    @classmethod
+    def _of_one_domain(cls, families: list[str]) -> list[str]:
+        # Checked when the stage file is read: an unknown family stopped the stage at its start with
+        # a KeyError, after its model and cold start were loaded.
+        try:
+            domains = {TASK_FAMILIES.get(family).domain for family in families}
+        except RegistryError as error:
+            raise ValueError(str(error)) from None
+        if len(domains) > 1:
+            raise ValueError(
+                f"its families belong to the domains {sorted(domains)}; a subset is evaluated by one "
+                "domain's stages, so split it into one subset per domain"
+            )
+        return families
 
 
 class EvalConfig(BaseModel):
@@ -76,17 +93,12 @@ class EvalConfig(BaseModel):
 
 
 def domain_subsets(cfg: EvalConfig, env: Environment) -> dict[str, EvalSubset]:
-    """The subsets `env`'s stages play: those whose families belong to its domain. A subset whose
-    families span domains, or name one the environment does not offer, is a config error."""
+    """The subsets `env`'s stages play: those whose families belong to its domain (a subset's
+    families are of one domain, `EvalSubset`). A subset naming a family the environment does not
+    offer is a config error."""
     out = {}
     for name, subset in cfg.subsets.items():
-        domains = {TASK_FAMILIES.get(family).domain for family in subset.families}
-        if len(domains) > 1:
-            raise ValueError(
-                f"eval.subsets.{name}: its families belong to the domains {sorted(domains)}; a subset "
-                "is evaluated by one domain's stages, so split it into one subset per domain"
-            )
-        if env.domain not in domains:
+        if TASK_FAMILIES.get(subset.families[0]).domain != env.domain:  # one domain's (EvalSubset)
             continue
         missing = [family for family in subset.families if family not in env.family_names]
         if missing:

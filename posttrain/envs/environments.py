@@ -44,7 +44,7 @@ from posttrain.envs.sandbox import Sandbox
 from posttrain.envs.tasks import TASK_FAMILIES, Episode, TaskFamily
 from posttrain.envs.tools import TOOLS, Tool, make_tools
 from posttrain.files import remove_tree
-from posttrain.registry import Registry
+from posttrain.registry import Registry, RegistryError
 from posttrain.rewards.genrm import GenRM
 
 # Sample.metrics keys an environment maintains (JSON-safe floats, so they survive a checkpoint).
@@ -157,26 +157,38 @@ class Environment:
                 f"the {self.domain} environment has reward: genrm but no judge; add a `genrm:` block "
                 "(judge model and rubric) to the stage file, or set reward: verifier"
             )
-        if self.config.max_submissions > 1 and not self.submits:
-            raise ValueError(
-                f"max_submissions is {self.config.max_submissions}, but only the coding environment runs "
-                f"submissions against hidden tests; the {self.domain} environment scores its final state once"
-            )
+        self.check_config(self.config)
         self.judge = judge
-        self._families: dict[str, TaskFamily] = {}
-        for name in self.family_names:
-            family = TASK_FAMILIES.get(name)()
-            if family.domain != self.domain:
-                raise ValueError(
-                    f"task family {name!r} belongs to domain {family.domain!r}, not {self.domain!r}; "
-                    f"list it under the {family.domain} environment"
-                )
-            self._families[name] = family
+        self._families: dict[str, TaskFamily] = {
+            name: TASK_FAMILIES.get(name)() for name in self.family_names
+        }
         self.sandboxes = SandboxPool(
             sandbox_dir or Path(tempfile.mkdtemp(prefix=f"rl-{self.domain}-sandboxes-")),
             max_idle=POOLED_SANDBOXES,
             **SANDBOX_LIMITS,
         )
+
+    @classmethod
+    def check_config(cls, config: EnvironmentConfig) -> None:
+        """Raise ValueError naming the key when `config` asks for what this environment cannot
+        play: the rl and mopd kinds' schemas call it when a stage file is read (so `plan` reports
+        it, not the stage's start after its needs have run), and __init__ again."""
+        if config.max_submissions > 1 and not cls.submits:
+            raise ValueError(
+                f"{cls.domain}: max_submissions is {config.max_submissions}, but only the coding environment "
+                f"runs submissions against hidden tests; the {cls.domain} environment scores its final state "
+                "once"
+            )
+        for name in config.families:
+            try:
+                family = TASK_FAMILIES.get(name)
+            except RegistryError as error:  # a KeyError, which a schema would not report as a mistake
+                raise ValueError(f"{cls.domain}: families: {error}") from None
+            if family.domain != cls.domain:
+                raise ValueError(
+                    f"{cls.domain}: task family {name!r} belongs to domain {family.domain!r}, not "
+                    f"{cls.domain!r}; list it under the {family.domain} environment"
+                )
 
     @property
     def family_names(self) -> list[str]:

@@ -37,8 +37,9 @@ from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from posttrain.config.errors import did_you_mean
 from posttrain.data.chat import ChatRenderer
 from posttrain.data.sample import EFFORTS, Sample
 from posttrain.engines.base import Engine
@@ -121,12 +122,26 @@ class BudgetConfig(BaseModel):
         None, description="b0 cache shared by the nine runs; null: DIR/budget_cache"
     )
 
+    @field_validator("usage")
+    @classmethod
+    def _over_the_shipped_domains(cls, usage: dict[str, UsageKind]) -> dict[str, UsageKind]:
+        # A custom domain's rule is added to the shipped domains' counting, not put in its place:
+        # an rl.yaml whose matrix adds `math` beside general, agent and coding writes only
+        # `usage: {math: thinking}`, and its agent and coding stages must still count output.
+        return {**DEFAULT_USAGE, **usage}
+
     @model_validator(mode="after")
     def _efforts_ordered(self) -> BudgetConfig:
         if set(self.tau) != set(EFFORTS):
             raise ValueError(f"tau must have exactly the efforts {list(EFFORTS)}; got {sorted(self.tau)}")
         tables = {"tau": self.tau}
         for domain, table in self.tau_by_domain.items():
+            if domain not in self.usage:  # a misspelled domain would leave its runs on `tau`, silently
+                raise ValueError(
+                    f"tau_by_domain.{domain}: {domain!r} is not a domain with budget usage counting "
+                    f"({', '.join(sorted(self.usage))}); "
+                    + (did_you_mean(domain, self.usage) or f"add budget.usage.{domain} for a custom domain")
+                )
             unknown = sorted(set(table) - set(EFFORTS))
             if unknown:
                 raise ValueError(

@@ -183,6 +183,8 @@ class MOPDConfig(TeacherRoutingConfig):
             raise ValueError(f"{unknown} are not in `domains`")
         if any(env.reward != "verifier" for env in environments.values()):
             raise ValueError("MOPD measures accuracy with each domain's verifier; set reward: verifier")
+        for domain, env in environments.items():  # domains were checked registered before
+            TEACHER_DOMAINS.get(domain).environment.check_config(env)
         return environments
 
     def environment_of(self, domain: str) -> EnvironmentConfig:

@@ -126,17 +126,19 @@ class TeacherRoutingConfig(BaseModel):
     efforts: list[str] = Field(
         default_factory=lambda: list(EFFORTS), description="efforts each prompt is played at"
     )
+    # before `teachers`, whose check reads it
+    teacher_engine: str = Field("embedded", description="default teacher engine (an ENGINES name)")
     teachers: dict[str, TeacherConfig] = Field(
         default_factory=dict,
         validate_default=True,
         description="'<domain>-<effort>' -> teacher; other pairs use the domain's",
     )
-    teacher_engine: str = Field("embedded", description="default teacher engine (an ENGINES name)")
     max_teacher_retries: int = Field(2, ge=0, description="engine rebuilds per scoring call before failing")
 
     @field_validator("domains")
     @classmethod
     def _registered(cls, domains: list[str]) -> list[str]:
+        listed_once(domains, "domain", list(TEACHER_DOMAINS))
         for domain in domains:
             if domain not in TEACHER_DOMAINS:
                 raise ValueError(
@@ -149,6 +151,7 @@ class TeacherRoutingConfig(BaseModel):
     @field_validator("efforts")
     @classmethod
     def _known(cls, efforts: list[str]) -> list[str]:
+        listed_once(efforts, "effort", list(EFFORTS))
         if set(efforts) - set(EFFORTS):
             raise ValueError(f"{sorted(set(efforts) - set(EFFORTS))} are not efforts; use {list(EFFORTS)}")
         return efforts
@@ -189,12 +192,50 @@ class TeacherRoutingConfig(BaseModel):
             check_model_reference(
                 declared or registered[effort], info, f"teacher of (domain {domain!r}, effort {effort!r})"
             )
+        default_engine = info.data.get("teacher_engine")
+        if default_engine is not None:  # else its own error is reported
+            check_servers(pairs, teachers, default_engine)
         return teachers
 
     @field_validator("teacher_engine")
     @classmethod
     def _backend(cls, engine: str) -> str:
         return registered_engine(engine)
+
+
+def check_servers(pairs: Mapping[str, Pair], teachers: Mapping[str, TeacherConfig], default: str) -> None:
+    """A trl_vllm teacher has its server's url, and only a trl_vllm teacher has one (another engine
+    would ignore it: the pair would be scored by a model other than the one the url serves)."""
+    without, unused = [], []
+    for key in pairs:
+        declared = teachers.get(key) or TeacherConfig()
+        engine = declared.engine or default
+        if engine == "trl_vllm" and not declared.url:
+            without.append(key)
+        elif engine != "trl_vllm" and declared.url:
+            unused.append(f"{key} (engine {engine})")
+    if without:
+        example = ", ".join(f"{key}: {{url: http://host:port}}" for key in without)
+        raise ValueError(
+            f"teachers {', '.join(without)} use engine trl_vllm without the url of their `trl vllm-serve` "
+            f"server; add `teachers: {{{example}}}`"
+        )
+    if unused:
+        raise ValueError(
+            f"teachers {', '.join(unused)} have a url, which only engine trl_vllm reads; set their "
+            "engine: trl_vllm or drop the url"
+        )
+
+
+def listed_once(names: list[str], what: str, choices: list[str]) -> None:
+    """A list of the pairs' domains or efforts names at least one, each once: with none the stage
+    has nothing to distil, and a name listed twice would play its episodes twice under the same
+    uids (the same sampling noise), doubling their weight."""
+    if not names:
+        raise ValueError(f"no {what} listed; list at least one of {choices}")
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"{repeated} listed more than once; list each {what} once")
 
 
 # Routing ------------------------------------------------------------------------------------------
@@ -245,12 +286,7 @@ def route_teachers(cfg: TeacherRoutingConfig, inputs: Mapping[str, Path]) -> dic
                 inputs,
                 f"teacher of (domain {domain!r}, effort {effort!r})",
             )
-            engine = declared.engine or cfg.teacher_engine
-            if engine == "trl_vllm" and not declared.url:
-                raise TeacherRoutingError(
-                    f"teacher of (domain {domain!r}, effort {effort!r}) uses engine trl_vllm: give its "
-                    f"server, `teachers: {{{pair_name((domain, effort))}: {{url: http://host:port}}}}`"
-                )
+            engine = declared.engine or cfg.teacher_engine  # a trl_vllm one has its url (check_servers)
             routes[(domain, effort)] = Teacher(domain, effort, path, engine, declared.url)
     return routes
 

@@ -36,10 +36,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from posttrain.algos import group_advantages
 from posttrain.algos.policy_loss import PolicyLossConfig
+from posttrain.config.errors import did_you_mean
 from posttrain.data.chat import ChatRenderer, load_tokenizer
 from posttrain.data.sample import DOMAINS, EFFORTS, Sample
 from posttrain.engines import Engine
@@ -52,7 +53,7 @@ from posttrain.envs.env_eval import (
     paired_changes,
     subset_config,
 )
-from posttrain.envs.environments import Environment, EnvironmentConfig, make_environment
+from posttrain.envs.environments import ENVIRONMENTS, Environment, EnvironmentConfig, make_environment
 from posttrain.files import atomic_write_text, remove_tree
 from posttrain.rewards.budget import BudgetConfig, base_budgets, model_digest, trajectory_rewards
 from posttrain.rewards.genrm import GenRM, GenRMConfig, stage_judge
@@ -160,12 +161,33 @@ class RLConfig(BaseModel):
     tokenizer: str | None = Field(None, description="tokenizer dir; null: the init model's")
     checkpoint_every: int = Field(1, gt=0, description="iterations between checkpoints")
 
-    @model_validator(mode="after")
-    def _domain_counts_usage(self) -> RLConfig:
-        # A custom domain needs budget.usage.<domain>: checked when the stage file is read.
-        if self.domain is not None:
-            self.budget.usage_kind(self.domain)
-        return self
+    @field_validator("domain")
+    @classmethod
+    def _domain_has_an_environment(cls, domain: str | None) -> str | None:
+        if domain is not None:
+            registered_domain(domain)
+        return domain
+
+    @field_validator("environments")
+    @classmethod
+    def _playable(cls, environments: dict[str, EnvironmentConfig], info: ValidationInfo) -> dict:
+        # A key that is no domain would be ignored by every stage of the matrix, its settings lost.
+        for name in environments:
+            registered_domain(name)
+        domain = info.data.get("domain")
+        if domain in environments:  # the stage's own domain; a matrix's other stages check theirs
+            ENVIRONMENTS.get(domain).check_config(environments[domain])
+        return environments
+
+    @field_validator("budget")
+    @classmethod
+    def _domain_counts_usage(cls, budget: BudgetConfig, info: ValidationInfo) -> BudgetConfig:
+        # A custom domain needs budget.usage.<domain>: checked when the stage file is read, and
+        # reported at `budget:` (the key to edit), not at the top of the file.
+        domain = info.data.get("domain")
+        if domain is not None:
+            budget.usage_kind(domain)
+        return budget
 
     @model_validator(mode="after")
     def _one_logprob_kind_per_vllm_engine(self) -> RLConfig:
@@ -182,6 +204,18 @@ class RLConfig(BaseModel):
                 "set it to one of those, or use rollout.engine: embedded"
             )
         return self
+
+
+def registered_domain(name: str) -> None:
+    """Raise ValueError unless `name` is a domain with a registered environment."""
+    if name not in ENVIRONMENTS:
+        raise ValueError(
+            f"{name!r} is not a domain with a registered environment ({', '.join(ENVIRONMENTS)}); "
+            + (
+                did_you_mean(name, ENVIRONMENTS)
+                or "register its environment in a plug-in listed under `plugins:`"
+            )
+        )
 
 
 # Setup -----------------------------------------------------------------------------------------

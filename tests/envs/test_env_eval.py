@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from pydantic import ValidationError
 
 from posttrain.envs.env_eval import (
     eval_family,
@@ -166,9 +167,11 @@ def test_eval_subsets_are_played_by_their_domain_and_bad_ones_name_the_fix(rende
         assert (settings.samples_per_prompt, settings.temperature, settings.subsets) == (3, 0.6, {})
         with pytest.raises(ValueError, match=r"\['general/visual'\] are not among the offered families"):
             env.prompts("eval", 2, 0, families=["general/visual"])
-        mixed = EvalConfig(subsets={"both": {"families": ["general/lookup", "agent/order_cost"]}})
-        with pytest.raises(ValueError, match="eval.subsets.both: .*split it into one subset per domain"):
-            domain_subsets(mixed, env)
+        # a subset spanning domains, or naming no family, is refused with the stage file (plan)
+        with pytest.raises(ValidationError, match=r"subsets.both.families\n.*split it into one subset per"):
+            EvalConfig(subsets={"both": {"families": ["general/lookup", "agent/order_cost"]}})
+        with pytest.raises(ValidationError, match="unknown task family 'general/lookpu'; did you mean"):
+            EvalConfig(subsets={"typo": {"families": ["general/lookpu"]}})
         visual = EvalConfig(subsets={"visual": {"families": ["general/visual"]}})  # opt-in, not offered
         with pytest.raises(
             ValueError, match="eval.subsets.visual: .*list them under environments.general.families"

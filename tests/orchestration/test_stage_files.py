@@ -477,3 +477,23 @@ def test_sft_recipe_files_that_exist_plan(write, tmp_path: Path, monkeypatch: py
         "./hub_copy:test",
         "owner/name:train",
     ]
+
+
+def test_a_block_check_names_its_key_without_printing_the_block(tmp_path: Path) -> None:
+    """A model or mapping validator's error (here: an rl stage's custom domain without budget usage
+    counting, MOPD environments of domains it does not train) is located at the key to edit and
+    does not repeat the whole block (it printed the stage's entire body after `got`)."""
+    stages = tmp_path / "stages"
+    shutil.copytree(REPO / "stages", stages)
+    shipped = (stages / "rl.yaml").read_text().splitlines()
+    budget_line = shipped.index("budget:") + 1
+    with pytest.raises(ConfigError) as caught:
+        load_pipeline(stages / "mopd.yaml", ["rl-general-low.domain=math", "mopd.domains=[general]"])
+    messages = [str(issue) for issue in caught.value.issues]
+    assert any(
+        m.startswith(f"{stages / 'rl.yaml'}:{budget_line}: budget: ")
+        and "domain 'math' has no budget usage counting" in m
+        for m in messages
+    ), messages
+    assert any("environments: " in m and "['agent', 'coding'] are not in `domains`" in m for m in messages)
+    assert not any("(got {" in m for m in messages), messages

@@ -158,3 +158,25 @@ def test_estimate_base_budget_from_cold_start_samples():
     samples[1].group = "other"
     with pytest.raises(ValueError, match="must share a group"):
         estimate_base_budget(samples, [True, True], BudgetConfig(), (THINK, END_THINK))
+
+
+def test_a_custom_domains_usage_is_added_to_the_shipped_domains():
+    # rl.yaml with math in its matrix writes only math's rule (docs/mopd.md): agent and coding
+    # must still count output tokens, general thinking ones
+    cfg = BudgetConfig(usage={"math": "thinking"})
+    assert cfg.usage_kind("math") == "thinking" and cfg.usage_kind("general") == "thinking"
+    assert cfg.usage_kind("coding") == cfg.usage_kind("agent") == "output"
+    # a shipped domain's rule can still be changed
+    assert BudgetConfig(usage={"agent": "thinking"}).usage_kind("agent") == "thinking"
+
+
+def test_tau_by_domain_names_a_domain_with_usage_counting():
+    # a misspelled domain would leave agent's runs on the general tau, silently
+    misspelled = r"tau_by_domain.agnet: 'agnet' is not a domain .* did you mean 'agent'"
+    with pytest.raises(ValidationError, match=misspelled):
+        BudgetConfig(tau_by_domain={"agnet": {"low": {"tau_start": 1.2, "tau_end": 1.2}}})
+    with pytest.raises(ValidationError, match=r"add budget.usage.math for a custom domain"):
+        BudgetConfig(tau_by_domain={"math": {"low": {"tau_start": 0.5, "tau_end": 0.3}}})
+    low = {"low": {"tau_start": 0.5, "tau_end": 0.3}}
+    custom = {"usage": {"math": "thinking"}, "tau_by_domain": {"math": low}}
+    assert BudgetConfig.model_validate(custom).for_domain("math").tau["low"].tau_end == 0.3

@@ -36,14 +36,16 @@ def test_an_rl_stage_of_a_new_domain_without_budget_usage_fails_at_plan(tmp_path
     """Found when the stage files are read, not after three RL stages failed at run time."""
     from pathlib import Path
 
-    shipped = (Path(__file__).resolve().parents[2] / "stages" / "rl.yaml").read_text()
+    repo = Path(__file__).resolve().parents[2]
+    shipped = (repo / "stages" / "rl.yaml").read_text()
     stage = tmp_path / "rl.yaml"
+    # a domain whose environment a plug-in registers (an unregistered one is refused before this)
     stage.write_text(
-        shipped.replace("needs: [sft.yaml]\n", "")
-        .replace("domain: [general, agent, coding]", "domain: [missing-two]")
+        shipped.replace("needs: [sft.yaml]\n", f"plugins: ['{repo / 'examples' / 'math_domain.py'}']\n")
+        .replace("domain: [general, agent, coding]", "domain: [math]")
         .replace("init: sft ", "init: /nowhere ")
     )
     code, out, err = posttrain("plan", stage)
     assert code == 2
-    assert "domain 'missing-two' has no budget usage counting" in err
-    assert "budget: {usage: {missing-two: thinking}}" in err
+    assert "domain 'math' has no budget usage counting" in err
+    assert "budget: {usage: {math: thinking}}" in err

@@ -60,6 +60,44 @@ def test_a_pair_without_a_teacher_is_a_validation_error_naming_pair_and_fix():
         ({"efforts": ["medium"]}, "efforts", "['medium'] are not efforts; use ['low', 'high', 'max']"),
         ({"environments": {"math": {}}}, "environments", "['math'] are not in `domains`"),
         ({"environments": {"coding": {"reward": "genrm"}}}, "environments", "set reward: verifier"),
+        # a trl_vllm teacher needs its server's url (refused by plan, not when the stage starts)
+        (
+            {"teachers": {"general-high": {"engine": "trl_vllm"}}},
+            "teachers",
+            "teachers general-high use engine trl_vllm without the url of their `trl vllm-serve` server; "
+            "add `teachers: {general-high: {url: http://host:port}}`",
+        ),
+        (
+            {"teacher_engine": "trl_vllm", "domains": ["agent"], "efforts": ["low", "max"]},
+            "teachers",
+            "teachers agent-low, agent-max use engine trl_vllm without the url",
+        ),
+        # and only it: another engine would ignore the url and score with a different model
+        (
+            {"teachers": {"coding-max": {"url": "http://host:8000"}}},
+            "teachers",
+            "teachers coding-max (engine embedded) have a url, which only engine trl_vllm reads",
+        ),
+        # what a domain's environment refused only when the stage built it (after every need ran)
+        (
+            {"environments": {"general": {"max_submissions": 2}}},
+            "environments",
+            "general: max_submissions is 2, but only the coding environment runs submissions",
+        ),
+        (
+            {"environments": {"agent": {"families": ["agent/order_totl"]}}},
+            "environments",
+            "agent: families: unknown task family 'agent/order_totl'; did you mean 'agent/order_total'?",
+        ),
+        # nothing to distil, or a pair's episodes played twice under the same uids
+        ({"domains": [], "environments": {}}, "domains", "no domain listed; list at least one of"),
+        ({"efforts": []}, "efforts", "no effort listed; list at least one of ['low', 'high', 'max']"),
+        ({"domains": ["coding", "coding"]}, "domains", "['coding'] listed more than once"),
+        (
+            {"efforts": ["low", "max", "low"]},
+            "efforts",
+            "['low'] listed more than once; list each effort once",
+        ),
     ],
 )
 def test_other_routing_mistakes_are_validation_errors_at_their_key(keys, key, expected):

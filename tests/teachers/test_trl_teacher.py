@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from posttrain.engines.testing import build_tiny_llama, start_trl_server
-from posttrain.trainers.mopd_teachers import TeacherRoutingError
 
 pytestmark = pytest.mark.vllm
 
@@ -59,16 +58,3 @@ def test_a_trl_vllm_serve_teacher_distils_as_the_same_teacher_in_process(
     assert trl["kl_tokens_before"] == reference["kl_tokens_before"] > 0
     assert trl["kl_after"] == pytest.approx(reference["kl_after"], abs=1e-2)
     assert abs(trl["kl_before"]) > 0.01  # a teacher unlike the student: the estimate is not trivially 0
-
-
-def test_a_trl_vllm_teacher_without_a_url_is_an_error_naming_the_key(
-    teacher_dir, tiny_dirs, stage_runner, tmp_path
-):
-    ctx = stage_runner.context(
-        "mopd",
-        tmp_path,
-        body({"model": str(teacher_dir), "engine": "trl_vllm"}),
-        inputs={"sft": tiny_dirs["student"]},
-    )
-    with pytest.raises(TeacherRoutingError, match=r"teachers: \{general-high: \{url: http://host:port\}\}"):
-        stage_runner.run(ctx)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from pydantic import ValidationError
 from safetensors.torch import load_file
 
 from posttrain.data.sample import Sample
@@ -63,6 +64,40 @@ def make_ctx(stage_runner, sft_dir) -> Callable[..., StageContext]:
         )
 
     return make
+
+
+@pytest.mark.parametrize(
+    ("keys", "key", "expected"),
+    [
+        ({"domain": "genral"}, "domain", "'genral' is not a domain with a registered environment"),
+        # a key that is no domain was ignored by every stage of the matrix
+        ({"environments": {"agnet": {"max_turns": 2}}}, "environments", "did you mean 'agent'?"),
+        # what the domain's environment refused only when the stage built it, after loading its model
+        (
+            {"domain": "general", "environments": {"general": {"families": ["general/lookpu"]}}},
+            "environments",
+            "general: families: unknown task family 'general/lookpu'; did you mean 'general/lookup'?",
+        ),
+        (
+            {"domain": "general", "environments": {"general": {"families": ["coding/fix_function"]}}},
+            "environments",
+            "task family 'coding/fix_function' belongs to domain 'coding', not 'general'",
+        ),
+        (
+            {"domain": "agent", "environments": {"agent": {"max_submissions": 2}}},
+            "environments",
+            "agent: max_submissions is 2, but only the coding environment runs submissions",
+        ),
+    ],
+)
+def test_environment_mistakes_are_validation_errors_at_their_key(keys, key, expected):
+    with pytest.raises(ValidationError) as error:
+        RLConfig.model_validate({"train": {"steps": 1}, **keys})
+    (detail,) = error.value.errors()
+    assert ".".join(str(part) for part in detail["loc"]) == key and expected in detail["msg"]
+    # another domain's stage of the same matrix checks only its own environment
+    if "domain" in keys and key == "environments":
+        RLConfig.model_validate({"train": {"steps": 1}, **keys, "domain": "coding"})
 
 
 def test_budget_reward_is_minus_one_over_tau_times_b0_and_tau_anneals(renderer):
