@@ -24,7 +24,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 
 from posttrain.model.balancing import update_router_bias
 from posttrain.model.cache import KimiK3Cache
-from posttrain.model.checkpoint_layout import check_packed_experts
+from posttrain.model.checkpoint_layout import check_k3_weights
 from posttrain.model.configuration_kimi_k3 import KimiK3Config
 from posttrain.model.kda import KimiK3DeltaAttention, ShortConvolution
 from posttrain.model.mla import KimiK3MLAAttention, build_mla_mask
@@ -139,21 +139,33 @@ class KimiK3PreTrainedModel(PreTrainedModel):
         names, per-expert or MXFP4-packed experts, one file or shards), but a checkpoint that leaves
         a weight missing or brings one the model does not have is a ValueError naming the tensors
         (transformers would only warn and leave missing weights randomly initialised)."""
-        if Path(str(pretrained_model_name_or_path)).is_dir():
-            check_packed_experts(pretrained_model_name_or_path)
+        directory = Path(str(pretrained_model_name_or_path))
+        if directory.is_dir():
+            config = kwargs.get("config")
+            if not isinstance(config, KimiK3Config):
+                # name_or_path, as AutoConfig passes it: a config error names the file
+                config = KimiK3Config.from_pretrained(directory, name_or_path=str(directory))
+            check_k3_weights(directory, config)
         wants_info = kwargs.pop("output_loading_info", False)
+        # Mismatched shapes are reported in `info` and raised below with the tensors' names; left
+        # False, transformers raises a RuntimeError pointing at a report it logged elsewhere.
+        kwargs.setdefault("ignore_mismatched_sizes", True)
         model, info = super().from_pretrained(
             pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs
         )
         tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
         missing = sorted(set(info["missing_keys"]) - tied)
         unexpected = sorted(info["unexpected_keys"])
-        if missing or unexpected or info["mismatched_keys"]:
+        mismatched = [
+            f"{name} {list(stored)} (config.json: {list(built)})"
+            for name, stored, built in sorted(info["mismatched_keys"])
+        ]
+        if missing or unexpected or mismatched:
             raise ValueError(
                 f"{pretrained_model_name_or_path}: the checkpoint does not match {cls.__name__} built from "
-                f"its config.json: missing {missing[:8]}, unexpected {unexpected[:8]}, mismatched shapes "
-                f"{sorted(info['mismatched_keys'])[:8]} (first 8 of each, {len(missing)} missing in all). "
-                "Is config.json the one these weights were saved with?"
+                f"its config.json: missing {missing[:8]}, unexpected {unexpected[:8]}, shapes stored "
+                f"{mismatched[:8]} (first 8 of each; {len(missing)} missing, {len(mismatched)} mismatched "
+                "in all). Is config.json the one these weights were saved with?"
             )
         return (model, info) if wants_info else model
 

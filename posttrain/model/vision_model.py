@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers import initialization as init
@@ -37,6 +36,7 @@ from posttrain.model.released import (
 )
 from posttrain.model.vision import KimiK3MultiModalProjector, MoonViTPosEmb, MoonViTV2
 from posttrain.model.vision_config import KimiK3VisionConfig
+from posttrain.weight_files import weight_headers
 
 IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"
 
@@ -190,11 +190,8 @@ def has_vision_weights(model_dir: str | Path) -> bool:
     """Whether a checkpoint directory holds vision-tower tensors, read from the safetensors headers
     only. A text model's directory has a `vision_config` header too (vLLM's parser needs one) but
     no `vision_tower.*` tensors."""
-    for file in sorted(Path(model_dir).glob("*.safetensors")):
-        with safe_open(str(file), "pt") as f:
-            if any(name.startswith("vision_tower.") for name in f.keys()):
-                return True
-    return False
+    headers = weight_headers(model_dir).values()
+    return any(name.startswith("vision_tower.") for header in headers for name in header)
 
 
 def sees_images(model_dir: str | Path) -> bool:
