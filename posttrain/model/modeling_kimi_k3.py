@@ -121,31 +121,25 @@ class KimiK3DecoderLayer(nn.Module):
         return (partial + self.feed_forward(mixed, ctx), *blocks)
 
 
-class KimiK3PreTrainedModel(PreTrainedModel):
-    config: KimiK3Config
-    config_class = KimiK3Config
-    base_model_prefix = "model"
-    supports_gradient_checkpointing = True
-    _no_split_modules = ["KimiK3DecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
-    _is_stateful = True
-    _supports_sdpa = True
-    # A released checkpoint's vision tower and projector: the text model has no module for them.
-    _keys_to_ignore_on_load_unexpected = [r"^vision_tower\.", r"^mm_projector\."]
+class StrictLoading:
+    """`from_pretrained` for the K3 models (text and multimodal) that refuses a checkpoint it cannot
+    load whole, instead of transformers' warning. Listed before PreTrainedModel in the bases."""
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         """transformers' from_pretrained (any layout `checkpoint_layout` maps: flat or released
         names, per-expert or MXFP4-packed experts, one file or shards), but a checkpoint that leaves
-        a weight missing or brings one the model does not have is a ValueError naming the tensors
-        (transformers would only warn and leave missing weights randomly initialised)."""
+        a weight missing, brings one the model does not have or holds one of another shape is a
+        ValueError naming the tensors (transformers would only warn and leave missing weights
+        randomly initialised); the weight files are checked from their headers first
+        (`check_k3_weights`, against the text config)."""
         directory = Path(str(pretrained_model_name_or_path))
         if directory.is_dir():
             config = kwargs.get("config")
-            if not isinstance(config, KimiK3Config):
+            if not isinstance(config, cls.config_class):
                 # name_or_path, as AutoConfig passes it: a config error names the file
-                config = KimiK3Config.from_pretrained(directory, name_or_path=str(directory))
-            check_k3_weights(directory, config)
+                config = cls.config_class.from_pretrained(directory, name_or_path=str(directory))
+            check_k3_weights(directory, getattr(config, "text_config", config))
         wants_info = kwargs.pop("output_loading_info", False)
         # Mismatched shapes are reported in `info` and raised below with the tensors' names; left
         # False, transformers raises a RuntimeError pointing at a report it logged elsewhere.
@@ -153,8 +147,12 @@ class KimiK3PreTrainedModel(PreTrainedModel):
         model, info = super().from_pretrained(
             pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs
         )
-        tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
-        missing = sorted(set(info["missing_keys"]) - tied)
+        text = getattr(model.config, "text_config", model.config)
+        missing = sorted(
+            name
+            for name in info["missing_keys"]
+            if not (text.tie_word_embeddings and name.endswith("lm_head.weight"))  # the embedding
+        )
         unexpected = sorted(info["unexpected_keys"])
         mismatched = [
             f"{name} {list(stored)} (config.json: {list(built)})"
@@ -168,6 +166,19 @@ class KimiK3PreTrainedModel(PreTrainedModel):
                 "in all). Is config.json the one these weights were saved with?"
             )
         return (model, info) if wants_info else model
+
+
+class KimiK3PreTrainedModel(StrictLoading, PreTrainedModel):
+    config: KimiK3Config
+    config_class = KimiK3Config
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["KimiK3DecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _is_stateful = True
+    _supports_sdpa = True
+    # A released checkpoint's vision tower and projector: the text model has no module for them.
+    _keys_to_ignore_on_load_unexpected = [r"^vision_tower\.", r"^mm_projector\."]
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

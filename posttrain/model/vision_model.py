@@ -28,7 +28,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from posttrain.data.images import MediaItem, MoonViTImageProcessor
 from posttrain.files import new_dir
 from posttrain.model.configuration_kimi_k3 import KimiK3Config
-from posttrain.model.modeling_kimi_k3 import KimiK3ForCausalLM
+from posttrain.model.modeling_kimi_k3 import KimiK3ForCausalLM, StrictLoading
 from posttrain.model.released import (
     MEDIA_PLACEHOLDER_TOKEN,
     RELEASED_MEDIA_PLACEHOLDER_TOKEN_ID,
@@ -92,7 +92,7 @@ def _strip_header(data: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in data.items() if k not in ("model_type", "architectures", "transformers_version")}
 
 
-class KimiK3ForConditionalGeneration(PreTrainedModel):
+class KimiK3ForConditionalGeneration(StrictLoading, PreTrainedModel):
     """Vision tower, projector and K3 causal LM; `forward` takes input_ids with `<|media_pad|>`
     runs plus the processor's pixel_values / grid_thws."""
 

@@ -207,3 +207,22 @@ def test_a_dir_loads_as_the_multimodal_model_only_when_its_tokenizer_can_feed_th
     assert isinstance(loaded, KimiK3ForConditionalGeneration)
     assert all(torch.equal(p, dict(model.named_parameters())[n]) for n, p in loaded.named_parameters())
     assert type(load_pretrained(tmp_path / "text")) is KimiK3ForCausalLM
+
+
+@pytest.mark.parametrize("prefix", ["vision_tower.", "language_model.model.layers.0."])
+def test_a_multimodal_dir_missing_a_tensor_is_refused_by_name(tmp_path, prefix):
+    # Before: KimiK3ForConditionalGeneration.from_pretrained only warned and left the tensor at
+    # random init (the text model's strict loading was not its own).
+    from safetensors.torch import load_file, save_file
+
+    from posttrain.model.vision_model import load_pretrained, save_multimodal
+
+    save_multimodal(tiny_vl_model(seed=8), tmp_path / "vl", tokenizer=load_tokenizer(media=True))
+    weights = tmp_path / "vl" / "model.safetensors"
+    tensors = load_file(str(weights))
+    dropped = next(name for name in sorted(tensors) if name.startswith(prefix))
+    del tensors[dropped]
+    save_file(tensors, str(weights))
+    refused = rf"does not match KimiK3ForConditionalGeneration .*missing \['{re.escape(dropped)}'\]"
+    with pytest.raises(ValueError, match=refused):
+        load_pretrained(tmp_path / "vl")
