@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -121,6 +122,31 @@ class KimiK3DecoderLayer(nn.Module):
         return (partial + self.feed_forward(mixed, ctx), *blocks)
 
 
+def check_loaded_whole(source: str | Path, model: PreTrainedModel, info: dict[str, Any]) -> None:
+    """Raise ValueError naming the tensors when from_pretrained's loading `info` (asked for with
+    `output_loading_info=True, ignore_mismatched_sizes=True`) shows a weight missing, one the model
+    does not have, or one of another shape: transformers only warns, leaving such a weight at its
+    random init. A tied LM head is not missing (it is the embedding)."""
+    text = getattr(model.config, "text_config", model.config)
+    missing = sorted(
+        name
+        for name in info["missing_keys"]
+        if not (text.tie_word_embeddings and name.endswith("lm_head.weight"))  # the embedding
+    )
+    unexpected = sorted(info["unexpected_keys"])
+    mismatched = [
+        f"{name} {list(stored)} (config.json: {list(built)})"
+        for name, stored, built in sorted(info["mismatched_keys"])
+    ]
+    if missing or unexpected or mismatched:
+        raise ValueError(
+            f"{source}: the checkpoint does not match {type(model).__name__} built from its config.json: "
+            f"missing {missing[:8]}, unexpected {unexpected[:8]}, shapes stored {mismatched[:8]} (first 8 "
+            f"of each; {len(missing)} missing, {len(mismatched)} mismatched in all). Is config.json the "
+            "one these weights were saved with?"
+        )
+
+
 class StrictLoading:
     """`from_pretrained` for the K3 models (text and multimodal) that refuses a checkpoint it cannot
     load whole, instead of transformers' warning. Listed before PreTrainedModel in the bases."""
@@ -147,24 +173,7 @@ class StrictLoading:
         model, info = super().from_pretrained(
             pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs
         )
-        text = getattr(model.config, "text_config", model.config)
-        missing = sorted(
-            name
-            for name in info["missing_keys"]
-            if not (text.tie_word_embeddings and name.endswith("lm_head.weight"))  # the embedding
-        )
-        unexpected = sorted(info["unexpected_keys"])
-        mismatched = [
-            f"{name} {list(stored)} (config.json: {list(built)})"
-            for name, stored, built in sorted(info["mismatched_keys"])
-        ]
-        if missing or unexpected or mismatched:
-            raise ValueError(
-                f"{pretrained_model_name_or_path}: the checkpoint does not match {cls.__name__} built from "
-                f"its config.json: missing {missing[:8]}, unexpected {unexpected[:8]}, shapes stored "
-                f"{mismatched[:8]} (first 8 of each; {len(missing)} missing, {len(mismatched)} mismatched "
-                "in all). Is config.json the one these weights were saved with?"
-            )
+        check_loaded_whole(pretrained_model_name_or_path, model, info)
         return (model, info) if wants_info else model
 
 

@@ -28,7 +28,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from posttrain.data.images import MediaItem, MoonViTImageProcessor
 from posttrain.files import new_dir
 from posttrain.model.configuration_kimi_k3 import KimiK3Config
-from posttrain.model.modeling_kimi_k3 import KimiK3ForCausalLM, StrictLoading
+from posttrain.model.modeling_kimi_k3 import KimiK3ForCausalLM, StrictLoading, check_loaded_whole
 from posttrain.model.released import (
     MEDIA_PLACEHOLDER_TOKEN,
     RELEASED_MEDIA_PLACEHOLDER_TOKEN_ID,
@@ -228,7 +228,12 @@ def load_pretrained(model_dir: str | Path, dtype: torch.dtype = torch.float32) -
 
     if sees_images(model_dir):
         return KimiK3ForConditionalGeneration.from_pretrained(str(model_dir), dtype=dtype)
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+    # Strict for any causal LM (a Llama-shaped `model:` too), not only K3's own from_pretrained.
+    model, info = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=dtype, output_loading_info=True, ignore_mismatched_sizes=True
+    )
+    check_loaded_whole(model_dir, model, info)
+    return model
 
 
 def with_vision(

@@ -226,3 +226,21 @@ def test_a_multimodal_dir_missing_a_tensor_is_refused_by_name(tmp_path, prefix):
     refused = rf"does not match KimiK3ForConditionalGeneration .*missing \['{re.escape(dropped)}'\]"
     with pytest.raises(ValueError, match=refused):
         load_pretrained(tmp_path / "vl")
+
+
+def test_a_llama_dir_missing_a_tensor_is_refused_by_name(tmp_path):
+    # Before: load_pretrained (a stage's `model:`) took AutoModelForCausalLM's word for any model
+    # but K3: a Llama-shaped directory missing a weight loaded with it at random init.
+    from safetensors.torch import load_file, save_file
+
+    from posttrain.engines.testing import build_tiny_llama
+    from posttrain.model.vision_model import load_pretrained
+
+    directory = build_tiny_llama(tmp_path / "llama", load_tokenizer())
+    weights = directory / "model.safetensors"
+    tensors = load_file(str(weights))
+    del tensors["model.layers.0.mlp.down_proj.weight"]
+    save_file(tensors, str(weights))
+    refused = r"does not match LlamaForCausalLM .*missing \['model.layers.0.mlp.down_proj.weight'\]"
+    with pytest.raises(ValueError, match=refused):
+        load_pretrained(directory)
