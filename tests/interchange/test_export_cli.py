@@ -98,3 +98,15 @@ def test_a_stage_output_its_manifest_does_not_vouch_for_is_not_exported(tmp_path
     code, _, err = posttrain("export", stage, "--format", "bf16", "--out", tmp_path / "out")
     assert code == 2 and "its manifest says the stage is 'running', not done" in " ".join(err.split())
     assert not (tmp_path / "out").exists()
+
+
+def test_a_damaged_tokenizer_is_a_user_error_before_the_model_loads(tmp_path, posttrain, renderer):
+    # Before: AutoTokenizer's JSONDecodeError escaped as a traceback, after the whole model loaded.
+    model = save_tiny_k3(tmp_path / "model", renderer.tokenizer)
+    (model / "tokenizer.json").write_text('{"version": "1.0", "truncated')
+    code, _, err = posttrain("export", model, "--format", "bf16", "--out", tmp_path / "out")
+    message = " ".join(err.split())
+    assert code == 2 and "Traceback" not in err, err
+    assert f"posttrain export: {model}: cannot load its tokenizer (" in message
+    assert "copy tokenizer.json and tokenizer_config.json again" in message
+    assert not (tmp_path / "out").exists()
