@@ -223,16 +223,28 @@ def _added_tokens(directory: Path) -> dict[int, str]:
 def load_pretrained(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """A checkpoint directory as the model it holds: KimiK3ForConditionalGeneration when it
     `sees_images`, else `AutoModelForCausalLM` (K3, whose vision tensors are then skipped, or any
-    transformers causal LM)."""
+    transformers causal LM). A weight holding NaN or inf is a ValueError naming it: a stage would
+    otherwise fail at its first loss, blaming its learning rate."""
     import posttrain.model  # noqa: F401  (registers kimi_k3 with AutoModelForCausalLM)
 
     if sees_images(model_dir):
-        return KimiK3ForConditionalGeneration.from_pretrained(str(model_dir), dtype=dtype)
-    # Strict for any causal LM (a Llama-shaped `model:` too), not only K3's own from_pretrained.
-    model, info = AutoModelForCausalLM.from_pretrained(
-        str(model_dir), dtype=dtype, output_loading_info=True, ignore_mismatched_sizes=True
-    )
-    check_loaded_whole(model_dir, model, info)
+        model = KimiK3ForConditionalGeneration.from_pretrained(str(model_dir), dtype=dtype)
+    else:
+        # Strict for any causal LM (a Llama-shaped `model:` too), not only K3's own from_pretrained.
+        model, info = AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype=dtype, output_loading_info=True, ignore_mismatched_sizes=True
+        )
+        check_loaded_whole(model_dir, model, info)
+    non_finite = [
+        name
+        for name, tensor in model.state_dict().items()
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())
+    ]
+    if non_finite:
+        raise ValueError(
+            f"{model_dir}: {len(non_finite)} weights hold NaN or inf values, e.g. {non_finite[:4]}: it was "
+            "saved from a diverged run; start from an earlier checkpoint of that run"
+        )
     return model
 
 
