@@ -36,6 +36,7 @@ from posttrain.config.yaml_source import KeyPath, line_of, load_yaml
 from posttrain.files import hash_tree, sha256_file
 from posttrain.registry import ENTRY_POINT_GROUP, RegistryError, import_plugin, load_plugins
 from posttrain.stages import STAGE_KINDS
+from posttrain.weight_files import weight_headers
 
 STAGE_FILE_SUFFIXES = (".yaml", ".yml")
 PRESET_SUFFIXES = (".yaml", ".yml", ".json")
@@ -412,7 +413,13 @@ def _resolve_model(
     if value not in inst.needs:
         directory = (base / value).resolve()
         if (directory / "config.json").is_file():
-            # A pretrained model directory (Hugging Face format): the stage continues its weights.
+            # A pretrained model directory (Hugging Face format): the stage continues its weights,
+            # so a shard lost or cut short is refused now, not when the stage starts.
+            try:
+                weight_headers(directory)
+            except ValueError as error:
+                issues.append(Issue(message=str(error), **where))
+                return None, False
             return str(directory), False
         issues.append(
             Issue(

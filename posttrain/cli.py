@@ -44,11 +44,12 @@ from orchestration.rundir import (
     StageLock,
     StageState,
     continue_restart,
+    model_damage,
     plan_states,
     read_manifest,
     restart_finished,
 )
-from orchestration.runner import RUN_LOG
+from orchestration.runner import MODEL_DIR, RUN_LOG
 from posttrain import __version__
 from posttrain.config.errors import ConfigError, Issue, did_you_mean
 
@@ -354,10 +355,32 @@ def _driver_log(run_dir: Path) -> logging.Logger:
     return log
 
 
+def _check_stage_output(source: Path) -> None:
+    """Refuse RUN_DIR/STAGE whose model/ its manifest does not vouch for: a stage not `done` (killed
+    between publishing model/ and recording it) or a model/ whose files differ from the sha256s the
+    manifest recorded. A model dir that is no stage's output is exported as it is."""
+    from posttrain.export import ExportError
+
+    manifest = read_manifest(source)
+    if manifest is None or not (source / MODEL_DIR).is_dir():
+        return
+    rerun = f"`posttrain run FILE --restart {source.name}`"
+    if manifest.get("status") != "done":
+        raise ExportError(
+            f"{source}: its manifest says the stage is {manifest.get('status')!r}, not done, so nothing "
+            f"vouches for its model/: finish the stage with `posttrain run FILE` (or {rerun})"
+        )
+    damage = model_damage(source, manifest, full=True)
+    if damage:
+        raise ExportError(f"{source}: {damage}; train it again with {rerun}")
+
+
 def cmd_export(args: argparse.Namespace, console: Console) -> int:
-    from posttrain.export import ExportError, export_model
+    from posttrain.export import ExportError, check_out_dir, export_model
 
     try:
+        check_out_dir(args.out)  # first, as export_model does: before reading the whole model below
+        _check_stage_output(args.source)
         result = export_model(args.source, args.fmt, args.out, args.max_shard_size)
     except ExportError as error:
         Console(stderr=True).print(f"posttrain export: {error}", highlight=False, markup=False)

@@ -118,6 +118,17 @@ def export_model(
     out_dir = Path(out_dir)
     check_out_dir(out_dir)
     model_dir = model_dir_of(Path(source))
+    tokenizer = None  # read first: a damaged tokenizer is found before the whole model loads
+    if (model_dir / "tokenizer.json").is_file():
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        except Exception as error:  # JSON errors, and the tokenizers library's plain Exceptions
+            raise ExportError(
+                f"{model_dir}: cannot load its tokenizer ({error}): copy tokenizer.json and "
+                "tokenizer_config.json again from the model or tokenizer it was trained with"
+            ) from error
+    else:
+        log.warning("%s has no tokenizer.json: the export has no tokenizer or chat template", model_dir)
     try:
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     except (OSError, ValueError, KeyError) as error:
@@ -128,11 +139,6 @@ def export_model(
             "is already what vLLM serves"
         )
     restore_qat(model)
-    tokenizer = None
-    if (model_dir / "tokenizer.json").is_file():
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    else:
-        log.warning("%s has no tokenizer.json: the export has no tokenizer or chat template", model_dir)
     qat = qat_config_of(model.config)
     kwargs = {"tokenizer": tokenizer, "max_shard_size": max_shard_size}
     if fmt == "mxfp4":

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from posttrain.checkpoint import KEEP_CHECKPOINTS
 from posttrain.config.errors import Issue, did_you_mean, key_path
 from posttrain.config.yaml_source import KeyPath, line_of
+from posttrain.weight_files import weight_headers
 
 STAGE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
 MATRIX_VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -77,12 +78,16 @@ NEEDS_CONTEXT = "needs"
 
 
 def check_model_reference(ref: str, info: ValidationInfo, what: str) -> str:
-    """`ref` if it names one of the stage's needs or a model directory (with config.json), for a
-    kind's key whose value is "a need's stage id or a model dir". Validated without the needs
+    """`ref` if it names one of the stage's needs or a model directory (with config.json and
+    readable weight files, `weight_headers`), for a kind's key whose value is "a need's stage id or
+    a model dir". Validated without the needs
     context (a test, or the stage process re-validating) it passes: the kind resolves it when it
     runs, with the same rule."""
     needs = (info.context or {}).get(NEEDS_CONTEXT)
-    if needs is None or ref in needs or (Path(ref).expanduser() / "config.json").is_file():
+    if needs is None or ref in needs:
+        return ref
+    if (Path(ref).expanduser() / "config.json").is_file():
+        weight_headers(Path(ref).expanduser())  # a lost or cut-short shard: its file, named now
         return ref
     hint = did_you_mean(ref, needs)
     raise ValueError(

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from transformers.conversion_mapping import (
     get_checkpoint_conversion_mapping,
     register_checkpoint_conversion_mapping,
@@ -35,32 +34,99 @@ from transformers.core_model_loading import (
 from posttrain.model.configuration_kimi_k3 import KimiK3Config
 from posttrain.model.released import TEXT_PREFIX, WRAPPER_ARCHITECTURE
 from posttrain.qat.mx import unpack_mxfp4
+from posttrain.weight_files import TensorHeader, weight_headers
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3")  # gate, down, up: the released per-expert names
-_PACKED_NAME = re.compile(
-    r"^(?P<module>.+)\.(?P<expert>\d+)\.(?P<weight>w[123])\.weight_(?P<part>packed|scale)$"
+_LAYER = re.compile(r"(?:^|\.)model\.layers\.(\d+)\.")
+_EXPERT_NAME = re.compile(
+    r"^(?P<module>.+\.experts)\.(?P<expert>\d+)\.(?P<weight>w[123])\.(?P<part>weight|weight_packed|weight_scale)$"
 )
 
 
-def check_packed_experts(model_dir: str | Path) -> None:
-    """Raise ValueError naming the module if a directory's MXFP4-packed experts are incomplete: every
-    expert 0..E-1 of a packed projection needs both `weight_packed` and `weight_scale`. Reads only
-    the safetensors headers (names), so it costs nothing before a load."""
-    parts: dict[tuple[str, str], dict[int, set[str]]] = {}
-    for file in sorted(Path(model_dir).glob("*.safetensors")):
-        with safe_open(str(file), "pt") as f:
-            for name in f.keys():
-                m = _PACKED_NAME.match(name)
-                if m:
-                    experts = parts.setdefault((m["module"], m["weight"]), {})
-                    experts.setdefault(int(m["expert"]), set()).add(m["part"])
-    for (module, w), experts in sorted(parts.items()):
-        incomplete = sorted(e for e, found in experts.items() if found != {"packed", "scale"})
-        if incomplete or sorted(experts) != list(range(len(experts))):
+def check_k3_weights(model_dir: str | Path, config: KimiK3Config) -> None:
+    """Raise ValueError naming the file, tensor and fix when a directory's tensors cannot be a K3
+    model's, before transformers loads them (it would cast an integer tensor into a float weight
+    without a word, and fail on uneven experts deep inside its conversion). Reads only the
+    safetensors headers (`weight_headers`), so it costs nothing before a load:
+    - every tensor is floating point, except MXFP4 parts (`weight_packed` / `weight_scale`: U8);
+    - a projection's routed experts are stored in one form, plain or packed, and every expert
+      0..E-1 of a packed one has both parts;
+    - the experts of one projection share one shape per part, and a packed part holds two values a
+      byte against one scale per 32 values;
+    - the embedding and the layer count are the sizes `config` (the directory's config.json) gives:
+      checked before the model is built, as a config.json that lost a key would build the full-size
+      K3 default, tens of GB, only to find every shape wrong."""
+    # (experts module, w1|w2|w3) -> part -> expert -> (tensor name, header)
+    experts: dict[tuple[str, str], dict[str, dict[int, tuple[str, TensorHeader]]]] = {}
+    layers = 0
+    for file, header in weight_headers(model_dir).items():
+        for name, tensor in header.items():
+            _check_size(Path(model_dir) / file, name, tensor, config)
+            layer = _LAYER.search(name)
+            layers = max(layers, int(layer[1]) + 1 if layer else 0)
+            m = _EXPERT_NAME.match(name)
+            packed = m is not None and m["part"] != "weight"
+            if tensor.is_floating == packed:
+                form = "MXFP4 bytes are stored as U8" if packed else "a K3 weight is F32, BF16 or F16"
+                raise ValueError(
+                    f"{Path(model_dir) / file}: {name} is {tensor.dtype}; {form}. The file was written "
+                    "wrong: export the checkpoint again"
+                )
+            if m is not None:
+                parts = experts.setdefault((m["module"], m["weight"]), {})
+                parts.setdefault(m["part"], {})[int(m["expert"])] = (name, tensor)
+    for (module, w), parts in sorted(experts.items()):
+        where = f"{model_dir}: routed experts {module}.*.{w}"
+        if "weight" in parts and len(parts) > 1:
             raise ValueError(
-                f"{model_dir}: packed experts of {module}.*.{w} are incomplete (experts {sorted(experts)}, "
-                f"missing a part: {incomplete}); each expert 0..E-1 needs weight_packed and weight_scale"
+                f"{where} are stored both plain (.weight) and packed (.weight_packed / .weight_scale): "
+                "keep one form per projection"
             )
+        numbers = sorted(set().union(*parts.values()))
+        incomplete = sorted(e for e in numbers if any(e not in by_expert for by_expert in parts.values()))
+        if incomplete:
+            raise ValueError(
+                f"{where}: experts {incomplete} lack a part; each expert needs weight_packed and "
+                "weight_scale: copy or export the checkpoint again"
+            )
+        absent = sorted(set(range(numbers[-1] + 1)) - set(numbers))
+        if absent:
+            raise ValueError(
+                f"{where}: experts {absent[:8]} are absent ({len(numbers)} stored, the last numbered "
+                f"{numbers[-1]}; experts are numbered 0..E-1): copy or export the checkpoint again"
+            )
+        for by_expert in parts.values():
+            first_name, first = by_expert[0]
+            for name, tensor in by_expert.values():
+                if tensor.shape != first.shape:
+                    raise ValueError(
+                        f"{where}: {name} has shape {list(tensor.shape)}, {first_name} "
+                        f"{list(first.shape)}; every expert of a projection has one shape"
+                    )
+        if "weight_packed" in parts:
+            packed, scale = parts["weight_packed"][0][1].shape, parts["weight_scale"][0][1].shape
+            if len(packed) != 2 or scale != (packed[0], packed[1] * 2 // 32):
+                raise ValueError(
+                    f"{where}: weight_packed {list(packed)} and weight_scale {list(scale)} do not fit: "
+                    "[out, in/2] bytes take [out, in/32] scales"
+                )
+    if layers and layers != config.num_hidden_layers:
+        raise ValueError(
+            f"{model_dir}: the weights hold {layers} decoder layers, config.json's num_hidden_layers is "
+            f"{config.num_hidden_layers}: use the config.json these weights were saved with"
+        )
+
+
+def _check_size(file: Path, name: str, tensor: TensorHeader, config: KimiK3Config) -> None:
+    if not name.endswith("model.embed_tokens.weight"):
+        return
+    built = (config.vocab_size, config.hidden_size)
+    if tensor.shape != built:
+        raise ValueError(
+            f"{file}: {name} is {list(tensor.shape)}, config.json builds {list(built)} (vocab_size, "
+            "hidden_size): use the config.json these weights were saved with (a key it lacks falls back "
+            "to the full-size K3 default)"
+        )
 
 
 def _as_uint8(tensor: torch.Tensor, name: str) -> torch.Tensor:

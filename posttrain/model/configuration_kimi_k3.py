@@ -84,7 +84,7 @@ class KimiK3Config(PretrainedConfig):
         num_experts_per_token: int = 16,
         moe_intermediate_size: int = 3072,
         routed_expert_hidden_size: int | None = 3584,
-        num_shared_experts: int = 2,
+        num_shared_experts: int | None = 2,
         latent_moe_use_norm: bool = True,
         moe_router_activation_func: str = "sigmoid",
         topk_method: str = "noaux_tc",
@@ -99,6 +99,7 @@ class KimiK3Config(PretrainedConfig):
         attn_res_block_size: int | None = 12,
         **kwargs: Any,
     ) -> None:
+        _check_types(locals())  # first: the derived keys below (head_dim) compute with them
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
@@ -163,10 +164,15 @@ class KimiK3Config(PretrainedConfig):
         data = dict(config_dict)
         if is_released_config(data):
             data = flatten_released_config(data)
-        quantization = data.pop("quantization_config", None)
-        if quantization is not None:
-            check_released_quantization(quantization)
-        return super().from_dict(data, **kwargs)
+        try:
+            quantization = data.pop("quantization_config", None)
+            if quantization is not None:
+                check_released_quantization(quantization)
+            return super().from_dict(data, **kwargs)
+        except ValueError as error:
+            # from_pretrained passes the directory: name the file whose key is wrong
+            where = kwargs.get("name_or_path")
+            raise ValueError(f"{Path(where) / 'config.json'}: {error}" if where else str(error)) from error
 
     # -- layer kinds ---------------------------------------------------------------------------
 
@@ -326,6 +332,46 @@ class KimiK3Config(PretrainedConfig):
             )
         if self.num_shared_experts is not None and self.num_shared_experts < 0:
             raise ValueError(f"num_shared_experts={self.num_shared_experts}: must be >= 0")
+
+
+def _check_types(values: dict[str, Any]) -> None:
+    """Each key's value has a type its annotation allows: a quoted number ("64") or a null where a
+    size belongs would otherwise fail as a TypeError inside the arithmetic and checks."""
+    for key, allowed in _KEY_TYPES.items():
+        value = values[key]
+        if not any(_has_type(value, kind) for kind in allowed):
+            numeric = " (a number, without quotes)" if {"int", "float"} & set(allowed) else ""
+            raise ValueError(
+                f"{key}={value!r} is a {type(value).__name__}; it must be {' or '.join(allowed)}{numeric}"
+            )
+
+
+# The Python types of the annotations' alternatives ("None" and "bool" are handled on their own).
+_PYTHON_TYPES = {
+    "int": (int,),
+    "float": (int, float),
+    "str": (str,),
+    "dict[str, Any]": (dict,),
+    "list[int]": (list,),
+}
+
+
+def _has_type(value: Any, kind: str) -> bool:
+    """Whether `value` is of one alternative of an annotation (`int`, `float`, `list[int]`, ...);
+    a bool is not a number here, though Python counts it as an int."""
+    if kind == "None":
+        return value is None
+    if isinstance(value, bool):
+        return kind == "bool"
+    return kind != "bool" and isinstance(value, _PYTHON_TYPES[kind])
+
+
+# key -> the alternatives its annotation allows, e.g. ("int", "None"), read once from the signature.
+_KEY_TYPES = {
+    name: tuple(str(parameter.annotation).split(" | "))
+    for name, parameter in inspect.signature(KimiK3Config.__init__).parameters.items()
+    if name not in ("self", "kwargs")
+}
 
 
 def load_model_config(path: str | Path) -> KimiK3Config:

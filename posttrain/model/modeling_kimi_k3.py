@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +25,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 
 from posttrain.model.balancing import update_router_bias
 from posttrain.model.cache import KimiK3Cache
-from posttrain.model.checkpoint_layout import check_packed_experts
+from posttrain.model.checkpoint_layout import check_k3_weights
 from posttrain.model.configuration_kimi_k3 import KimiK3Config
 from posttrain.model.kda import KimiK3DeltaAttention, ShortConvolution
 from posttrain.model.mla import KimiK3MLAAttention, build_mla_mask
@@ -121,7 +122,62 @@ class KimiK3DecoderLayer(nn.Module):
         return (partial + self.feed_forward(mixed, ctx), *blocks)
 
 
-class KimiK3PreTrainedModel(PreTrainedModel):
+def check_loaded_whole(source: str | Path, model: PreTrainedModel, info: dict[str, Any]) -> None:
+    """Raise ValueError naming the tensors when from_pretrained's loading `info` (asked for with
+    `output_loading_info=True, ignore_mismatched_sizes=True`) shows a weight missing, one the model
+    does not have, or one of another shape: transformers only warns, leaving such a weight at its
+    random init. A tied LM head is not missing (it is the embedding)."""
+    text = getattr(model.config, "text_config", model.config)
+    missing = sorted(
+        name
+        for name in info["missing_keys"]
+        if not (text.tie_word_embeddings and name.endswith("lm_head.weight"))  # the embedding
+    )
+    unexpected = sorted(info["unexpected_keys"])
+    mismatched = [
+        f"{name} {list(stored)} (config.json: {list(built)})"
+        for name, stored, built in sorted(info["mismatched_keys"])
+    ]
+    if missing or unexpected or mismatched:
+        raise ValueError(
+            f"{source}: the checkpoint does not match {type(model).__name__} built from its config.json: "
+            f"missing {missing[:8]}, unexpected {unexpected[:8]}, shapes stored {mismatched[:8]} (first 8 "
+            f"of each; {len(missing)} missing, {len(mismatched)} mismatched in all). Is config.json the "
+            "one these weights were saved with?"
+        )
+
+
+class StrictLoading:
+    """`from_pretrained` for the K3 models (text and multimodal) that refuses a checkpoint it cannot
+    load whole, instead of transformers' warning. Listed before PreTrainedModel in the bases."""
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """transformers' from_pretrained (any layout `checkpoint_layout` maps: flat or released
+        names, per-expert or MXFP4-packed experts, one file or shards), but a checkpoint that leaves
+        a weight missing, brings one the model does not have or holds one of another shape is a
+        ValueError naming the tensors (transformers would only warn and leave missing weights
+        randomly initialised); the weight files are checked from their headers first
+        (`check_k3_weights`, against the text config)."""
+        directory = Path(str(pretrained_model_name_or_path))
+        if directory.is_dir():
+            config = kwargs.get("config")
+            if not isinstance(config, cls.config_class):
+                # name_or_path, as AutoConfig passes it: a config error names the file
+                config = cls.config_class.from_pretrained(directory, name_or_path=str(directory))
+            check_k3_weights(directory, getattr(config, "text_config", config))
+        wants_info = kwargs.pop("output_loading_info", False)
+        # Mismatched shapes are reported in `info` and raised below with the tensors' names; left
+        # False, transformers raises a RuntimeError pointing at a report it logged elsewhere.
+        kwargs.setdefault("ignore_mismatched_sizes", True)
+        model, info = super().from_pretrained(
+            pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs
+        )
+        check_loaded_whole(pretrained_model_name_or_path, model, info)
+        return (model, info) if wants_info else model
+
+
+class KimiK3PreTrainedModel(StrictLoading, PreTrainedModel):
     config: KimiK3Config
     config_class = KimiK3Config
     base_model_prefix = "model"
@@ -132,30 +188,6 @@ class KimiK3PreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     # A released checkpoint's vision tower and projector: the text model has no module for them.
     _keys_to_ignore_on_load_unexpected = [r"^vision_tower\.", r"^mm_projector\."]
-
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        """transformers' from_pretrained (any layout `checkpoint_layout` maps: flat or released
-        names, per-expert or MXFP4-packed experts, one file or shards), but a checkpoint that leaves
-        a weight missing or brings one the model does not have is a ValueError naming the tensors
-        (transformers would only warn and leave missing weights randomly initialised)."""
-        if Path(str(pretrained_model_name_or_path)).is_dir():
-            check_packed_experts(pretrained_model_name_or_path)
-        wants_info = kwargs.pop("output_loading_info", False)
-        model, info = super().from_pretrained(
-            pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs
-        )
-        tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
-        missing = sorted(set(info["missing_keys"]) - tied)
-        unexpected = sorted(info["unexpected_keys"])
-        if missing or unexpected or info["mismatched_keys"]:
-            raise ValueError(
-                f"{pretrained_model_name_or_path}: the checkpoint does not match {cls.__name__} built from "
-                f"its config.json: missing {missing[:8]}, unexpected {unexpected[:8]}, mismatched shapes "
-                f"{sorted(info['mismatched_keys'])[:8]} (first 8 of each, {len(missing)} missing in all). "
-                "Is config.json the one these weights were saved with?"
-            )
-        return (model, info) if wants_info else model
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

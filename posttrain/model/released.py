@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from posttrain.files import new_dir
+from posttrain.weight_files import INDEX_FILE
 
 WRAPPER_ARCHITECTURE = "KimiK3ForConditionalGeneration"
 WRAPPER_MODEL_TYPE = "kimi_k3"
@@ -41,9 +42,7 @@ VISION_KEYS = ("vision_config", "media_placeholder_token_id")
 # Keys of a config dict that are transformers' bookkeeping, not text hyper-parameters.
 _WRAPPER_ONLY = ("text_config", "model_type", "architectures", "ignore_index", "image_placeholder")
 _TOP_LEVEL = ("posttrain_qat", "quantization_config", "transformers_version", *VISION_KEYS)
-INDEX_FILE = "model.safetensors.index.json"
 PREPROCESSOR_FILE = "preprocessor_config.json"
-SINGLE_FILE = "model.safetensors"
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 
 # [E, out, in] weight of one projection -> {suffix: [E, ...]} tensors written per expert, e.g.

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers import initialization as init
@@ -29,7 +28,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from posttrain.data.images import MediaItem, MoonViTImageProcessor
 from posttrain.files import new_dir
 from posttrain.model.configuration_kimi_k3 import KimiK3Config
-from posttrain.model.modeling_kimi_k3 import KimiK3ForCausalLM
+from posttrain.model.modeling_kimi_k3 import KimiK3ForCausalLM, StrictLoading, check_loaded_whole
 from posttrain.model.released import (
     MEDIA_PLACEHOLDER_TOKEN,
     RELEASED_MEDIA_PLACEHOLDER_TOKEN_ID,
@@ -37,6 +36,7 @@ from posttrain.model.released import (
 )
 from posttrain.model.vision import KimiK3MultiModalProjector, MoonViTPosEmb, MoonViTV2
 from posttrain.model.vision_config import KimiK3VisionConfig
+from posttrain.weight_files import weight_headers
 
 IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"
 
@@ -92,7 +92,7 @@ def _strip_header(data: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in data.items() if k not in ("model_type", "architectures", "transformers_version")}
 
 
-class KimiK3ForConditionalGeneration(PreTrainedModel):
+class KimiK3ForConditionalGeneration(StrictLoading, PreTrainedModel):
     """Vision tower, projector and K3 causal LM; `forward` takes input_ids with `<|media_pad|>`
     runs plus the processor's pixel_values / grid_thws."""
 
@@ -190,11 +190,8 @@ def has_vision_weights(model_dir: str | Path) -> bool:
     """Whether a checkpoint directory holds vision-tower tensors, read from the safetensors headers
     only. A text model's directory has a `vision_config` header too (vLLM's parser needs one) but
     no `vision_tower.*` tensors."""
-    for file in sorted(Path(model_dir).glob("*.safetensors")):
-        with safe_open(str(file), "pt") as f:
-            if any(name.startswith("vision_tower.") for name in f.keys()):
-                return True
-    return False
+    headers = weight_headers(model_dir).values()
+    return any(name.startswith("vision_tower.") for header in headers for name in header)
 
 
 def sees_images(model_dir: str | Path) -> bool:
@@ -226,12 +223,29 @@ def _added_tokens(directory: Path) -> dict[int, str]:
 def load_pretrained(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """A checkpoint directory as the model it holds: KimiK3ForConditionalGeneration when it
     `sees_images`, else `AutoModelForCausalLM` (K3, whose vision tensors are then skipped, or any
-    transformers causal LM)."""
+    transformers causal LM). A weight holding NaN or inf is a ValueError naming it: a stage would
+    otherwise fail at its first loss, blaming its learning rate."""
     import posttrain.model  # noqa: F401  (registers kimi_k3 with AutoModelForCausalLM)
 
     if sees_images(model_dir):
-        return KimiK3ForConditionalGeneration.from_pretrained(str(model_dir), dtype=dtype)
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+        model = KimiK3ForConditionalGeneration.from_pretrained(str(model_dir), dtype=dtype)
+    else:
+        # Strict for any causal LM (a Llama-shaped `model:` too), not only K3's own from_pretrained.
+        model, info = AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype=dtype, output_loading_info=True, ignore_mismatched_sizes=True
+        )
+        check_loaded_whole(model_dir, model, info)
+    non_finite = [
+        name
+        for name, tensor in model.state_dict().items()
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())
+    ]
+    if non_finite:
+        raise ValueError(
+            f"{model_dir}: {len(non_finite)} weights hold NaN or inf values, e.g. {non_finite[:4]}: it was "
+            "saved from a diverged run; start from an earlier checkpoint of that run"
+        )
+    return model
 
 
 def with_vision(

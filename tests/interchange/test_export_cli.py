@@ -9,7 +9,7 @@ import json
 import torch
 from transformers import AutoModelForCausalLM
 
-from posttrain.engines.testing import TINY_K3_PRESET
+from posttrain.engines.testing import TINY_K3_PRESET, save_tiny_k3
 from posttrain.model import KimiK3ForCausalLM, load_model_config
 
 IDS = torch.randint(3, 2048, (1, 9), generator=torch.Generator().manual_seed(2))
@@ -47,6 +47,7 @@ def test_bad_input_names_the_problem_and_writes_nothing(tmp_path, posttrain, ren
         )
     (stage / "model").mkdir()
     (stage / "model" / "value.txt").write_text("5")  # a finished stage whose kind saved no HF model
+    (stage / "manifest.json").write_text('{"status": "done"}')
     code, _, err = posttrain("export", stage, "--format", "bf16", "--out", out)
     assert code == 2 and "model has no config.json: not a Hugging Face model dir" in err
     assert not out.exists()
@@ -72,3 +73,40 @@ def test_export_shards_and_unties_a_tied_flat_model(tmp_path, posttrain):
         for parameter in model.parameters():
             parameter.copy_(parameter.to(torch.bfloat16).float())  # what a bf16 export holds
         assert torch.equal(loaded(IDS).logits, model(IDS).logits)
+
+
+def test_a_stage_output_its_manifest_does_not_vouch_for_is_not_exported(tmp_path, posttrain, renderer):
+    # Before: export read RUN_DIR/STAGE/model/ whatever its manifest said, and wrote it out.
+    from orchestration.rundir import write_manifest
+    from posttrain.files import hash_tree
+
+    stage = tmp_path / "run" / "sft"
+    stage.mkdir(parents=True)
+    model = save_tiny_k3(stage / "model", renderer.tokenizer)
+    files, digest = hash_tree(model)
+    write_manifest(stage, {"status": "done", "model_files": files, "model_hash": digest})
+    weights = model / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-4] ^= 0xFF  # a flipped bit in the last weight: the header still reads
+    weights.write_bytes(bytes(data))
+    code, _, err = posttrain("export", stage, "--format", "bf16", "--out", tmp_path / "out")
+    message = " ".join(err.split())
+    assert code == 2 and "model/model.safetensors is damaged (its sha256 differs" in message
+    assert "train it again with `posttrain run FILE --restart sft`" in message
+    # killed between publishing model/ and recording it: the manifest still says running
+    write_manifest(stage, {"status": "running"})
+    code, _, err = posttrain("export", stage, "--format", "bf16", "--out", tmp_path / "out")
+    assert code == 2 and "its manifest says the stage is 'running', not done" in " ".join(err.split())
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_damaged_tokenizer_is_a_user_error_before_the_model_loads(tmp_path, posttrain, renderer):
+    # Before: AutoTokenizer's JSONDecodeError escaped as a traceback, after the whole model loaded.
+    model = save_tiny_k3(tmp_path / "model", renderer.tokenizer)
+    (model / "tokenizer.json").write_text('{"version": "1.0", "truncated')
+    code, _, err = posttrain("export", model, "--format", "bf16", "--out", tmp_path / "out")
+    message = " ".join(err.split())
+    assert code == 2 and "Traceback" not in err, err
+    assert f"posttrain export: {model}: cannot load its tokenizer (" in message
+    assert "copy tokenizer.json and tokenizer_config.json again" in message
+    assert not (tmp_path / "out").exists()

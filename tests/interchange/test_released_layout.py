@@ -152,6 +152,14 @@ def test_released_dir_errors_name_the_problem(tmp_path):
     dropped = next(n for n in tensors if n.endswith("q_proj.weight"))
     del tensors[dropped]
     save_file(tensors, str(shard))
+    with pytest.raises(
+        ValueError, match=f"index.json places {dropped} in {shard.name}, which does not hold it"
+    ):
+        AutoModelForCausalLM.from_pretrained(str(tmp_path / "missing"))
+    index_file = tmp_path / "missing" / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    del index["weight_map"][dropped]  # the index agrees: the weight is simply not there
+    index_file.write_text(json.dumps(index))
     with pytest.raises(ValueError, match=r"missing \['" + dropped.removeprefix("language_model.")):
         AutoModelForCausalLM.from_pretrained(str(tmp_path / "missing"))
 

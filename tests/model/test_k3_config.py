@@ -73,6 +73,12 @@ def test_released_multimodal_json_reads_its_text_config(tmp_path, tiny_dict: dic
         ({"num_expert_group": 3}, r"num_expert_group=3 does not divide num_experts=8"),
         ({"mla_use_nope": False}, r"mla_use_nope=false: rotary MLA is not implemented"),
         ({"topk_method": "greedy"}, r"topk_method='greedy'"),
+        # wrong types: a quoted number, a null size, a bool where a number belongs (Python's int)
+        ({"hidden_size": "64"}, r"hidden_size='64' is a str; it must be int \(a number, without quotes\)"),
+        ({"num_hidden_layers": None}, r"num_hidden_layers=None is a NoneType; it must be int"),
+        ({"rms_norm_eps": "1e-5"}, r"rms_norm_eps='1e-5' is a str; it must be float"),
+        ({"num_experts": True}, r"num_experts=True is a bool; it must be int or None"),
+        ({"linear_attn_config": [1, 2]}, r"linear_attn_config=\[1, 2\] is a list; it must be dict"),
     ],
 )
 def test_bad_config_names_key_and_fix(tmp_path, tiny_dict: dict, changes: dict, message: str) -> None:

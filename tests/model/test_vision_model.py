@@ -12,6 +12,7 @@ import pytest
 import torch
 from PIL import Image
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from vision_fixtures import MEDIA_PAD_ID, tiny_vl_config, tiny_vl_model
 
 from posttrain.data.chat import ChatRenderer, load_tokenizer
@@ -207,3 +208,51 @@ def test_a_dir_loads_as_the_multimodal_model_only_when_its_tokenizer_can_feed_th
     assert isinstance(loaded, KimiK3ForConditionalGeneration)
     assert all(torch.equal(p, dict(model.named_parameters())[n]) for n, p in loaded.named_parameters())
     assert type(load_pretrained(tmp_path / "text")) is KimiK3ForCausalLM
+
+
+@pytest.mark.parametrize("prefix", ["vision_tower.", "language_model.model.layers.0."])
+def test_a_multimodal_dir_missing_a_tensor_is_refused_by_name(tmp_path, prefix):
+    # Before: KimiK3ForConditionalGeneration.from_pretrained only warned and left the tensor at
+    # random init (the text model's strict loading was not its own).
+    from posttrain.model.vision_model import load_pretrained, save_multimodal
+
+    save_multimodal(tiny_vl_model(seed=8), tmp_path / "vl", tokenizer=load_tokenizer(media=True))
+    weights = tmp_path / "vl" / "model.safetensors"
+    tensors = load_file(str(weights))
+    dropped = next(name for name in sorted(tensors) if name.startswith(prefix))
+    del tensors[dropped]
+    save_file(tensors, str(weights))
+    refused = rf"does not match KimiK3ForConditionalGeneration .*missing \['{re.escape(dropped)}'\]"
+    with pytest.raises(ValueError, match=refused):
+        load_pretrained(tmp_path / "vl")
+
+
+def test_a_llama_dir_missing_a_tensor_is_refused_by_name(tmp_path):
+    # Before: load_pretrained (a stage's `model:`) took AutoModelForCausalLM's word for any model
+    # but K3: a Llama-shaped directory missing a weight loaded with it at random init.
+    from posttrain.engines.testing import build_tiny_llama
+    from posttrain.model.vision_model import load_pretrained
+
+    directory = build_tiny_llama(tmp_path / "llama", load_tokenizer())
+    weights = directory / "model.safetensors"
+    tensors = load_file(str(weights))
+    del tensors["model.layers.0.mlp.down_proj.weight"]
+    save_file(tensors, str(weights))
+    refused = r"does not match LlamaForCausalLM .*missing \['model.layers.0.mlp.down_proj.weight'\]"
+    with pytest.raises(ValueError, match=refused):
+        load_pretrained(directory)
+
+
+def test_a_dir_holding_nan_weights_is_refused_by_name(tmp_path):
+    # Before: it loaded, and the stage trained from it until its first non-finite loss, whose
+    # message (NonFiniteLossError) points at the learning rate.
+    from posttrain.engines.testing import save_tiny_k3
+    from posttrain.model.vision_model import load_pretrained
+
+    directory = save_tiny_k3(tmp_path / "k3", load_tokenizer())
+    weights = directory / "model.safetensors"
+    tensors = load_file(str(weights))
+    tensors["model.norm.weight"][3] = float("nan")
+    save_file(tensors, str(weights))
+    with pytest.raises(ValueError, match=r"1 weights hold NaN or inf values, e.g. \['model.norm.weight'\]"):
+        load_pretrained(directory)

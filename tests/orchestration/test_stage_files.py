@@ -6,8 +6,10 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 from orchestration_support import REPO
+from safetensors.numpy import save_file
 
 from orchestration.pipeline import load_pipeline
 from posttrain.config.errors import ConfigError
@@ -417,12 +419,28 @@ def test_a_model_directory_is_hashed_by_its_content(write, tmp_path: Path) -> No
     base = tmp_path / "base"
     base.mkdir(parents=True)
     (base / "config.json").write_text('{"model_type": "kimi_k3"}')
-    (base / "model.safetensors").write_bytes(b"weights-1")
+    save_file({"w": np.ones(2, np.float32)}, str(base / "model.safetensors"))
     stage = write("sft.yaml", HEADER, "model: base\n")
     first = load_pipeline(stage).stages["sft"]
     assert first.model == str(base.resolve()) and not first.model_is_input
-    (base / "model.safetensors").write_bytes(b"weights-2")
+    save_file({"w": np.zeros(2, np.float32)}, str(base / "model.safetensors"))
     assert load_pipeline(stage).stages["sft"].config_hash != first.config_hash
+
+
+def test_a_damaged_model_directory_is_refused_at_plan_time(write, tmp_path: Path, posttrain) -> None:
+    # Before: only config.json was looked for; the stage failed when it started, with safetensors'
+    # "header too small" naming no file.
+    base = tmp_path / "base"
+    base.mkdir(parents=True)
+    (base / "config.json").write_text('{"model_type": "kimi_k3"}')
+    (base / "model.safetensors").write_bytes(b"")  # a copy that stopped before its first byte
+    stage = write("sft.yaml", HEADER, "model: base\n")
+    line = stage.read_text().splitlines().index("model: base") + 1
+    assert_user_error(
+        posttrain("plan", stage, "--run-dir", tmp_path / "run"),
+        f"sft.yaml:{line}: model: {base.resolve() / 'model.safetensors'} is not a readable safetensors file",
+        "copy or export the checkpoint again",
+    )
 
 
 def test_mopd_plays_the_specialists_harness_so_their_accuracies_compare() -> None:

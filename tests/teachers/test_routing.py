@@ -5,6 +5,7 @@ own pair's teacher; teachers sharing a checkpoint share one engine."""
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 
 import pytest
@@ -136,6 +137,20 @@ def test_with_the_stage_needs_a_student_or_teacher_that_is_no_need_fails_validat
         body(domains=["general"], efforts=["low"], student=str(tiny_dirs["student"])),
         context={"needs": ["rl-general-low"]},
     )
+
+
+def test_a_student_directory_with_a_damaged_shard_fails_validation(tiny_dirs, tmp_path: Path):
+    # Before: only config.json was looked for; the stage failed when it loaded the student.
+    student = Path(shutil.copytree(tiny_dirs["student"], tmp_path / "student"))
+    (student / "model.safetensors").write_bytes(b"\x00" * 7)  # cut short
+    with pytest.raises(ValidationError) as error:
+        MOPDConfig.model_validate(
+            body(domains=["general"], efforts=["low"], student=str(student)),
+            context={"needs": ["rl-general-low"]},
+        )
+    (detail,) = error.value.errors()
+    assert detail["loc"] == ("student",)
+    assert f"{student / 'model.safetensors'} is not a readable safetensors file" in detail["msg"]
 
 
 def test_routes_resolve_needs_and_directories_and_name_a_missing_one(tiny_dirs):

@@ -132,8 +132,13 @@ def test_nan_loss_names_the_step_and_the_fix(tmp_path, small_recipe, tiny_model_
     with torch.no_grad():
         model.lm_head.weight[5] = float("nan")
     model.save_pretrained(str(broken))
-    ctx = stage_runner.context("sft", tmp_path, body(small_recipe[0], steps=2), model=broken)
-    with pytest.raises(NonFiniteLossError, match=r"loss is nan at optimizer step 1 .*train\.lr"):
+    ctx = stage_runner.context("sft", tmp_path / "from-nan", body(small_recipe[0], steps=2), model=broken)
+    # a diverged checkpoint is refused as it loads, not blamed on this stage's learning rate
+    with pytest.raises(ValueError, match=r"nan-model: 1 weights hold NaN or inf values"):
+        stage_runner.run(ctx)
+    # a learning rate that diverges on the first update: the second step's loss names the fix
+    ctx = stage_runner.context("sft", tmp_path / "diverged", body(small_recipe[0], steps=2, lr=1e30))
+    with pytest.raises(NonFiniteLossError, match=r" is (nan|inf) at optimizer step 2 .*train\.lr"):
         stage_runner.run(ctx)
 
 
