@@ -393,6 +393,10 @@ def cmd_export(args: argparse.Namespace, console: Console) -> int:
 COMMANDS = {"run": cmd_run, "plan": cmd_plan, "status": cmd_status, "export": cmd_export}
 # The header over a command's user errors (status and export read no stage file).
 ERROR_TITLES = {"status": "cannot show the status", "export": "cannot export"}
+# What to do after Ctrl-C or SIGTERM: a run resumes its stages; an export starts over (its --out is
+# written beside and renamed into place at the end, so nothing of it is left).
+RESUME = "rerun the same command to resume"
+AFTER_A_STOP = {"export": "nothing was written to --out; rerun the same command to export"}
 
 
 class Terminated(KeyboardInterrupt):
@@ -428,10 +432,10 @@ def main(argv: list[str] | None = None) -> int:
         print_config_error(errors, exc, ERROR_TITLES.get(argv[0], "invalid stage configuration"))
         return 2
     except Terminated:
-        errors.print("terminated; rerun the same command to resume", highlight=False)
+        errors.print(f"terminated; {AFTER_A_STOP.get(argv[0], RESUME)}", highlight=False)
         return 143
     except KeyboardInterrupt:
-        errors.print("interrupted; rerun the same command to resume", highlight=False)
+        errors.print(f"interrupted; {AFTER_A_STOP.get(argv[0], RESUME)}", highlight=False)
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)

@@ -73,6 +73,14 @@ def check_out_dir(out_dir: Path) -> None:
             f"--out {out_dir}: cannot write in {parent} (no permission or a read-only file system): "
             "choose a directory you may write to"
         )
+    for above in out_dir.resolve().parents:
+        # Writing into a stage's published model/ changes the files its manifest vouches for: the
+        # stage turns damaged, and the export would sit inside the model it was made from.
+        if above.name == "model" and (above.parent / "manifest.json").is_file():
+            raise ExportError(
+                f"--out {out_dir} is inside the published model {above} of stage {above.parent.name}: "
+                "choose an --out outside the run's stage dirs"
+            )
 
 
 def model_dir_of(source: Path) -> Path:

@@ -50,7 +50,10 @@ def test_bad_input_names_the_problem_and_writes_nothing(tmp_path, posttrain, ren
     (stage / "manifest.json").write_text('{"status": "done"}')
     code, _, err = posttrain("export", stage, "--format", "bf16", "--out", out)
     assert code == 2 and "model has no config.json: not a Hugging Face model dir" in err
-    assert not out.exists()
+    # Before: an --out inside a stage's published model/ was written there, damaging that stage.
+    code, _, err = posttrain("export", llama, "--format", "bf16", "--out", stage / "model" / "bf16")
+    assert code == 2 and f"is inside the published model {stage / 'model'} of stage sft" in err
+    assert not out.exists() and sorted(p.name for p in (stage / "model").iterdir()) == ["value.txt"]
 
 
 def test_export_shards_and_unties_a_tied_flat_model(tmp_path, posttrain):
