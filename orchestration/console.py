@@ -28,6 +28,7 @@ from orchestration.report import headline_order, is_timing
 from orchestration.rundir import (
     StageState,
     is_running,
+    manifest_damage,
     model_damage,
     read_json,
     read_manifest,
@@ -141,6 +142,8 @@ def status_table(run_dir: Path) -> Table:
         damage = model_damage(directory, manifest) if status == "done" else None
         if damage:
             status, detail = "damaged", f"{damage}; train it again with --restart {sid}"
+        elif damage := manifest_damage(directory):
+            status, detail = "damaged", damage
         table.add_row(
             sid,
             f"[{STATUS_STYLE.get(status, '')}]{status}[/]",

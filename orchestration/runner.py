@@ -34,6 +34,7 @@ from orchestration.rundir import (
     StageLock,
     changed_inputs,
     input_hashes,
+    manifest_damage,
     model_stat,
     read_json,
     read_manifest,
@@ -107,6 +108,8 @@ def _run_locked(
 ) -> int:
     directory = stage_dir(run_dir, stage.id)
     old = read_manifest(directory) or {}
+    if damage := manifest_damage(directory):
+        log.warning("%s", damage)
     inputs = request["inputs"]
     if (
         request["restart"]
