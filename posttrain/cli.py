@@ -336,7 +336,10 @@ def cmd_status(args: argparse.Namespace, console: Console) -> int:
                 )
             ]
         )
-    console.print(status_table(args.run_dir))
+    table, note = status_table(args.run_dir)
+    console.print(table)
+    if note:
+        console.print(note, markup=False, highlight=False, soft_wrap=True)
     return 0
 
 
