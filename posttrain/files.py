@@ -69,11 +69,19 @@ def hash_tree(directory: Path) -> tuple[dict[str, str], str]:
 def atomic_write_text(path: Path, text: str) -> None:
     """Replace `path` with `text` so a reader sees the old or the new content, never a mix."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    with open(tmp, "w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException as error:
+        # A full disk fails the write: `path` keeps its old content and no half-written
+        # temporary is left beside it (each attempt's would pile up in the stage dir).
+        tmp.unlink(missing_ok=True)
+        if isinstance(error, OSError) and error.filename is None:
+            error.filename = str(path)  # a failed flush names no file: say which write failed
+        raise
     fsync_dir(path.parent)
 
 
