@@ -43,7 +43,7 @@ from orchestration.rundir import (
     write_manifest,
 )
 from posttrain.checkpoint import CHECKPOINTS_DIR
-from posttrain.files import fsync_dir, fsync_file, hash_tree, remove_tree
+from posttrain.files import fsync_dir, fsync_file, hash_tree, remove_trash, remove_tree
 from posttrain.metrics import MetricsLogger
 from posttrain.registry import import_plugin, load_plugins
 from posttrain.stages import STAGE_KINDS, StageContext, build_context
@@ -140,6 +140,7 @@ def _run_locked(
     }
     write_manifest(directory, manifest)
     output = directory / ".model-tmp"
+    remove_trash(directory)  # what an earlier attempt, killed while deleting, left behind
     remove_tree(output)
     remove_tree(directory / MODEL_DIR)  # left by a kill between its rename and the manifest update
     output.mkdir()

@@ -95,6 +95,13 @@ def remove_tree(path: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
+def remove_trash(directory: Path) -> None:
+    """Finish the deletions a kill cut short: the `.trash-*` trees `remove_tree` leaves in
+    `directory` when it dies during the rmtree (a 3.5B stage's checkpoints are 42 GB each)."""
+    for trash in Path(directory).glob(".trash-*"):
+        shutil.rmtree(trash, ignore_errors=True)
+
+
 @contextmanager
 def new_dir(out_dir: Path) -> Iterator[Path]:
     """A directory written whole or not at all: yields a temporary sibling to fill, renamed to
