@@ -28,6 +28,7 @@ from orchestration.report import headline_order, is_timing
 from orchestration.rundir import (
     StageState,
     is_running,
+    manifest_damage,
     model_damage,
     read_json,
     read_manifest,
@@ -118,10 +119,20 @@ def summary_lines(run_dir: Path, outcome: Outcome) -> list[str]:
     return lines
 
 
-def status_table(run_dir: Path) -> Table:
-    """The run dir as its manifests describe it (no stage files needed)."""
+def status_table(run_dir: Path) -> tuple[Table, str | None]:
+    """The run dir as its manifests describe it (no stage files needed), and a note naming the
+    stages it holds from another stage file (None when there are none)."""
     plan = read_json(run_dir / "pipeline.json") or {}
-    order = list(plan.get("stages", {})) or sorted(p.parent.name for p in run_dir.glob("*/manifest.json"))
+    listed = list(plan.get("stages", {}))
+    # Stages of another stage file run in this dir earlier keep their results here: shown after
+    # the last run's own (pipeline.json lists only those), not hidden.
+    others = sorted(p.parent.name for p in run_dir.glob("*/manifest.json") if p.parent.name not in listed)
+    order = listed + others
+    note = (
+        f"{', '.join(others)}: not stages of the last run's file ({plan.get('file', '?')})"
+        if listed and others
+        else None
+    )
     table = Table(title=f"status: {run_dir}", title_justify="left")
     for column in ("stage", "status", "progress", "attempts", "time (s)", "final metrics / error"):
         table.add_column(column)
@@ -141,6 +152,8 @@ def status_table(run_dir: Path) -> Table:
         damage = model_damage(directory, manifest) if status == "done" else None
         if damage:
             status, detail = "damaged", f"{damage}; train it again with --restart {sid}"
+        elif damage := manifest_damage(directory):
+            status, detail = "damaged", damage
         table.add_row(
             sid,
             f"[{STATUS_STYLE.get(status, '')}]{status}[/]",
@@ -149,7 +162,7 @@ def status_table(run_dir: Path) -> Table:
             f"{seconds:.1f}" if seconds else "",
             escape(detail),
         )
-    return table
+    return table, note
 
 
 class RichDisplay:

@@ -40,10 +40,12 @@ from orchestration.rundir import (
     write_manifest,
 )
 from orchestration.runner import EXIT_BUSY, STAGE_LOG, exit_with_driver, run_stage, write_request
+from posttrain.checkpoint import CHECKPOINTS_DIR
 from posttrain.config.errors import ConfigError, Issue
 from posttrain.config.overrides import apply_overrides, parse_overrides
 from posttrain.config.stage_file import relative_display
 from posttrain.config.yaml_source import line_of, load_yaml
+from posttrain.files import remove_trash, remove_tree
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 POLL_S = 0.2
@@ -138,6 +140,10 @@ def execute(
                 waiting.remove(sid)
                 state = stage_state(pipeline, run_dir, pipeline.stages[sid], [])
                 if sid not in forced and state.status == "done":
+                    # A kill after the manifest said done, before the stage's checkpoints were
+                    # deleted, leaves them (or their trash) behind: nothing resumes a done stage.
+                    remove_tree(stage_dir(run_dir, sid) / CHECKPOINTS_DIR)
+                    remove_trash(stage_dir(run_dir, sid))
                     outcome.status[sid] = "skipped"
                     display.finished(sid, "skipped")
                     continue

@@ -36,8 +36,22 @@ from posttrain.stats import mean_standard_error, paired_ratio
 EFFORTS = ("low", "high", "max")
 
 
-def _read(path: Path) -> dict[str, Any] | None:
-    return json.loads(path.read_text()) if path.is_file() else None
+class DamagedEvalError(ValueError):
+    """A stage's eval.json or eval_episodes.json that does not read as JSON (a disk that filled,
+    a hand edit): the message names the file and the stage to rerun."""
+
+
+def read_eval(path: Path) -> dict[str, Any] | None:
+    """A stage's evaluation file (eval.json, eval_episodes.json), None where it has none."""
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as error:  # JSONDecodeError, or bytes that are not UTF-8
+        raise DamagedEvalError(
+            f"{path} is damaged ({error}); evaluate the stage again: posttrain run FILE --restart "
+            f"{path.parent.name}"
+        ) from None
 
 
 def claim(value: float, se: float, rule: str) -> dict[str, Any]:
@@ -61,7 +75,7 @@ def rl_claims(run_dir: Path, domains: Sequence[str]) -> dict[str, dict[str, Any]
     DIR/rl-<domain>-<effort>/eval.json; a domain whose three evaluations are not all there is left out."""
     claims: dict[str, dict[str, Any]] = {}
     for domain in domains:
-        evals = {e: _read(run_dir / f"rl-{domain}-{e}" / "eval.json") for e in EFFORTS}
+        evals = {e: read_eval(run_dir / f"rl-{domain}-{e}" / "eval.json") for e in EFFORTS}
         if any(v is None for v in evals.values()):
             continue
         top, low = evals["max"], evals["low"]
@@ -85,7 +99,7 @@ def mopd_claims(run_dir: Path, stage: str = "mopd") -> dict[str, dict[str, Any]]
     harness (stages/mopd.yaml's environments are stages/rl.yaml's). The kept share's error is paired
     by prompt (posttrain.envs.env_eval.paired_ratio) where the stage kept the student's episodes
     (DIR/<stage>/eval_episodes.json), else the two accuracies' errors taken as independent."""
-    report = _read(run_dir / stage / "eval.json")
+    report = read_eval(run_dir / stage / "eval.json")
     student_episodes = accuracy_episodes(run_dir / stage / EPISODES_FILE)
     claims: dict[str, dict[str, Any]] = {}
     for pair, row in (report or {}).items():
@@ -96,7 +110,7 @@ def mopd_claims(run_dir: Path, stage: str = "mopd") -> dict[str, dict[str, Any]]
                 **claim(change, row[f"{kl}_change_se"], "z<=-1"),
                 "estimate": kl,
             }
-        teacher = _read(run_dir / f"rl-{pair}" / "eval.json")
+        teacher = read_eval(run_dir / f"rl-{pair}" / "eval.json")
         if teacher is None or "accuracy_episodes" not in row:
             continue
         # MOPD plays each prompt once, with the RL evaluation's uids (eval/<prompt>/<effort>/0); an
@@ -130,7 +144,7 @@ def mopd_claims(run_dir: Path, stage: str = "mopd") -> dict[str, dict[str, Any]]
 def accuracy_episodes(path: Path) -> dict[str, dict[str, float]]:
     """Per pair, uid -> reward of the student's accuracy episodes after training from the MOPD
     stage's eval_episodes.json (empty where the file is not there)."""
-    episodes = _read(path) or {}
+    episodes = read_eval(path) or {}
     return {
         pair: dict(zip(rows["after"]["accuracy"]["uid"], rows["after"]["accuracy"]["reward"], strict=True))
         for pair, rows in episodes.items()

@@ -11,14 +11,13 @@ RL's policy loss, MOPD's near-zero loss with its baseline), response length per 
 
 from __future__ import annotations
 
-import json
 import time
 from collections import defaultdict
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
-from orchestration.outcomes import claims_table, run_claims
+from orchestration.outcomes import DamagedEvalError, claims_table, read_eval, run_claims
 from orchestration.pipeline import Pipeline
 from orchestration.rundir import read_manifest, stage_dir
 from posttrain.metrics import METRICS_FILE, read_metrics
@@ -209,12 +208,21 @@ def _change(change: float, se: float, digits: int = 3) -> str:
 
 def evaluation_sections(pipeline: Pipeline, run_dir: Path) -> list[str]:
     """Markdown for the RL stages' and MOPD stages' eval.json (estimates ± standard error, changes
-    ± paired standard error and their z) and the claims they support; empty when none exists."""
+    ± paired standard error and their z) and the claims they support; empty when none exists. A
+    damaged evaluation file is named in their place: the report is written at the end of every
+    run, which must not end in a traceback over a file only the report reads."""
+    try:
+        return _evaluation_sections(pipeline, run_dir)
+    except DamagedEvalError as error:
+        return ["", "## Evaluations", "", f"Not shown: {error}."]
+
+
+def _evaluation_sections(pipeline: Pipeline, run_dir: Path) -> list[str]:
     lines: list[str] = []
-    rl = [
+    rl_files = [
         (sid, stage_dir(run_dir, sid) / "eval.json") for sid, st in pipeline.stages.items() if st.kind == "rl"
     ]
-    rl = [(sid, json.loads(path.read_text())) for sid, path in rl if path.is_file()]
+    rl = [(sid, report) for sid, path in rl_files if (report := read_eval(path)) is not None]
     if rl:
         lines += [
             "",
@@ -247,10 +255,9 @@ def evaluation_sections(pipeline: Pipeline, run_dir: Path) -> list[str]:
                 f"| {_change(r['mean_response_tokens_change'], r['mean_response_tokens_change_se'], 1)} |"
             )
     for sid, stage in pipeline.stages.items():
-        path = stage_dir(run_dir, sid) / "eval.json"
-        if stage.kind != "mopd" or not path.is_file():
+        report = read_eval(stage_dir(run_dir, sid) / "eval.json") if stage.kind == "mopd" else None
+        if report is None:
             continue
-        report = json.loads(path.read_text())
         lines += [
             "",
             f"## MOPD evaluation: {sid}",

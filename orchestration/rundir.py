@@ -51,6 +51,16 @@ def read_manifest(directory: Path) -> dict[str, Any] | None:
     return read_json(Path(directory) / MANIFEST)
 
 
+def manifest_damage(directory: Path) -> str | None:
+    """Why a stage's manifest.json is unusable (a disk that filled, a hand edit), or None when it
+    reads or the stage has none. Its record (config hash, inputs, model hashes) is lost, so
+    nothing of the stage can be vouched for: `run` starts it over."""
+    path = Path(directory) / MANIFEST
+    if not path.is_file() or read_json(path) is not None:
+        return None
+    return f"{path} is damaged (not a JSON mapping); `posttrain run` starts the stage over"
+
+
 def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
     atomic_write_text(Path(directory) / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
 
@@ -187,7 +197,7 @@ def stage_state(pipeline: Pipeline, run_dir: Path, stage: Stage, unfinished: lis
     if is_running(directory):
         return StageState("running", f"pid {StageLock(directory).holder()}")
     if manifest is None:
-        return StageState("pending", "not started")
+        return StageState("pending", manifest_damage(directory) or "not started")
     if manifest.get("status") == "done":
         return _done_or_stale(pipeline, run_dir, stage, manifest, unfinished)
     same = manifest.get("config_hash") == stage.config_hash

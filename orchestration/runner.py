@@ -34,6 +34,7 @@ from orchestration.rundir import (
     StageLock,
     changed_inputs,
     input_hashes,
+    manifest_damage,
     model_stat,
     read_json,
     read_manifest,
@@ -42,7 +43,7 @@ from orchestration.rundir import (
     write_manifest,
 )
 from posttrain.checkpoint import CHECKPOINTS_DIR
-from posttrain.files import fsync_dir, fsync_file, hash_tree, remove_tree
+from posttrain.files import fsync_dir, fsync_file, hash_tree, remove_trash, remove_tree
 from posttrain.metrics import MetricsLogger
 from posttrain.registry import import_plugin, load_plugins
 from posttrain.stages import STAGE_KINDS, StageContext, build_context
@@ -107,6 +108,8 @@ def _run_locked(
 ) -> int:
     directory = stage_dir(run_dir, stage.id)
     old = read_manifest(directory) or {}
+    if damage := manifest_damage(directory):
+        log.warning("%s", damage)
     inputs = request["inputs"]
     if (
         request["restart"]
@@ -137,6 +140,7 @@ def _run_locked(
     }
     write_manifest(directory, manifest)
     output = directory / ".model-tmp"
+    remove_trash(directory)  # what an earlier attempt, killed while deleting, left behind
     remove_tree(output)
     remove_tree(directory / MODEL_DIR)  # left by a kill between its rename and the manifest update
     output.mkdir()

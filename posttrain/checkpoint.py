@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from posttrain.data.sample import Sample
-from posttrain.files import atomic_write_text, fsync_dir, fsync_file, remove_tree, sha256_file
+from posttrain.files import atomic_write_text, fsync_dir, fsync_file, remove_trash, remove_tree, sha256_file
 
 if TYPE_CHECKING:
     from posttrain.metrics import MetricsLogger  # the logger whose lines a restore cuts back
@@ -157,8 +157,7 @@ class CheckpointManager:
         self.directory.mkdir(parents=True, exist_ok=True)
         for leftover in self.directory.glob(".tmp-*"):
             shutil.rmtree(leftover, ignore_errors=True)
-        for leftover in self.directory.glob(".trash-*"):
-            shutil.rmtree(leftover, ignore_errors=True)
+        remove_trash(self.directory)
 
     def steps(self) -> list[int]:
         """Steps with a checkpoint directory on disk (not verified), ascending."""

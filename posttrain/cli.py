@@ -7,15 +7,16 @@
     posttrain export RUN_DIR/STAGE --format bf16|mxfp4 --out DIR [--max-shard-size SIZE]
     posttrain --version
 
-Exit codes: 0 success, 1 a stage failed, 2 a user error (stage files, overrides, flags, run dir),
-130 interrupted (Ctrl-C), 143 terminated (SIGTERM); both stop the running stages first, and the
-same command resumes. User errors print file:line: key: problem (hint), never a traceback.
+Exit codes: 0 success, 1 a stage failed, 2 a user error (stage files, overrides, flags, run dir,
+a full disk), 130 interrupted (Ctrl-C), 143 terminated (SIGTERM); both stop the running stages
+first, and the same command resumes. User errors print file:line: key: problem (hint), never a traceback.
 Progress: bars on a terminal; a plain line per event when stdout is not one (CI, nohup, a pipe).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
@@ -338,7 +339,10 @@ def cmd_status(args: argparse.Namespace, console: Console) -> int:
                 )
             ]
         )
-    console.print(status_table(args.run_dir))
+    table, note = status_table(args.run_dir)
+    console.print(table)
+    if note:
+        console.print(note, markup=False, highlight=False, soft_wrap=True)
     return 0
 
 
@@ -430,6 +434,15 @@ def main(argv: list[str] | None = None) -> int:
         return COMMANDS[argv[0]](args, console)
     except ConfigError as exc:
         print_config_error(errors, exc, ERROR_TITLES.get(argv[0], "invalid stage configuration"))
+        return 2
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        # The stages were stopped and every record was written atomically: freeing space is all
+        # the user has to do.
+        hint = "free space (a stage's resume checkpoints: keep_checkpoints), then rerun the same command"
+        issue = Issue(exc.filename or "the run dir", exc.strerror or "no space left on device", hint=hint)
+        print_config_error(errors, ConfigError([issue]), title="the disk is full")
         return 2
     except Terminated:
         errors.print(f"terminated; {AFTER_A_STOP.get(argv[0], RESUME)}", highlight=False)

@@ -89,11 +89,19 @@ def hash_tree(directory: Path, known: dict[str, list] | None = None) -> tuple[di
 def atomic_write_text(path: Path, text: str) -> None:
     """Replace `path` with `text` so a reader sees the old or the new content, never a mix."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    with open(tmp, "w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException as error:
+        # A full disk fails the write: `path` keeps its old content and no half-written
+        # temporary is left beside it (each attempt's would pile up in the stage dir).
+        tmp.unlink(missing_ok=True)
+        if isinstance(error, OSError) and error.filename is None:
+            error.filename = str(path)  # a failed flush names no file: say which write failed
+        raise
     fsync_dir(path.parent)
 
 
@@ -105,6 +113,13 @@ def remove_tree(path: Path) -> None:
     trash = path.with_name(f".trash-{path.name}-{uuid.uuid4().hex[:8]}")
     os.rename(path, trash)
     shutil.rmtree(trash, ignore_errors=True)
+
+
+def remove_trash(directory: Path) -> None:
+    """Finish the deletions a kill cut short: the `.trash-*` trees `remove_tree` leaves in
+    `directory` when it dies during the rmtree (a 3.5B stage's checkpoints are 42 GB each)."""
+    for trash in Path(directory).glob(".trash-*"):
+        shutil.rmtree(trash, ignore_errors=True)
 
 
 @contextmanager

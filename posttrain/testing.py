@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.engines.testing import TINY_K3_PRESET
+from posttrain.files import remove_tree
 from posttrain.metrics import MetricsLogger
 from posttrain.stages import STAGE_KINDS, StageContext, build_context
 
@@ -55,7 +56,10 @@ class StageRunner:
         stage_dir = run_dir / stage_id
         stage_dir.mkdir(parents=True, exist_ok=True)
         output = stage_dir / ".model-tmp"
-        output.mkdir(exist_ok=True)
+        # Empty, as the runner starts every attempt: a resumed kind whose earlier attempt was
+        # killed after writing its model (save_released wants a new or empty dir) must not fail.
+        remove_tree(output)
+        output.mkdir()
         metrics = MetricsLogger(stage_dir, tensorboard=False)
 
         def hook(step: int, total: int | None, shown: dict) -> None:

@@ -494,10 +494,15 @@ class BudgetCache:
             return {"prompt_id": prompt_id, "entries": {}}
         try:
             data = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
+        except ValueError as err:  # JSONDecodeError, or bytes that are not UTF-8 (a damaged disk)
             raise ValueError(
                 f"budget cache file {path} is not valid JSON ({err}); delete it to recompute"
             ) from err
+        if not isinstance(data, dict):
+            raise ValueError(
+                f"budget cache file {path} holds a {type(data).__name__}, not a mapping; "
+                "delete it to recompute"
+            )
         if data.get("prompt_id") != prompt_id or not isinstance(data.get("entries"), dict):
             raise ValueError(
                 f"budget cache file {path} holds prompt_id {data.get('prompt_id')!r}, expected "

@@ -3,8 +3,10 @@ warning, old ones are pruned; MetricsLogger rewinds to a restored step."""
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import os
 import random
 from pathlib import Path
 
@@ -14,6 +16,7 @@ import torch
 
 from posttrain.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
 from posttrain.data.sample import Sample
+from posttrain.files import atomic_write_text
 from posttrain.metrics import MetricsLogger, read_metrics
 
 
@@ -229,3 +232,21 @@ def test_load_cuts_metrics_back_to_what_was_logged_at_the_checkpoint(tmp_path: P
         path.unlink()
     CheckpointManager(tmp_path / "ckpt", metrics=resumed).load(model=model)
     assert read_metrics(tmp_path / "metrics.jsonl") == [], "a stage that starts over starts its metrics over"
+
+
+def test_a_write_that_fills_the_disk_keeps_the_old_file_and_leaves_no_temporary(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A manifest written on a full disk left a `.manifest.json.<pid>.<id>.tmp` per attempt and an
+    error naming no file; now the old content stays, alone, and the error names the file."""
+    path = tmp_path / "manifest.json"
+    atomic_write_text(path, "old")
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError) as error:
+        atomic_write_text(path, "new")
+    assert error.value.errno == errno.ENOSPC and error.value.filename == str(path)
+    assert path.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["manifest.json"]

@@ -5,6 +5,7 @@ that YAML reads as numbers but are not sane ones, SIGTERM, and --version."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -153,3 +154,37 @@ def test_ctrl_c_at_a_terminal_stops_the_stage_once_and_records_it(write, tmp_pat
 def test_version(posttrain) -> None:
     code, out, err = posttrain("--version")
     assert code == 0 and out.startswith("posttrain ")
+
+
+def test_status_shows_the_stages_of_an_earlier_stage_file_run_in_the_same_dir(
+    write, posttrain, tmp_path: Path
+) -> None:
+    """Running another stage file in a run dir rewrote pipeline.json, and `status` then hid the
+    stages (and results) the dir still held from the first file."""
+    first, second = write("a.yaml", TOY, "value: 2\n"), write("c.yaml", TOY, "value: 5\n")
+    run = tmp_path / "run"
+    assert posttrain("run", first, "--run-dir", run)[0] == 0
+    assert posttrain("run", second, "--run-dir", run)[0] == 0
+    code, out, err = posttrain("status", run)
+    assert code == 0
+    rows = {line.split("│")[1].strip(): line for line in out.splitlines() if line.startswith("│ ")}
+    assert "done" in rows["c"] and "done" in rows["a"] and "total=2" in rows["a"], out
+    assert f"a: not stages of the last run's file ({second})" in out
+
+
+def test_a_full_disk_is_named_with_its_fix_not_a_traceback(
+    write, posttrain, tmp_path: Path, monkeypatch
+) -> None:
+    """The driver's own write of a record on a full disk (ENOSPC) ended `run` in a traceback."""
+    import orchestration.executors
+
+    stage, run = write("a.yaml", TOY, "value: 2\n"), tmp_path / "run"
+
+    def full(pipeline, run_dir, stage_id, restart):
+        raise OSError(errno.ENOSPC, "No space left on device", str(run_dir / stage_id / "stage.json"))
+
+    monkeypatch.setattr(orchestration.executors, "write_request", full)
+    code, out, err = posttrain("run", stage, "--run-dir", run)
+    assert code == 2 and "Traceback" not in out + err
+    assert f"{run / 'a' / 'stage.json'}: No space left on device" in err
+    assert "free space" in err and "rerun the same command" in err

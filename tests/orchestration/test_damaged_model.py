@@ -52,3 +52,25 @@ def test_a_dependant_refuses_a_need_changed_in_place(write, posttrain, tmp_path:
     assert "input a" in error and str(run / "a" / "model") in error
     assert "model/value.txt is damaged" in error and "--restart a" in error
     assert "Traceback" not in out
+
+
+def test_a_damaged_manifest_is_named_and_its_stage_starts_over(write, posttrain, tmp_path: Path) -> None:
+    """A manifest.json cut short (a full disk, a hand edit) showed as `pending, not started`: its
+    stage's record is lost, so `plan` and `status` name the file and `run` trains it again, saying so."""
+    dag, run = two_stage_dag(write), tmp_path / "run"
+    assert posttrain("run", dag, "--run-dir", run)[0] == 0
+    manifest = run / "a" / "manifest.json"
+    manifest.write_text(manifest.read_text()[:40])
+
+    code, out, err = posttrain("plan", dag, "--run-dir", run)
+    row = next(line for line in out.splitlines() if line.startswith("│ a "))
+    assert code == 0 and "pending" in row and "manifest.json is damaged" in row, out
+    code, out, err = posttrain("status", run)
+    row = next(line for line in out.splitlines() if line.startswith("│ a "))
+    assert code == 0 and "damaged" in row and "manifest.json is damaged" in row, out
+
+    code, out, err = posttrain("run", dag, "--run-dir", run)
+    assert code == 0, out + err
+    assert "warning a: " in out and "manifest.json is damaged" in out
+    assert json.loads(manifest.read_text())["status"] == "done"
+    assert (run / "b" / "model" / "value.txt").read_text() == "5"  # b was skipped: a's weights are the same

@@ -132,3 +132,17 @@ def test_the_rl_table_names_how_its_episodes_were_played() -> None:
     sampled = "sampled at temperature 0.6, 1 episode a prompt"
     assert _protocol({"temperature": 0.6, "samples_per_prompt": 1}) == sampled
     assert _protocol({"temperature": 1.0, "samples_per_prompt": 4}).endswith("1, 4 episodes a prompt")
+
+
+@pytest.mark.parametrize("damaged", ["rl-agent-high/eval.json", "mopd/eval.json"])
+def test_a_damaged_eval_file_is_named_in_the_report_not_a_traceback(tmp_path: Path, damaged: str) -> None:
+    """`posttrain run` writes the report after its stages: an eval.json cut short (a full disk)
+    ended the run in a JSONDecodeError; the report now names the file and the stage to rerun."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(RECORDED, run_dir)
+    path = run_dir / damaged
+    path.write_text(path.read_text()[:200])
+    text = write_report(load_pipeline(REPO / "stages" / "mopd.yaml"), run_dir).read_text()
+    assert f"Not shown: {path} is damaged" in text
+    assert f"--restart {path.parent.name}" in text
+    assert "| rl-agent-high | rl |" in text  # the stage table is still there

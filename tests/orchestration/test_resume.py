@@ -126,3 +126,24 @@ def test_the_same_restart_command_after_a_kill_resumes_the_restart(write, tmp_pa
     manifest = json.loads((run / "train" / "manifest.json").read_text())
     assert manifest["resumed_from_step"] == 0 and manifest["attempts"] == 1
     assert not (run / "restart.json").exists()
+
+
+def test_stage_runner_resumes_an_attempt_killed_after_it_wrote_its_model(tmp_path: Path) -> None:
+    """StageRunner kept the output dir of an earlier attempt: a kind resumed after a kill that came
+    once its model was written (the rl and mopd kinds write it with save_released, which wants an
+    empty dir) failed with FileExistsError. Like the runner, every attempt starts it empty."""
+    from orchestration_support import TOY_TRAINING
+
+    from posttrain.registry import import_plugin
+    from posttrain.testing import StageRunner
+
+    import_plugin(str(TOY_TRAINING))
+    body = {"steps": 4, "every": 2, "width": 8, "batch": 4}
+    runner = StageRunner()
+    first = runner.context("toy-train", tmp_path, body)
+    runner.run(first)
+    assert any(first.output_dir.iterdir())  # written, then "killed" before it was published
+    resumed = runner.context("toy-train", tmp_path, body)
+    assert resumed.output_dir == first.output_dir and not any(resumed.output_dir.iterdir())
+    runner.run(resumed)
+    assert (resumed.output_dir / "model.safetensors").is_file()

@@ -213,6 +213,28 @@ def test_failed_stage_blocks_dependants_and_resumes_after_the_fix(write, posttra
     assert value(run, "g") == 3 and manifest(run, "f")["attempts"] == 1
 
 
+def test_what_a_kill_left_while_deleting_is_removed_by_the_next_run(write, posttrain, tmp_path: Path) -> None:
+    """A kill after a stage's manifest said done, before its checkpoints were deleted, left them
+    (42 GB each at 3.5B) for good: a done stage is only skipped. So did a kill in the middle of
+    any deletion (remove_tree's `.trash-*`). The next run removes both."""
+    toy = 'kind: toy-sum\nplugins: ["{toy}"]\n'
+    write("a.yaml", toy)
+    dag = write("f.yaml", toy, "needs: [a.yaml]\nfail: true\n")
+    run = tmp_path / "run"
+    assert posttrain("run", dag, "--run-dir", run)[0] == 1
+    leftovers = [
+        run / "a" / "checkpoints" / "step-3" / "model.safetensors",
+        run / "a" / ".trash-checkpoints-0123abcd" / "step-2" / "model.safetensors",
+        run / "f" / ".trash-model-0123abcd" / "model.safetensors",  # f is not done: its next attempt
+    ]
+    for path in leftovers:
+        path.parent.mkdir(parents=True)
+        path.write_bytes(b"weights")
+    code, out, _ = posttrain("run", dag, "--run-dir", run)
+    assert code == 1 and manifest(run, "a")["status"] == "done" and manifest(run, "f")["attempts"] == 2
+    assert [path for path in leftovers if path.parent.exists()] == []
+
+
 def test_independent_stages_run_concurrently_up_to_max_parallel(write, posttrain, tmp_path: Path) -> None:
     toy = 'kind: toy-sum\nplugins: ["{toy}"]\n'
     write("sft.yaml", toy)

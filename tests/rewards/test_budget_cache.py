@@ -54,6 +54,12 @@ def test_corrupt_cache_file_names_the_file(tmp_path):
     cache.path_for("p").write_text("{not json")
     with pytest.raises(ValueError, match=r"p-[0-9a-f]{12}\.json is not valid JSON.*delete it"):
         cache.get("p", "h", {})
+    # a damaged disk's bytes, and JSON that is not the file's mapping: an AttributeError and a
+    # UnicodeDecodeError that named no file
+    for damaged, problem in ((b"\xff\xfe{", "is not valid JSON"), (b"[1, 2]", "holds a list, not a mapping")):
+        cache.path_for("p").write_bytes(damaged)
+        with pytest.raises(ValueError, match=rf"p-[0-9a-f]{{12}}\.json {problem}.*delete it"):
+            cache.get("p", "h", {})
 
 
 def test_two_stages_starting_together_estimate_b0_once(tmp_path, renderer):
