@@ -29,7 +29,6 @@ import json
 import math
 import os
 import re
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -44,7 +43,7 @@ from posttrain.data.chat import ChatRenderer
 from posttrain.data.sample import EFFORTS, Sample
 from posttrain.engines.base import Engine
 from posttrain.envs.environments import Environment
-from posttrain.files import exclusive_lock, sha256_file
+from posttrain.files import atomic_write_text, exclusive_lock, sha256_file
 
 UsageKind = Literal["thinking", "output"]
 
@@ -486,7 +485,7 @@ class BudgetCache:
                 "config": dict(cold_start),
                 "budget": asdict(budget),
             }
-            self._write_atomic(self.path_for(prompt_id), data)
+            atomic_write_text(self.path_for(prompt_id), json.dumps(data, indent=1, sort_keys=True))
 
     def _read(self, prompt_id: str) -> dict[str, Any]:
         path = self.path_for(prompt_id)
@@ -516,21 +515,3 @@ class BudgetCache:
 
     def _locked(self, prompt_id: str) -> contextlib.AbstractContextManager[None]:
         return exclusive_lock(self.path_for(prompt_id).with_suffix(".lock"))
-
-    def _write_atomic(self, path: Path, data: dict[str, Any]) -> None:
-        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as handle:
-                json.dump(data, handle, indent=1, sort_keys=True)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
-        dir_fd = os.open(self.directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
