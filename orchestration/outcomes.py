@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from orchestration.rundir import read_manifest
 from posttrain.stages import EPISODES_FILE
 from posttrain.stats import mean_standard_error, paired_ratio
 
@@ -42,8 +43,11 @@ class DamagedEvalError(ValueError):
 
 
 def read_eval(path: Path) -> dict[str, Any] | None:
-    """A stage's evaluation file (eval.json, eval_episodes.json), None where it has none."""
-    if not path.is_file():
+    """A stage's evaluation file (eval.json, eval_episodes.json), None where it has none or where
+    its stage's manifest does not say done: a stage that failed after evaluating (its weights
+    refused by the publishing guard, a kill while it published) vouches for no numbers."""
+    manifest = read_manifest(path.parent)
+    if not path.is_file() or (manifest is not None and manifest.get("status") != "done"):
         return None
     try:
         return json.loads(path.read_text(encoding="utf-8"))

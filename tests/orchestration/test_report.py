@@ -146,3 +146,15 @@ def test_a_damaged_eval_file_is_named_in_the_report_not_a_traceback(tmp_path: Pa
     assert f"Not shown: {path} is damaged" in text
     assert f"--restart {path.parent.name}" in text
     assert "| rl-agent-high | rl |" in text  # the stage table is still there
+
+
+def test_a_stage_that_did_not_finish_shows_no_evaluation(tmp_path: Path) -> None:
+    """A stage that evaluated and then failed (the publishing guard refused its weights) vouches for
+    no numbers: its eval.json used to be shown, and counted in the claims, as a finished stage's."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(RECORDED, run_dir)
+    path = run_dir / "mopd" / "manifest.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "status": "failed"}))
+    text = write_report(load_pipeline(REPO / "stages" / "mopd.yaml"), run_dir).read_text()
+    assert "## RL evaluations" in text and "| rl-general-low |" in text
+    assert "## MOPD evaluation" not in text and "mopd_kl_down" not in text
