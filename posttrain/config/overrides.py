@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from posttrain.config.errors import Issue, did_you_mean
-from posttrain.config.stage_file import STRUCTURAL_KEYS
+from posttrain.config.stage_file import ENTRY, STRUCTURAL_KEYS
 
 SOURCE = "command line"
 
@@ -72,7 +72,11 @@ def apply_overrides(
             targets, path = prefixed, rest
         else:
             path = override.key
-            targets = [sid for sid in stages if path in known.get(sid, set()) or _has(stages[sid], path)]
+            targets = [
+                sid
+                for sid in stages
+                if _accepts(known.get(sid, set()), stages[sid], path) or _has(stages[sid], path)
+            ]
         if path[0] in STRUCTURAL_KEYS:
             issues.append(
                 Issue(
@@ -104,17 +108,52 @@ def _hint(
     has `environments.math` yet) can only be set per stage: say so with a stage prefix. Anything
     else is most likely a typo: the nearest key."""
     path = override.key
+    # The schema takes the path, but a mapping entry on the way is in no stage's file yet.
+    owners = [sid for sid in stages if any(_matches(a, path) for a in known.get(sid, set()))]
+    if owners:
+        entries = [
+            i
+            for i, part in enumerate(next(a for a in known[owners[0]] if _matches(a, path)))
+            if part == ENTRY
+        ]
+        depth = next((i for i in entries if not _has(stages[owners[0]], path[: i + 1])), entries[-1])
+        return _per_stage(override, owners, path[: depth + 1])
     for depth in range(len(path) - 2, 0, -1):
         owners = [sid for sid in stages if _has(stages[sid], path[:depth])]
         if owners:
-            example = f"{owners[0]}.{override.text}"
-            glob = (
-                f" (a glob such as '{owners[0].split('-')[0]}-*' targets several)" if len(owners) > 1 else ""
-            )
-            return f"no stage has {'.'.join(path[: depth + 1])} yet; add it per stage: {example}{glob}"
-    candidates = {".".join(p) for sid in stages for p in known.get(sid, set()) | _paths(stages[sid])}
+            return _per_stage(override, owners, path[: depth + 1])
+    candidates = {
+        ".".join(p).replace(ENTRY, "<name>")
+        for sid in stages
+        for p in known.get(sid, set()) | _paths(stages[sid])
+    }
     return did_you_mean(".".join(path), candidates) or (
         f"prefix a stage id to target one stage, e.g. {next(iter(stages), 'sft')}.{override.text}"
+    )
+
+
+def _per_stage(override: Override, owners: list[str], entry: tuple[str, ...]) -> str:
+    """The per-stage advice, its example a matrix stage (`rl-math-low`) with its glob where several
+    stages could take the entry."""
+    matrix = [sid for sid in owners if "-" in sid] if len(owners) > 1 else []
+    example = (matrix or owners)[0]
+    glob = f" (a glob such as '{example.split('-')[0]}-*' targets several)" if matrix else ""
+    return f"no stage has {'.'.join(entry)} yet; add it per stage: {example}.{override.text}{glob}"
+
+
+def _matches(accepted: tuple[str, ...], path: tuple[str, ...]) -> bool:
+    """Whether `path` is the schema path `accepted`, any name standing for an ENTRY."""
+    return len(accepted) == len(path) and all(a in (ENTRY, b) for a, b in zip(accepted, path, strict=True))
+
+
+def _accepts(known: set[tuple[str, ...]], data: dict[str, Any], path: tuple[str, ...]) -> bool:
+    """Whether a stage's schema takes `path` and every mapping entry it names is in the stage's
+    file already (`environments.general.max_turns` where the file has `environments.general`): a
+    new entry is set per stage, with a stage prefix."""
+    return any(
+        _matches(accepted, path)
+        and all(_has(data, path[: i + 1]) for i, part in enumerate(accepted) if part == ENTRY)
+        for accepted in known
     )
 
 

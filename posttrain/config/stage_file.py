@@ -8,6 +8,7 @@ nesting it under the kind's name, and lets an override say `train.steps=3`.
 
 from __future__ import annotations
 
+import collections.abc
 import copy
 import itertools
 import math
@@ -261,18 +262,32 @@ def fields_at(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
     return sorted({name for cls in current for name in cls.model_fields})
 
 
+# In a schema path, the segment of a mapping's key: `environments.*.max_turns`, whose `*` is an
+# entry's name (a domain, a teacher pair, an eval subset).
+ENTRY = "*"
+
+
 def schema_paths(
     model: type[BaseModel], prefix: tuple[str, ...] = (), depth: int = 6
 ) -> set[tuple[str, ...]]:
-    """Every dotted key path a model accepts (intermediate and leaf), for overrides."""
+    """Every dotted key path a model accepts (intermediate and leaf), for overrides; a mapping of
+    models (`dict[str, EnvironmentConfig]`) has ENTRY where its keys go."""
     paths = set()
     for name, info in model.model_fields.items():
         path = (*prefix, name)
         paths.add(path)
         if depth > 1:
+            keyed = _is_mapping(info.annotation)
             for nested in models_in(info.annotation):
-                paths |= schema_paths(nested, path, depth - 1)
+                paths |= schema_paths(nested, (*path, ENTRY) if keyed else path, depth - 1)
     return paths
+
+
+def _is_mapping(annotation: Any) -> bool:
+    """Whether the models in `annotation` are a mapping's values (through Optional and unions)."""
+    if typing.get_origin(annotation) in (dict, collections.abc.Mapping):
+        return True
+    return any(_is_mapping(arg) for arg in typing.get_args(annotation))
 
 
 def pydantic_issues(

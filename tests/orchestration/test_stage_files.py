@@ -351,6 +351,31 @@ def test_bad_overrides_are_user_errors(write, posttrain, tmp_path: Path) -> None
     assert not (tmp_path / "run").exists()
 
 
+def test_overrides_reach_the_named_entries_of_a_mapping() -> None:
+    """`environments.general.max_turns=2` sets the entry in every stage whose file has it; a new
+    entry needs a stage prefix and the error names it. Before, the schema paths skipped the entry's
+    name: the first was refused as "no stage has environments.general yet" (both files have it),
+    `teachers.coding-max.model` got "did you mean 'teachers.model'?" and `environments.max_turns`
+    reached the stages as a domain named max_turns."""
+    pipeline = load_pipeline(REPO / "stages" / "mopd.yaml", ["environments.general.max_turns=2"])
+    changed = [s for s in pipeline.stages.values() if s.kind in ("rl", "mopd")]
+    assert len(changed) == 10 and all(s.body["environments"]["general"]["max_turns"] == 2 for s in changed)
+    for override, message in [
+        (
+            "teachers.coding-max.model=sft",
+            "no stage has teachers.coding-max yet; add it per stage: mopd.teachers.coding-max.model=sft",
+        ),
+        (
+            "eval.subsets.hard.prompts=8",
+            "add it per stage: rl-general-low.eval.subsets.hard.prompts=8 (a glob such as 'rl-*' targets",
+        ),
+        ("environments.max_turns=3", "environments.max_turns=3: no stage has this key"),
+    ]:
+        with pytest.raises(ConfigError) as error:
+            load_pipeline(REPO / "stages" / "mopd.yaml", [override])
+        assert message in str(error.value)
+
+
 def test_kind_config_must_forbid_unknown_keys() -> None:
     from pydantic import BaseModel
 
