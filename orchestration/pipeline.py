@@ -22,6 +22,7 @@ from posttrain.config.overrides import apply_overrides, parse_overrides
 from posttrain.config.stage_file import (
     GENERIC_KEYS,
     NEEDS_CONTEXT,
+    SETS_MODEL_CONTEXT,
     STAGE_ID,
     STRUCTURAL_KEYS,
     StageHeader,
@@ -339,7 +340,11 @@ def _validate(
         try:
             # With the needs as context a kind checks its keys that name a need's model now, not when
             # the stage runs (posttrain.config.stage_file.check_model_reference).
-            config.model_validate(body, context={NEEDS_CONTEXT: list(inst.needs)})
+            context = {
+                NEEDS_CONTEXT: list(inst.needs),
+                SETS_MODEL_CONTEXT: inst.data.get("model") is not None,
+            }
+            config.model_validate(body, context=context)
         except ValidationError as exc:
             issues.extend(pydantic_issues(exc, config, inst.display, inst.lines, overridden, GENERIC_KEYS))
         issues.extend(number_issues(body, config, inst.display, inst.lines, overridden))

@@ -76,6 +76,8 @@ STRUCTURAL_KEYS: frozenset[str] = frozenset({"stage", "kind", "needs", "plugins"
 # Validation-context key under which the orchestrator passes a stage's need ids to its kind's
 # config, so keys naming a need's model are checked when the pipeline loads, not when the stage runs.
 NEEDS_CONTEXT = "needs"
+# And whether the stage file sets `model:`, from which a kind may start instead of a need's model.
+SETS_MODEL_CONTEXT = "sets_model"
 
 
 def check_model_reference(ref: str, info: ValidationInfo, what: str) -> str:

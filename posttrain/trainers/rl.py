@@ -41,6 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from posttrain.algos import group_advantages
 from posttrain.algos.policy_loss import PolicyLossConfig
 from posttrain.config.errors import did_you_mean
+from posttrain.config.stage_file import NEEDS_CONTEXT, SETS_MODEL_CONTEXT
 from posttrain.data.chat import ChatRenderer, load_tokenizer
 from posttrain.data.sample import DOMAINS, EFFORTS, Sample
 from posttrain.engines import Engine
@@ -160,6 +161,20 @@ class RLConfig(BaseModel):
     accelerate: AccelerateConfig = Field(default_factory=AccelerateConfig)
     tokenizer: str | None = Field(None, description="tokenizer dir; null: the init model's")
     checkpoint_every: int = Field(1, gt=0, description="iterations between checkpoints")
+
+    @field_validator("init")
+    @classmethod
+    def _init_is_a_need(cls, init: str, info: ValidationInfo) -> str:
+        # When the stage file is read: a misspelled init passed `plan` and stopped the stage at its
+        # start, after its needs had run. A stage that sets `model:` may start from that instead.
+        context = info.context or {}
+        needs = context.get(NEEDS_CONTEXT)
+        if needs is None or context.get(SETS_MODEL_CONTEXT) or init in needs:
+            return init
+        raise ValueError(
+            f"{init!r} is not one of this stage's needs ({', '.join(needs) or 'none'}); "
+            + (did_you_mean(init, needs) or "add the stage file that trains it to `needs`")
+        )
 
     @field_validator("domain")
     @classmethod

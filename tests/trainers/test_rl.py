@@ -100,6 +100,21 @@ def test_environment_mistakes_are_validation_errors_at_their_key(keys, key, expe
         RLConfig.model_validate({"train": {"steps": 1}, **keys, "domain": "coding"})
 
 
+def test_an_init_that_is_no_need_is_refused_when_the_file_is_read():
+    """`init: sftt` passed `plan` and stopped the stage at its start, after its needs had run; a
+    stage that sets `model:` may start from it, and a stage process (no context) is not checked."""
+    from posttrain.config.stage_file import NEEDS_CONTEXT, SETS_MODEL_CONTEXT
+
+    body = {"train": {"steps": 1}, "init": "sftt"}
+    with pytest.raises(ValidationError) as error:
+        RLConfig.model_validate(body, context={NEEDS_CONTEXT: ["sft"], SETS_MODEL_CONTEXT: False})
+    (detail,) = error.value.errors()
+    assert detail["loc"] == ("init",) and "'sftt' is not one of this stage's needs (sft)" in detail["msg"]
+    assert "did you mean 'sft'?" in detail["msg"]
+    RLConfig.model_validate(body, context={NEEDS_CONTEXT: ["sft"], SETS_MODEL_CONTEXT: True})
+    RLConfig.model_validate(body)
+
+
 def test_budget_reward_is_minus_one_over_tau_times_b0_and_tau_anneals(renderer):
     think, end = renderer.token_ids["think_begin"], renderer.token_ids["think_end"]
     word = renderer.encode("so")[0]
