@@ -215,10 +215,12 @@ class Environment:
         seed: int,
         exclude: Sequence[Sample] = (),
         families: Sequence[str] | None = None,
+        key: str = "the prompt count",
     ) -> list[Sample]:
         """`count` distinct prompts, families in turn (`families`, a subset of those offered, or all
         of them), harness applied; a pure function of its arguments. Questions of `exclude` (e.g.
-        the held-out set when drawing training prompts) never appear."""
+        the held-out set when drawing training prompts) never appear. `key`: the stage-file key
+        that set `count`, named when fewer distinct prompts exist."""
         rng = random.Random(f"rl-prompts:{self.domain}:{split}:{seed}")
         seen = {_question(p) for p in exclude}
         out: list[Sample] = []
@@ -240,7 +242,7 @@ class Environment:
         if len(out) < count:
             raise ValueError(
                 f"{self.domain}: only {len(out)} distinct {split} prompts could be drawn from {names}, "
-                f"{count} were asked for; lower the prompt count"
+                f"{count} were asked for; lower {key}"
             )
         return out
 

@@ -315,7 +315,10 @@ class Distiller:
         # One draw: prompts() is prefix-stable, so the KL's prompts are the first of the accuracy ones.
         held_out = {
             d: e.prompts(
-                "eval", max(cfg.eval.prompts_per_domain, cfg.eval.accuracy_prompts_per_domain), cfg.eval.seed
+                "eval",
+                max(cfg.eval.prompts_per_domain, cfg.eval.accuracy_prompts_per_domain),
+                cfg.eval.seed,
+                key="eval.prompts_per_domain or eval.accuracy_prompts_per_domain",
             )
             for d, e in self.envs.items()
         }
@@ -323,7 +326,10 @@ class Distiller:
         self.accuracy_prompts = {d: p[: cfg.eval.accuracy_prompts_per_domain] for d, p in held_out.items()}
         count = cfg.train.steps * cfg.rollout.prompts_per_domain
         self.train_prompts = {
-            d: env.prompts("train", count, ctx.seed, exclude=held_out[d]) for d, env in self.envs.items()
+            d: env.prompts(
+                "train", count, ctx.seed, exclude=held_out[d], key="train.steps x rollout.prompts_per_domain"
+            )
+            for d, env in self.envs.items()
         }
 
     def episodes(self, prompts: Mapping[str, list[Sample]], tag: str, copies: int = 1) -> list[Sample]:

@@ -301,15 +301,19 @@ def run_rl(ctx: StageContext) -> dict[str, float]:
         serve_policy(engine, model, version=0)
         # Behaviour log-probs of the distribution actually sampled, which the trainer recomputes.
         sampling = env.turn_sampling(cfg.rollout.temperature, ctx.seed, logprobs="processed")
-        held_out = env.prompts("eval", cfg.eval.prompts, cfg.eval.seed)
+        held_out = env.prompts("eval", cfg.eval.prompts, cfg.eval.seed, key="eval.prompts")
         subsets = domain_subsets(cfg.eval, env)
         subset_prompts = {
-            name: env.prompts("eval", s.prompts, cfg.eval.seed, families=s.families)
+            name: env.prompts(
+                "eval", s.prompts, cfg.eval.seed, families=s.families, key=f"eval.subsets.{name}.prompts"
+            )
             for name, s in subsets.items()
         }
         subset_cfgs = {name: subset_config(cfg.eval, s) for name, s in subsets.items()}
         excluded = held_out + [p for prompts in subset_prompts.values() for p in prompts]
-        train_prompts = env.prompts("train", cfg.rollout.prompts, ctx.seed, exclude=excluded)
+        train_prompts = env.prompts(
+            "train", cfg.rollout.prompts, ctx.seed, exclude=excluded, key="rollout.prompts"
+        )
         ctx.log.info(
             "RL %s/%s from %s: %d training prompts, %d held out",
             domain,

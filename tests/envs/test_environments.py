@@ -318,3 +318,11 @@ def test_sandboxes_given_back_are_kept_for_the_next_batch(tmp_path, renderer, ti
             env.play(engine, samples, sampling(renderer))
             assert env.sandboxes.lent == 0 and env.sandboxes.created == 40
             assert all(s.done and s.reward == 0.0 for s in samples)
+
+
+def test_asking_for_more_distinct_prompts_than_exist_names_the_key(tmp_path, renderer):
+    # Before: "lower the prompt count", which named none of the stage file's several counts.
+    cfg = EnvironmentConfig(families=["coding/fix_function"])
+    with make_environment("coding", renderer, cfg, sandbox_dir=tmp_path) as env:
+        with pytest.raises(ValueError, match=r"400 were asked for; lower rollout\.prompts$"):
+            env.prompts("train", 400, seed=0, key="rollout.prompts")  # the family has 165
