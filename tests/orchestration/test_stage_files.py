@@ -528,8 +528,10 @@ def test_a_block_check_names_its_key_without_printing_the_block(tmp_path: Path) 
     does not repeat the whole block (it printed the stage's entire body after `got`)."""
     stages = tmp_path / "stages"
     shutil.copytree(REPO / "stages", stages)
-    shipped = (stages / "rl.yaml").read_text().splitlines()
-    budget_line = shipped.index("budget:") + 1
+    rl = stages / "rl.yaml"  # math: a domain a plug-in registers, its budget usage not given
+    plugin = f"plugins: ['{REPO / 'examples' / 'math_domain.py'}']\n"
+    rl.write_text(rl.read_text().replace("needs: [sft.yaml]\n", "needs: [sft.yaml]\n" + plugin))
+    budget_line = rl.read_text().splitlines().index("budget:") + 1
     with pytest.raises(ConfigError) as caught:
         load_pipeline(stages / "mopd.yaml", ["rl-general-low.domain=math", "mopd.domains=[general]"])
     messages = [str(issue) for issue in caught.value.issues]
