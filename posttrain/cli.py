@@ -268,9 +268,9 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
                 markup=False,
                 highlight=False,
             )
-        if busy:
-            log.warning(busy)
-            console.print(f"[yellow]warning[/] {escape(busy)}", highlight=False, soft_wrap=True)
+        for message in ([busy] if busy else []) + _replaced_elsewhere(pipeline, run_dir, to_run, forced):
+            log.warning(message)
+            console.print(f"[yellow]warning[/] {escape(message)}", highlight=False, soft_wrap=True)
         live = RichDisplay if console.is_terminal else LineDisplay
         with live(console, len(scope)) as display:
             outcome = execute(
@@ -306,6 +306,27 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         return 0 if outcome.ok else 1
     finally:
         lock.release()
+
+
+def _replaced_elsewhere(pipeline: Pipeline, run_dir: Path, to_run: list[str], forced: set[str]) -> list[str]:
+    """Finished stages this run trains again because another stage file made them with another
+    config (two pipelines sharing a run dir and a stage id): their results are about to be replaced,
+    which a changed config in the same file means but a second pipeline most likely does not."""
+    out = []
+    for sid in to_run:
+        manifest = read_manifest(run_dir / sid) or {}
+        stage = pipeline.stages[sid]
+        if (
+            sid not in forced
+            and manifest.get("status") == "done"
+            and manifest.get("file") not in (None, stage.file)
+            and manifest.get("config_hash") != stage.config_hash
+        ):
+            out.append(
+                f"stage {sid}: its finished results came from {manifest['file']} with another config; "
+                f"this run trains it again from {stage.file} and replaces them (another --run-dir keeps both)"
+            )
+    return out
 
 
 def cmd_status(args: argparse.Namespace, console: Console) -> int:

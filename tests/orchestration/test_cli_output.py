@@ -172,6 +172,24 @@ def test_status_shows_the_stages_of_an_earlier_stage_file_run_in_the_same_dir(
     assert f"a: not stages of the last run's file ({second})" in out
 
 
+def test_a_stage_another_file_finished_with_another_config_is_replaced_with_a_warning(
+    write, posttrain, tmp_path: Path
+) -> None:
+    """Two stage files sharing a run dir and a stage id: the second run trained the first file's
+    finished stage again and replaced its results without a word."""
+    first = write("a.yaml", TOY, "value: 2\n")
+    second = write("other.yaml", TOY, "stage: a\nvalue: 3\n")
+    run = tmp_path / "run"
+    assert posttrain("run", first, "--run-dir", run)[0] == 0
+    code, out, _ = posttrain("run", second, "--run-dir", run)
+    assert code == 0
+    assert f"warning stage a: its finished results came from {first} with another config" in " ".join(
+        out.split()
+    ), out
+    code, out, _ = posttrain("run", second, "--run-dir", run, "value=4")  # the same file: no warning
+    assert code == 0 and "finished results came from" not in out
+
+
 def test_a_full_disk_is_named_with_its_fix_not_a_traceback(
     write, posttrain, tmp_path: Path, monkeypatch
 ) -> None:
