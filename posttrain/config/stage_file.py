@@ -322,7 +322,9 @@ def pydantic_issues(
             # A block's own check (a model or mapping validator) gets the whole block as input: its
             # message says what is wrong, the line says where, and the block's text would bury both.
             shown = "" if isinstance(got, dict) else f" (got {got!r})"
-            issues.append(Issue(where, f"{err['msg']}{shown}", key=key_path(loc), line=line))
+            # pydantic prefixes a validator's ValueError with "Value error, ": not the user's concern
+            message = err["msg"].removeprefix("Value error, ")
+            issues.append(Issue(where, f"{message}{shown}", key=key_path(loc), line=line))
     return issues
 
 

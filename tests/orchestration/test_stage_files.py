@@ -24,6 +24,7 @@ def assert_user_error(result: tuple[int, str, str], *fragments: str) -> str:
     code, out, err = result
     assert code == 2, (out, err)
     assert "Traceback" not in out + err
+    assert "Value error, " not in err, err  # pydantic's prefix to a validator's message
     for fragment in fragments:
         assert fragment in err, f"{fragment!r} not in:\n{err}"
     return err
