@@ -345,9 +345,13 @@ def _validate(
                 SETS_MODEL_CONTEXT: inst.data.get("model") is not None,
             }
             config.model_validate(body, context=context)
+            schema = []
         except ValidationError as exc:
-            issues.extend(pydantic_issues(exc, config, inst.display, inst.lines, overridden, GENERIC_KEYS))
-        issues.extend(number_issues(body, config, inst.display, inst.lines, overridden))
+            schema = pydantic_issues(exc, config, inst.display, inst.lines, overridden, GENERIC_KEYS)
+        numbers = number_issues(body, config, inst.display, inst.lines, overridden)
+        # A NaN also fails a bound (`gt=0`): one problem, said once, as "must be a finite number".
+        said = {(issue.file, issue.key) for issue in numbers}
+        issues.extend([issue for issue in schema if (issue.file, issue.key) not in said] + numbers)
     else:
         for key in body:  # a misspelled generic key would otherwise pass as an unchecked body key
             hint = did_you_mean(key, GENERIC_KEYS)

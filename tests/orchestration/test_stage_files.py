@@ -377,6 +377,14 @@ def test_overrides_reach_the_named_entries_of_a_mapping() -> None:
         assert message in str(error.value)
 
 
+def test_a_nan_under_a_bound_is_one_problem() -> None:
+    # Before: also "Input should be greater than 0 (got nan)" from the schema's bound, for one key.
+    with pytest.raises(ConfigError) as error:
+        load_pipeline(REPO / "stages" / "mopd.yaml", ["mopd.r_max=.nan"])
+    (issue,) = error.value.issues
+    assert str(issue) == "command line override 'mopd.r_max=.nan': r_max: must be a finite number, got nan"
+
+
 def test_kind_config_must_forbid_unknown_keys() -> None:
     from pydantic import BaseModel
 
