@@ -92,11 +92,19 @@ def first_copies_agree(rows: dict[str, list], recorded: dict[str, list] | None) 
 
 
 def model_hash(stage_dir: Path) -> str:
-    """The model hash the run recorded for a finished stage (its manifest.json)."""
+    """The model hash the run recorded for a finished stage (its manifest.json). A stage whose
+    manifest does not say done (failed, or killed while it ran) vouches for no model: its weights
+    and a replay cached under its hash may be another attempt's."""
     manifest = stage_dir / "manifest.json"
     if not manifest.is_file():
         raise SystemExit(f"{manifest} is missing: {stage_dir.name} has not finished in {stage_dir.parent}")
-    return json.loads(manifest.read_text())["model_hash"]
+    record = json.loads(manifest.read_text())
+    if record.get("status", "done") != "done":
+        raise SystemExit(
+            f"{manifest}: {stage_dir.name} is {record['status']}, not done, in {stage_dir.parent}; "
+            f"finish it first: posttrain run FILE --run-dir {stage_dir.parent} --only {stage_dir.name}"
+        )
+    return record["model_hash"]
 
 
 def kept_share(run: Path, pair: str, samples: int, student: str = "mopd") -> dict[str, Any]:

@@ -108,3 +108,17 @@ def test_a_replay_stored_by_another_process_meanwhile_is_kept(tmp_path: Path, mo
     assert row["kept"] == 1.0 and row["prompts"] == 2
     cache = json.loads((tmp_path / kept_replay.CACHE_FILE).read_text())
     assert cache == {**other, "mopd/general-max/8/aaaa/bbbb": row}
+
+
+def test_a_stage_not_done_is_not_replayed_nor_read_from_the_cache(tmp_path: Path) -> None:
+    """A MOPD stage that failed after a finished attempt keeps a manifest (and a cached replay under
+    its hash): its kept share is refused, not the cached one of a model the run no longer vouches for."""
+    stage = _rl_stage(tmp_path, "general", "max", prompts=3)
+    student = tmp_path / "mopd"
+    student.mkdir()
+    _finished(stage, "aaaa")
+    (student / "manifest.json").write_text(json.dumps({"model_hash": "bbbb", "status": "failed"}))
+    key = "mopd/general-max/8/aaaa/bbbb"
+    (tmp_path / kept_replay.CACHE_FILE).write_text(json.dumps({key: {"kept": 0.93}}))
+    with pytest.raises(SystemExit, match="mopd is failed, not done.*--only mopd"):
+        kept_replay.kept_share(tmp_path, "general-max", 8)
