@@ -22,8 +22,13 @@ sharing their sampling noise), where the stage's evaluation plays each prompt on
 pair's kept share has an error near 0.1 around a bound of 0.9. The replays of all seeds' pairs run in
 `--cpus` processes of one thread each, storing into each run dir's cache under a lock.
 
-Writes OUT/outcomes.json ({"runs": {seed: claims}, "summary": per claim, "subsets_of_3": per claim
-[held, subsets]}) and OUT/outcomes.md.
+Before reading them it checks each seed's run dir: one that holds no run, or whose last run was
+another stage file or other overrides (pipeline.json), stops it (exit 2) rather than mixing or
+dropping seeds; stages not done are named under the table (their claims are missing, not misses).
+Writes OUT/outcomes.json ({"commit", "machine", "stage_file", "overrides", "kept_samples",
+"unfinished": {seed: {stage: status}}, "runs": {seed: claims}, "summary": per claim, "subsets_of_3":
+per claim [held, subsets]}) and OUT/outcomes.md, both naming the checkout's commit and the machine
+as a RESULTS.md entry does. Exits 1 after the report where a seed's run did not exit 0.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ sys.path.insert(0, str(REPO))
 from kept_replay import kept_share, one_thread  # noqa: E402
 
 from orchestration.outcomes import claim, run_claims, seed_summary, subset_pass_rates, subsets_all_holding  # noqa: E402
+from orchestration.rundir import read_json, read_manifest  # noqa: E402
 
 SUBSET_SIZE = 3  # the benchmark's default seed count: with more seeds, how often would three pass?
 
@@ -156,6 +162,60 @@ def markdown(
     return [*lines, "", verdict]
 
 
+def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Arguments that would crash later or mix runs: an argparse error (exit 2) naming the argument
+    and its fix, before anything runs or is written."""
+    if args.parallel < 1 or args.cpus < 1:
+        parser.error(f"--parallel {args.parallel} --cpus {args.cpus}: each must be at least 1")
+    if args.kept_samples < 0:
+        parser.error(f"--kept-samples {args.kept_samples}: pass K >= 1 episodes a prompt, or 0 for none")
+    repeated = sorted({s for s in args.seeds if args.seeds.count(s) > 1})
+    if repeated:  # two processes of one seed would write the same run dir at once
+        parser.error(f"--seeds repeats {repeated}: name each seed once")
+    above = next((p for p in (args.out, *args.out.parents) if p.exists()), None)
+    if above is not None and not above.is_dir():
+        parser.error(f"--out {args.out}: {above} is a file; name a directory for the runs")
+
+
+def checkout() -> str:
+    """This checkout's commit (short hash), "+changes" where its tracked files differ from it: the
+    commit a RESULTS.md entry names for the numbers."""
+    git = ["git", "-C", str(REPO)]
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    if head.returncode:
+        return "unknown commit (not a git checkout)"
+    changed = subprocess.run(
+        [*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+    )
+    return head.stdout.strip() + (" +changes" if changed.stdout.strip() else "")
+
+
+def unfinished_stages(
+    parser: argparse.ArgumentParser, out: Path, seed: int, stage_file: Path, overrides: list[str]
+) -> dict[str, str]:
+    """Seed's run dir checked before its claims are read: an argparse error (exit 2) where it holds
+    no run or its last run was another stage file or other overrides (another recipe's numbers);
+    else its stages that are not done, with their status (their claims are missing, not held)."""
+    run_dir = out / f"seed-{seed}"
+    plan = read_json(run_dir / "pipeline.json")
+    if plan is None:
+        parser.error(
+            f"{run_dir} holds no run (no pipeline.json; log {out}/seed-{seed}.log): run the seed "
+            "without --report-only, or leave it out of --seeds"
+        )
+    asked = [stage_file.name, f"seed={seed}", *overrides]
+    found = [Path(plan["file"]).name, *plan["overrides"]]
+    if found != asked:
+        parser.error(
+            f"{run_dir}/pipeline.json: its run was {' '.join(found)}, not {' '.join(asked)}; pass that "
+            "stage file and those overrides, or another --out for this recipe"
+        )
+    status = {
+        stage: (read_manifest(run_dir / stage) or {}).get("status", "not started") for stage in plan["stages"]
+    }
+    return {stage: state for stage, state in status.items() if state != "done"}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -182,11 +242,15 @@ def main() -> None:
     )
     parser.add_argument("overrides", nargs="*", help="KEY=VALUE overrides passed to every run")
     args = parser.parse_args()
+    check_arguments(parser, args)
     args.out.mkdir(parents=True, exist_ok=True)
-    print(
-        f"machine: {platform.node()} {os.cpu_count()} cores, {cpu_model()}, python "
-        f"{platform.python_version()}, torch {torch.__version__}"
+    machine = (
+        f"{platform.node()} {os.cpu_count()} cores, {cpu_model()}, python {platform.python_version()}, "
+        f"torch {torch.__version__}"
     )
+    commit = checkout()
+    print(f"machine: {machine}\ncommit: {commit}")
+    failed = []
     if not args.report_only:
         with ThreadPoolExecutor(args.parallel) as pool:
             jobs = [
@@ -195,9 +259,15 @@ def main() -> None:
             ]
             for job in jobs:
                 seed, seconds, code = job.result()
+                failed += [seed] * bool(code)
                 print(
                     f"seed {seed}: exit {code} after {seconds / 60:.1f} min (log {args.out}/seed-{seed}.log)"
                 )
+    unfinished = {
+        s: stages
+        for s in args.seeds
+        if (stages := unfinished_stages(parser, args.out, s, args.stage_file, args.overrides))
+    }
     runs = {s: run_claims(args.out / f"seed-{s}") for s in args.seeds}
     if args.kept_samples:
         replayed = replay_kept_shares(
@@ -211,12 +281,31 @@ def main() -> None:
     lines = markdown(summary, runs, subsets, all_holding)
     if args.kept_samples:
         lines += [f"mopd_keeps_90 on {args.kept_samples} episodes a held-out prompt (bench/kept_replay.py)."]
+    for seed, stages in unfinished.items():  # their claims are blank cells or missing rows, not misses
+        listed = ", ".join(f"{stage} ({state})" for stage, state in stages.items())
+        lines += [f"Seed {seed}'s stages not done, their claims left out: {listed}."]
+    lines += [
+        f"Commit {commit}; {args.stage_file.name} {' '.join(args.overrides)}".rstrip()
+        + f"; machine: {machine}."
+    ]
     print("\n".join(lines))
-    report = {"runs": runs, "summary": summary, f"subsets_of_{SUBSET_SIZE}": subsets}
+    report = {
+        "commit": commit,
+        "machine": machine,
+        "stage_file": args.stage_file.name,
+        "overrides": args.overrides,
+        "kept_samples": args.kept_samples,
+        "unfinished": unfinished,
+        "runs": runs,
+        "summary": summary,
+        f"subsets_of_{SUBSET_SIZE}": subsets,
+    }
     if all_holding:
         report[f"subsets_of_{SUBSET_SIZE}_all_holding"] = all_holding
     (args.out / "outcomes.json").write_text(json.dumps(report, indent=1))
     (args.out / "outcomes.md").write_text("\n".join(lines) + "\n")
+    if failed:
+        raise SystemExit(f"seeds {failed} failed (exit code not 0): see {args.out}/seed-S.log")
 
 
 if __name__ == "__main__":

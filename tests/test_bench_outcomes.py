@@ -79,3 +79,71 @@ def test_replays_of_several_runs_and_pairs_in_lanes_land_on_their_own_claims(
         for root, claims in out.items()
     } == shares
     assert [row["holds"] for row in out[tmp_path / "seed-1"].values()] == [False, True]
+
+
+def _main(monkeypatch: pytest.MonkeyPatch, *argv: str) -> None:
+    monkeypatch.setattr(sys, "argv", ["outcomes.py", *argv])
+    bench_outcomes.main()
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--parallel", "0"], "--parallel 0"),
+        (["--cpus", "-1"], "--cpus -1"),
+        (["--kept-samples", "-2"], "--kept-samples -2"),
+        (["--seeds", "1", "2", "1"], "--seeds repeats [1]"),
+        (["--out", "FILE/runs"], "is a file"),
+    ],
+)
+def test_bad_arguments_exit_2_naming_the_argument(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    argv: list[str],
+    named: str,
+) -> None:
+    (tmp_path / "FILE").write_text("")
+    argv = [a.replace("FILE", str(tmp_path / "FILE")) for a in argv]
+    with pytest.raises(SystemExit) as exit_:
+        _main(monkeypatch, "--report-only", "--out", str(tmp_path / "out"), *argv)
+    assert exit_.value.code == 2 and named in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # nothing written
+
+
+def _seed_run(out: Path, seed: int, overrides: list[str], status: dict[str, str]) -> None:
+    """A seed's run dir as posttrain leaves it: pipeline.json and each stage's manifest."""
+    run = out / f"seed-{seed}"
+    run.mkdir(parents=True)
+    plan = {
+        "file": "/elsewhere/stages/mopd.yaml",
+        "overrides": [f"seed={seed}", *overrides],
+        "stages": status,
+    }
+    (run / "pipeline.json").write_text(json.dumps(plan))
+    for stage, state in status.items():
+        (run / stage).mkdir()
+        (run / stage / "manifest.json").write_text(json.dumps({"status": state, "model_hash": "ffff"}))
+
+
+def test_a_report_refuses_missing_seeds_and_other_recipes_and_names_unfinished_stages(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    _seed_run(out, 0, [], {"sft": "done", "mopd": "failed"})
+    _seed_run(out, 1, ["kl_coef=0.1"], {"sft": "done"})
+    report = ["--report-only", "--out", str(out), "--seeds"]
+    with pytest.raises(SystemExit) as exit_:
+        _main(monkeypatch, *report, "0", "2")  # seed 2 never ran here: not a seed without claims
+    assert exit_.value.code == 2 and "seed-2 holds no run" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        _main(monkeypatch, *report, "0", "1")  # seed 1 is another recipe's: not mixed in
+    assert exit_.value.code == 2 and "seed=1 kl_coef=0.1, not mopd.yaml seed=1" in capsys.readouterr().err
+    assert not (out / "outcomes.json").exists()
+    _main(monkeypatch, *report, "0")
+    written = json.loads((out / "outcomes.json").read_text())
+    assert written["unfinished"] == {"0": {"mopd": "failed"}}
+    assert written["commit"] and written["machine"].startswith(bench_outcomes.platform.node())
+    md = (out / "outcomes.md").read_text()
+    assert "Seed 0's stages not done, their claims left out: mopd (failed)." in md
+    assert f"Commit {written['commit']}; mopd.yaml; machine: " in md
