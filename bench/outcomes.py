@@ -26,9 +26,11 @@ Before reading them it checks each seed's run dir: one that holds no run, or who
 another stage file or other overrides (pipeline.json), stops it (exit 2) rather than mixing or
 dropping seeds; stages not done are named under the table (their claims are missing, not misses).
 Writes OUT/outcomes.json ({"commit", "machine", "stage_file", "overrides", "kept_samples",
-"unfinished": {seed: {stage: status}}, "runs": {seed: claims}, "summary": per claim, "subsets_of_3":
-per claim [held, subsets]}) and OUT/outcomes.md, both naming the checkout's commit and the machine
-as a RESULTS.md entry does. Exits 1 after the report where a seed's run did not exit 0.
+"unfinished": {seed: {stage: status}}, "seed_commits": {seed: [commits]}, "runs": {seed: claims},
+"summary": per claim, "subsets_of_3": per claim [held, subsets]}) and OUT/outcomes.md, both naming
+the checkout's commit and the machine as a RESULTS.md entry does. Each seed's run records the
+commit it was started at in OUT/commits.json; the report names a seed run (or resumed) at another
+commit than its own. Exits 1 after the report where a seed's run did not exit 0.
 """
 
 from __future__ import annotations
@@ -53,8 +55,10 @@ from kept_replay import kept_share, one_thread  # noqa: E402
 
 from orchestration.outcomes import claim, run_claims, seed_summary, subset_pass_rates, subsets_all_holding  # noqa: E402
 from orchestration.rundir import read_json, read_manifest  # noqa: E402
+from posttrain.files import atomic_write_text  # noqa: E402
 
 SUBSET_SIZE = 3  # the benchmark's default seed count: with more seeds, how often would three pass?
+COMMITS_FILE = "commits.json"  # in OUT: per seed, the commits its runs were started at, in order
 
 
 def run_seed(
@@ -190,6 +194,18 @@ def checkout() -> str:
     return head.stdout.strip() + (" +changes" if changed.stdout.strip() else "")
 
 
+def record_commit(out: Path, seeds: list[int], commit: str) -> dict[str, list[str]]:
+    """Add this checkout's commit to each seed's list in OUT/commits.json (once per change): a seed
+    resumed at another commit keeps the stages finished at the earlier one, so its claims may mix
+    two commits' code, which the report then says."""
+    commits = read_json(out / COMMITS_FILE) or {}
+    for seed in map(str, seeds):
+        if commits.get(seed, [None])[-1] != commit:
+            commits[seed] = [*commits.get(seed, []), commit]
+    atomic_write_text(out / COMMITS_FILE, json.dumps(commits, indent=1))
+    return commits
+
+
 def unfinished_stages(
     parser: argparse.ArgumentParser, out: Path, seed: int, stage_file: Path, overrides: list[str]
 ) -> dict[str, str]:
@@ -252,6 +268,7 @@ def main() -> None:
     print(f"machine: {machine}\ncommit: {commit}")
     failed = []
     if not args.report_only:
+        record_commit(args.out, args.seeds, commit)
         with ThreadPoolExecutor(args.parallel) as pool:
             jobs = [
                 pool.submit(run_seed, s, args.out, args.cpus, args.stage_file, args.overrides, args.only)
@@ -284,6 +301,13 @@ def main() -> None:
     for seed, stages in unfinished.items():  # their claims are blank cells or missing rows, not misses
         listed = ", ".join(f"{stage} ({state})" for stage, state in stages.items())
         lines += [f"Seed {seed}'s stages not done, their claims left out: {listed}."]
+    seed_commits = {s: c for s, c in (read_json(args.out / COMMITS_FILE) or {}).items() if int(s) in runs}
+    for seed, commits in seed_commits.items():
+        if commits != [commit]:
+            lines += [
+                f"Seed {seed}'s runs were started at {', '.join(commits)}, this report's checkout is "
+                f"{commit}: its stages may come from any of them (a resumed run keeps finished stages)."
+            ]
     lines += [
         f"Commit {commit}; {args.stage_file.name} {' '.join(args.overrides)}".rstrip()
         + f"; machine: {machine}."
@@ -296,6 +320,7 @@ def main() -> None:
         "overrides": args.overrides,
         "kept_samples": args.kept_samples,
         "unfinished": unfinished,
+        "seed_commits": seed_commits,
         "runs": runs,
         "summary": summary,
         f"subsets_of_{SUBSET_SIZE}": subsets,

@@ -147,3 +147,31 @@ def test_a_report_refuses_missing_seeds_and_other_recipes_and_names_unfinished_s
     md = (out / "outcomes.md").read_text()
     assert "Seed 0's stages not done, their claims left out: mopd (failed)." in md
     assert f"Commit {written['commit']}; mopd.yaml; machine: " in md
+
+
+def test_a_resumed_seed_at_another_commit_is_named_and_a_failed_seed_exits_1(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each run of a seed records the checkout's commit (OUT/commits.json): a seed resumed at another
+    commit keeps the stages finished at the first, which the report says; a seed whose run failed
+    still gets its report, then the exit code says so."""
+    out = tmp_path / "out"
+    codes = {0: 0, 1: 1}
+
+    def fake_run_seed(seed: int, out: Path, *_: object) -> tuple[int, float, int]:
+        if not (out / f"seed-{seed}").exists():
+            _seed_run(out, seed, [], {"sft": "done" if codes[seed] == 0 else "failed"})
+        return seed, 1.0, codes[seed]
+
+    monkeypatch.setattr(bench_outcomes, "run_seed", fake_run_seed)
+    monkeypatch.setattr(bench_outcomes, "checkout", lambda: "aaaa")
+    _main(monkeypatch, "--out", str(out), "--seeds", "0")
+    monkeypatch.setattr(bench_outcomes, "checkout", lambda: "bbbb")
+    with pytest.raises(SystemExit, match=r"seeds \[1\] failed"):
+        _main(monkeypatch, "--out", str(out), "--seeds", "0", "1")
+    written = json.loads((out / "outcomes.json").read_text())
+    assert written["seed_commits"] == {"0": ["aaaa", "bbbb"], "1": ["bbbb"]}
+    assert written["unfinished"] == {"1": {"sft": "failed"}}
+    md = (out / "outcomes.md").read_text()
+    assert "Seed 0's runs were started at aaaa, bbbb, this report's checkout is bbbb" in md
+    assert "Seed 1's runs" not in md
