@@ -176,6 +176,15 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     repeated = sorted({s for s in args.seeds if args.seeds.count(s) > 1})
     if repeated:  # two processes of one seed would write the same run dir at once
         parser.error(f"--seeds repeats {repeated}: name each seed once")
+    # the runs' processes start in the repo (cwd=REPO), the report reads from here: one path for both
+    args.out, args.stage_file = args.out.resolve(), args.stage_file.resolve()
+    seeded = [o for o in args.overrides if o.partition("=")[0].strip() == "seed"]
+    if seeded:  # posttrain takes the last of seed=S and it: every seed would run the same seed
+        parser.error(f"override {seeded[0]}: --seeds sets each run's seed; pass the seeds there")
+    if not args.stage_file.is_file():
+        parser.error(
+            f"--stage-file {args.stage_file} does not exist; pass a stage file (default stages/mopd.yaml)"
+        )
     above = next((p for p in (args.out, *args.out.parents) if p.exists()), None)
     if above is not None and not above.is_dir():
         parser.error(f"--out {args.out}: {above} is a file; name a directory for the runs")

@@ -94,6 +94,8 @@ def _main(monkeypatch: pytest.MonkeyPatch, *argv: str) -> None:
         (["--kept-samples", "-2"], "--kept-samples -2"),
         (["--seeds", "1", "2", "1"], "--seeds repeats [1]"),
         (["--out", "FILE/runs"], "is a file"),
+        (["seed=5"], "override seed=5: --seeds sets each run's seed"),
+        (["--stage-file", "stages/nope.yaml"], "stages/nope.yaml does not exist"),
     ],
 )
 def test_bad_arguments_exit_2_naming_the_argument(
@@ -175,3 +177,25 @@ def test_a_resumed_seed_at_another_commit_is_named_and_a_failed_seed_exits_1(
     md = (out / "outcomes.md").read_text()
     assert "Seed 0's runs were started at aaaa, bbbb, this report's checkout is bbbb" in md
     assert "Seed 1's runs" not in md
+
+
+def test_a_relative_out_and_stage_file_mean_the_same_dirs_to_the_runs_and_the_report(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The seeds' processes run in the repo; relative paths given from elsewhere are this shell's,
+    for the runs and for the report that reads them."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "mopd.yaml").write_text("")
+    started = []
+
+    def fake_call(command: list[str], cwd: Path, **_: object) -> int:
+        run_dir = Path(cwd) / command[command.index("--run-dir") + 1]
+        started.append((run_dir, Path(cwd) / command[4]))
+        _seed_run(run_dir.parent, 0, [], {"sft": "done"})
+        return 0
+
+    monkeypatch.setattr(bench_outcomes.subprocess, "call", fake_call)
+    _main(monkeypatch, "--out", "rel", "--seeds", "0", "--stage-file", "mine/mopd.yaml")
+    assert started == [(tmp_path / "rel" / "seed-0", tmp_path / "mine" / "mopd.yaml")]
+    assert json.loads((tmp_path / "rel" / "outcomes.json").read_text())["unfinished"] == {}
