@@ -53,7 +53,14 @@ sys.path.insert(0, str(REPO))
 
 from kept_replay import kept_share, one_thread  # noqa: E402
 
-from orchestration.outcomes import claim, run_claims, seed_summary, subset_pass_rates, subsets_all_holding  # noqa: E402
+from orchestration.outcomes import (  # noqa: E402
+    DamagedEvalError,
+    claim,
+    run_claims,
+    seed_summary,
+    subset_pass_rates,
+    subsets_all_holding,
+)
 from orchestration.rundir import read_json, read_manifest  # noqa: E402
 from posttrain.files import atomic_write_text  # noqa: E402
 
@@ -294,7 +301,10 @@ def main() -> None:
         for s in args.seeds
         if (stages := unfinished_stages(parser, args.out, s, args.stage_file, args.overrides))
     }
-    runs = {s: run_claims(args.out / f"seed-{s}") for s in args.seeds}
+    try:
+        runs = {s: run_claims(args.out / f"seed-{s}") for s in args.seeds}
+    except DamagedEvalError as error:  # its claims cannot be read, and leaving them out would hide it
+        parser.error(str(error))
     if args.kept_samples:
         replayed = replay_kept_shares(
             {args.out / f"seed-{s}": c for s, c in runs.items()}, args.kept_samples, args.cpus

@@ -199,3 +199,16 @@ def test_a_relative_out_and_stage_file_mean_the_same_dirs_to_the_runs_and_the_re
     _main(monkeypatch, "--out", "rel", "--seeds", "0", "--stage-file", "mine/mopd.yaml")
     assert started == [(tmp_path / "rel" / "seed-0", tmp_path / "mine" / "mopd.yaml")]
     assert json.loads((tmp_path / "rel" / "outcomes.json").read_text())["unfinished"] == {}
+
+
+def test_a_damaged_eval_file_exits_2_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    _seed_run(out, 0, [], {"rl-general-max": "done"})
+    (out / "seed-0" / "rl-general-max" / "eval.json").write_text('{"trunc')  # a disk that filled
+    with pytest.raises(SystemExit) as exit_:
+        _main(monkeypatch, "--report-only", "--out", str(out), "--seeds", "0")
+    error = capsys.readouterr().err
+    assert exit_.value.code == 2 and "seed-0/rl-general-max/eval.json is damaged" in error
+    assert "--restart rl-general-max" in error and not (out / "outcomes.json").exists()
