@@ -171,6 +171,8 @@ def main() -> None:
     parser.add_argument("--bound", type=float, default=0.9, help="the kept share the claim asks for")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
+    if args.samples < 1 or args.threads < 1:  # zero episodes divide by zero after loading both models
+        parser.error(f"--samples {args.samples} --threads {args.threads}: each must be at least 1")
     torch.set_num_threads(args.threads)
     print(
         f"{args.samples} episodes a held-out prompt; kept share: student / specialist, error paired by prompt"

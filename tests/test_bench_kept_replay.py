@@ -122,3 +122,13 @@ def test_a_stage_not_done_is_not_replayed_nor_read_from_the_cache(tmp_path: Path
     (tmp_path / kept_replay.CACHE_FILE).write_text(json.dumps({key: {"kept": 0.93}}))
     with pytest.raises(SystemExit, match="mopd is failed, not done.*--only mopd"):
         kept_replay.kept_share(tmp_path, "general-max", 8)
+
+
+@pytest.mark.parametrize("argv", [["--samples", "0"], ["--threads", "0"]])
+def test_zero_samples_or_threads_exit_2_before_playing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    monkeypatch.setattr(sys, "argv", ["kept_replay.py", str(tmp_path), *argv])
+    with pytest.raises(SystemExit) as exit_:
+        kept_replay.main()
+    assert exit_.value.code == 2 and f"{' '.join(argv)}" in capsys.readouterr().err
