@@ -24,7 +24,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -40,6 +40,9 @@ class NonFiniteLossError(FloatingPointError):
     """Training produced a NaN/inf loss or gradient norm; the message names the step and the fix."""
 
 
+AdamBeta = Annotated[float, Field(ge=0, lt=1)]
+
+
 class OptimConfig(BaseModel):
     """AdamW with a linear warm-up then a cosine decay to `min_lr_ratio * lr`, and norm clipping."""
 
@@ -48,7 +51,8 @@ class OptimConfig(BaseModel):
     warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warm-up from 0 to lr")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a fraction of lr")
     weight_decay: float = Field(0.0, ge=0, description="decoupled decay on matrices (not norms, biases)")
-    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW's moment decay rates")
+    # in [0, 1) as torch's AdamW requires: checked here, a bad one fails `plan`, not the stage start
+    betas: tuple[AdamBeta, AdamBeta] = Field((0.9, 0.95), description="AdamW's moment decay rates, in [0, 1)")
     eps: float = Field(1e-8, gt=0, description="AdamW's denominator epsilon")
     grad_clip: float | None = Field(1.0, gt=0, description="max global grad norm; null: no clipping")
     freeze_vision: bool = Field(

@@ -15,7 +15,9 @@ from pydantic import ValidationError
 from safetensors.torch import load_file
 
 from data_recipes.agent_tasks import FAMILIES
-from posttrain.data.chat import CHAT_TEMPLATE
+from orchestration.pipeline import load_pipeline
+from posttrain.config.errors import ConfigError
+from posttrain.data.chat import CHAT_TEMPLATE, DEFAULT_TOKENIZER_DIR
 from posttrain.data.mixture import DATA_RECIPES, MixtureSource, Recipe
 from posttrain.data.trajectory import BadTrajectoryError
 from posttrain.engines.testing import tiny_k3
@@ -223,6 +225,29 @@ def test_config_errors_name_the_key():
         )
     with pytest.raises(ValidationError, match="accelerate.deepspeed_config: /nowhere/ds.json does not exist"):
         SFTConfig.model_validate({**good, "accelerate": {"deepspeed_config": "/nowhere/ds.json"}})
+
+
+def test_plan_refuses_a_bad_tokenizer_dir_vision_or_betas_at_their_lines(tmp_path):
+    # Each passed `plan` (vision at line 1) and stopped the stage at its start with a library error.
+    stage = tmp_path / "sft-bad.yaml"
+    stage.write_text(
+        "kind: sft\n"
+        f"tokenizer: {tmp_path / 'tok'}\n"
+        "vision: models/vision-tny.yaml\n"
+        "train:\n"
+        "  steps: 1\n"
+        "  betas: [1.5, 0.9]\n"
+    )
+    with pytest.raises(ConfigError) as error:
+        load_pipeline(stage)
+    text = str(error.value)
+    assert "sft-bad.yaml:2: tokenizer: no tokenizer_config.json in that dir" in text
+    assert "sft-bad.yaml:3: vision: models/vision-tny.yaml: no preset file or vision dir" in text
+    assert "sft-bad.yaml:6: train.betas[0]: Input should be less than 1 (got 1.5)" in text
+    stage.write_text(
+        f"kind: sft\ntokenizer: {DEFAULT_TOKENIZER_DIR}\ntrain: {{steps: 1, betas: [0, 0.999]}}\n"
+    )
+    load_pipeline(stage)
 
 
 def test_warmup_then_cosine_schedule():
