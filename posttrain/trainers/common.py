@@ -194,6 +194,7 @@ def load_policy(
         from peft import LoraConfig as PeftLoraConfig
         from peft import get_peft_model
 
+        _check_lora_targets(ctx, model, lora)
         model = get_peft_model(
             model,
             PeftLoraConfig(
@@ -202,6 +203,22 @@ def load_policy(
         )
     model.train()
     return Policy(model=model, source=source)
+
+
+def _check_lora_targets(ctx: StageContext, model: nn.Module, lora: LoRAConfig) -> None:
+    """Every name in `lora.target_modules` names a module of the model (peft's rule: the module's
+    name or its dotted suffix). peft silently skipped a misspelled one beside a good one, and with
+    none good stopped the stage with an error naming neither the key nor the model's names."""
+    if lora.target_modules == "all-linear":
+        return
+    names = [name for name, _ in model.named_modules()]
+    missing = [t for t in lora.target_modules if not any(n == t or n.endswith(f".{t}") for n in names)]
+    if missing:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+        raise ValueError(
+            f"stage {ctx.stage_id}: lora.target_modules {missing} name no module of the model; its "
+            f"Linear modules are {', '.join(linear)} (or target_modules: all-linear)"
+        )
 
 
 def _with_vision(ctx: StageContext, model: nn.Module, vision: Path, media_pad_id: int | None) -> nn.Module:

@@ -170,6 +170,17 @@ def test_lora_trains_only_the_adapters(tmp_path, small_recipe, tiny_model_dir, s
     assert targeted <= changed
 
 
+def test_lora_target_modules_that_name_no_module_are_refused_naming_the_key(
+    tmp_path, small_recipe, tiny_model_dir, stage_runner
+):
+    # peft trained q_proj alone, skipping the misspelled name without a word
+    cfg = body(small_recipe[0], steps=1)
+    cfg["lora"] = {"target_modules": ["q_proj", "o_porj"]}
+    ctx = stage_runner.context("sft", tmp_path, cfg, model=tiny_model_dir)
+    with pytest.raises(ValueError, match=r"lora.target_modules \['o_porj'\] name no module .* o_proj, "):
+        stage_runner.run(ctx)
+
+
 def test_gradient_checkpointing_changes_memory_not_the_result(
     tmp_path, small_recipe, tiny_model_dir, stage_runner
 ):
