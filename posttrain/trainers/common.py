@@ -371,6 +371,12 @@ def accelerator_plugins(cfg: AccelerateConfig, grad_accum: int, log: logging.Log
     DeepSpeed or FSDP plugin built from the stage's config."""
     from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin
 
+    if cfg.mixed_precision == "fp16" and not torch.cuda.is_available():
+        # accelerate takes fp16 on the CPU and trains in float32 without a word (it has no CPU grad
+        # scaler), while the stage's engines would generate under fp16 autocast (engine_autocast)
+        raise ValueError(
+            "accelerate.mixed_precision fp16 needs CUDA and this machine has none; set bf16 or no"
+        )
     kwargs: dict[str, Any] = {
         "mixed_precision": cfg.mixed_precision,
         "gradient_accumulation_steps": grad_accum,

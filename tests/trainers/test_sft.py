@@ -225,6 +225,15 @@ def test_sharding_configs_reach_accelerate_plugins_or_fall_back_without_cuda(tmp
         AccelerateConfig.model_validate({"deepspeed_config": str(config), "fsdp": {}})
 
 
+def test_fp16_without_cuda_is_refused_naming_the_key(monkeypatch):
+    # accelerate trained in float32 under fp16 on the CPU, silently
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    log = logging.getLogger("test")
+    with pytest.raises(ValueError, match="accelerate.mixed_precision fp16 needs CUDA .*set bf16 or no"):
+        accelerator_plugins(AccelerateConfig(mixed_precision="fp16"), 1, log)
+    assert accelerator_plugins(AccelerateConfig(mixed_precision="bf16"), 1, log)["mixed_precision"] == "bf16"
+
+
 def test_config_errors_name_the_key():
     good = {"train": {"steps": 1}}
     SFTConfig.model_validate(good)
