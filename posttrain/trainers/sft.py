@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from torch import nn
 
@@ -27,6 +28,7 @@ from posttrain.algos.sft import sft_loss
 from posttrain.data.chat import ChatRenderer, TokenizerDir, load_tokenizer
 from posttrain.data.images import MediaItem
 from posttrain.data.packing import PackedRow
+from posttrain.model.vision_config import load_vision_config
 from posttrain.model.vision_model import media_inputs
 from posttrain.parallel.config import ParallelConfig
 from posttrain.stages import StageContext, stage_kind
@@ -108,7 +110,14 @@ class SFTConfig(BaseModel):
         # A check of the key, not of the whole config: the error points at the `vision:` line or
         # the override that set it (a model check pointed at line 1 of the stage file).
         if vision is not None:
-            vision_preset(vision)
+            preset = vision_preset(vision)
+            if preset.is_file():
+                # read now: a text model's preset (models/small.yaml) passed `plan` and stopped the
+                # stage after the model load, naming the file's key but not `vision:`
+                try:
+                    load_vision_config(preset)
+                except yaml.YAMLError as error:
+                    raise ValueError(f"{vision}: not a YAML vision preset ({error})") from error
         return vision
 
     @model_validator(mode="after")

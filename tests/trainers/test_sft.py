@@ -264,6 +264,16 @@ def test_plan_refuses_a_bad_tokenizer_dir_vision_or_betas_at_their_lines(tmp_pat
     assert "sft-bad.yaml:2: tokenizer: no tokenizer_config.json in that dir" in text
     assert "sft-bad.yaml:3: vision: models/vision-tny.yaml: no preset file or vision dir" in text
     assert "sft-bad.yaml:6: train.betas[0]: Input should be less than 1 (got 1.5)" in text
+
+
+def test_plan_refuses_a_text_model_preset_as_vision_at_its_line(tmp_path):
+    # it passed `plan` and stopped the stage after the model load, not naming `vision:`
+    stage = tmp_path / "sft-text-vision.yaml"
+    stage.write_text("kind: sft\nvision: models/small.yaml\ntrain: {steps: 1}\n")
+    with pytest.raises(
+        ConfigError, match=r"sft-text-vision.yaml:2: vision: vision config .*unknown key 'vocab_size'"
+    ):
+        load_pipeline(stage)
     stage.write_text(
         f"kind: sft\ntokenizer: {DEFAULT_TOKENIZER_DIR}\ntrain: {{steps: 1, betas: [0, 0.999]}}\n"
     )
