@@ -18,7 +18,9 @@ import json
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
+
+from pydantic import AfterValidator
 
 from posttrain.data.chat_media import MEDIA_PART_TYPES, MEDIA_TOKENS, MediaCursor
 from posttrain.data.sample import EFFORTS
@@ -68,6 +70,22 @@ def tool_name_from_call_id(call_id: str) -> str:
     """Invert `tool_call_id`; an id the model garbled is returned whole so the tool lookup fails loudly."""
     match = _K2_CALL_ID.match(call_id)
     return match.group("name") if match else call_id
+
+
+def check_tokenizer_dir(value: str | None) -> str | None:
+    """A stage's `tokenizer:` key, checked when the stage file is read: a missing or misspelled dir
+    passed `plan` and stopped the stage at its start with transformers' "Repo id must be in the form"
+    error, which names neither the key nor the fix."""
+    if value is not None and not (Path(value) / "tokenizer_config.json").is_file():
+        raise ValueError(
+            f"no tokenizer_config.json in that dir (relative to {Path.cwd()}); give the dir a "
+            "tokenizer was saved to (save_pretrained), or null for the model dir's"
+        )
+    return value
+
+
+# The `tokenizer:` key of the training kinds (a dir; null: the model's own, else the shipped one).
+TokenizerDir = Annotated[str | None, AfterValidator(check_tokenizer_dir)]
 
 
 def load_tokenizer(path: str | Path | None = None, *, media: bool = False) -> PreTrainedTokenizerFast:

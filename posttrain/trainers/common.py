@@ -24,7 +24,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -40,6 +40,9 @@ class NonFiniteLossError(FloatingPointError):
     """Training produced a NaN/inf loss or gradient norm; the message names the step and the fix."""
 
 
+AdamBeta = Annotated[float, Field(ge=0, lt=1)]
+
+
 class OptimConfig(BaseModel):
     """AdamW with a linear warm-up then a cosine decay to `min_lr_ratio * lr`, and norm clipping."""
 
@@ -48,7 +51,8 @@ class OptimConfig(BaseModel):
     warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warm-up from 0 to lr")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a fraction of lr")
     weight_decay: float = Field(0.0, ge=0, description="decoupled decay on matrices (not norms, biases)")
-    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW's moment decay rates")
+    # in [0, 1) as torch's AdamW requires: checked here, a bad one fails `plan`, not the stage start
+    betas: tuple[AdamBeta, AdamBeta] = Field((0.9, 0.95), description="AdamW's moment decay rates, in [0, 1)")
     eps: float = Field(1e-8, gt=0, description="AdamW's denominator epsilon")
     grad_clip: float | None = Field(1.0, gt=0, description="max global grad norm; null: no clipping")
     freeze_vision: bool = Field(
@@ -190,6 +194,7 @@ def load_policy(
         from peft import LoraConfig as PeftLoraConfig
         from peft import get_peft_model
 
+        _check_lora_targets(ctx, model, lora)
         model = get_peft_model(
             model,
             PeftLoraConfig(
@@ -198,6 +203,22 @@ def load_policy(
         )
     model.train()
     return Policy(model=model, source=source)
+
+
+def _check_lora_targets(ctx: StageContext, model: nn.Module, lora: LoRAConfig) -> None:
+    """Every name in `lora.target_modules` names a module of the model (peft's rule: the module's
+    name or its dotted suffix). peft silently skipped a misspelled one beside a good one, and with
+    none good stopped the stage with an error naming neither the key nor the model's names."""
+    if lora.target_modules == "all-linear":
+        return
+    names = [name for name, _ in model.named_modules()]
+    missing = [t for t in lora.target_modules if not any(n == t or n.endswith(f".{t}") for n in names)]
+    if missing:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+        raise ValueError(
+            f"stage {ctx.stage_id}: lora.target_modules {missing} name no module of the model; its "
+            f"Linear modules are {', '.join(linear)} (or target_modules: all-linear)"
+        )
 
 
 def _with_vision(ctx: StageContext, model: nn.Module, vision: Path, media_pad_id: int | None) -> nn.Module:
@@ -350,6 +371,12 @@ def accelerator_plugins(cfg: AccelerateConfig, grad_accum: int, log: logging.Log
     DeepSpeed or FSDP plugin built from the stage's config."""
     from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin
 
+    if cfg.mixed_precision == "fp16" and not torch.cuda.is_available():
+        # accelerate takes fp16 on the CPU and trains in float32 without a word (it has no CPU grad
+        # scaler), while the stage's engines would generate under fp16 autocast (engine_autocast)
+        raise ValueError(
+            "accelerate.mixed_precision fp16 needs CUDA and this machine has none; set bf16 or no"
+        )
     kwargs: dict[str, Any] = {
         "mixed_precision": cfg.mixed_precision,
         "gradient_accumulation_steps": grad_accum,

@@ -31,7 +31,7 @@ from posttrain.algos.mopd_reward import NonFiniteLogprobError, exact_reverse_kl,
 from posttrain.algos.policy_loss import PolicyLossConfig
 from posttrain.config.stage_file import check_model_reference
 from posttrain.data.batch import left_pad_values
-from posttrain.data.chat import ChatRenderer, load_tokenizer
+from posttrain.data.chat import ChatRenderer, TokenizerDir, load_tokenizer
 from posttrain.data.sample import Sample
 from posttrain.engines import EmbeddedEngine
 from posttrain.envs.env_eval import eval_episodes, eval_protocol
@@ -142,7 +142,7 @@ class MOPDConfig(TeacherRoutingConfig):
         validate_default=True,
         description="a need's stage id or a model dir: the model the student starts from",
     )
-    tokenizer: str | None = Field(None, description="tokenizer dir; null: the student's")
+    tokenizer: TokenizerDir = Field(None, description="tokenizer dir; null: the student's")
     r_max: float = Field(5.0, gt=0, description="clip bound R_max of the per-token reward")
     discount: float = Field(
         0.0,

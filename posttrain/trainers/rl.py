@@ -42,7 +42,7 @@ from posttrain.algos import group_advantages
 from posttrain.algos.policy_loss import PolicyLossConfig
 from posttrain.config.errors import did_you_mean
 from posttrain.config.stage_file import NEEDS_CONTEXT, SETS_MODEL_CONTEXT
-from posttrain.data.chat import ChatRenderer, load_tokenizer
+from posttrain.data.chat import ChatRenderer, TokenizerDir, load_tokenizer
 from posttrain.data.sample import DOMAINS, EFFORTS, Sample
 from posttrain.engines import Engine
 from posttrain.envs.env_eval import (
@@ -159,7 +159,7 @@ class RLConfig(BaseModel):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     genrm: GenRMConfig | None = Field(None, description="the judge, for environments with reward: genrm")
     accelerate: AccelerateConfig = Field(default_factory=AccelerateConfig)
-    tokenizer: str | None = Field(None, description="tokenizer dir; null: the init model's")
+    tokenizer: TokenizerDir = Field(None, description="tokenizer dir; null: the init model's")
     checkpoint_every: int = Field(1, gt=0, description="iterations between checkpoints")
 
     @field_validator("init")

@@ -20,13 +20,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from torch import nn
 
 from posttrain.algos.sft import sft_loss
-from posttrain.data.chat import ChatRenderer, load_tokenizer
+from posttrain.data.chat import ChatRenderer, TokenizerDir, load_tokenizer
 from posttrain.data.images import MediaItem
 from posttrain.data.packing import PackedRow
+from posttrain.model.vision_config import load_vision_config
 from posttrain.model.vision_model import media_inputs
 from posttrain.parallel.config import ParallelConfig
 from posttrain.stages import StageContext, stage_kind
@@ -84,7 +86,7 @@ class SFTConfig(BaseModel):
         "the routed experts, not nn.Linear, stay frozen",
     )
     accelerate: AccelerateConfig = Field(default_factory=AccelerateConfig)
-    tokenizer: str | None = Field(
+    tokenizer: TokenizerDir = Field(
         None, description="tokenizer dir; null: the model dir's, else the shipped one"
     )
     vision: str | None = Field(
@@ -102,11 +104,21 @@ class SFTConfig(BaseModel):
         None, description="expert parallelism (FSDP2 over the rest with accelerate.fsdp) across processes"
     )
 
-    @model_validator(mode="after")
-    def _vision_preset_exists(self) -> SFTConfig:
-        if self.vision is not None:
-            vision_preset(self.vision)
-        return self
+    @field_validator("vision")
+    @classmethod
+    def _vision_preset_exists(cls, vision: str | None) -> str | None:
+        # A check of the key, not of the whole config: the error points at the `vision:` line or
+        # the override that set it (a model check pointed at line 1 of the stage file).
+        if vision is not None:
+            preset = vision_preset(vision)
+            if preset.is_file():
+                # read now: a text model's preset (models/small.yaml) passed `plan` and stopped the
+                # stage after the model load, naming the file's key but not `vision:`
+                try:
+                    load_vision_config(preset)
+                except yaml.YAMLError as error:
+                    raise ValueError(f"{vision}: not a YAML vision preset ({error})") from error
+        return vision
 
     @model_validator(mode="after")
     def _fits_in_a_row(self) -> SFTConfig:
@@ -133,7 +145,7 @@ def vision_preset(value: str) -> Path:
         if candidate.is_file() or is_vision_dir(candidate):
             return candidate.resolve()
     raise ValueError(
-        f"vision: {value}: no preset file or vision dir (relative to {Path.cwd()} or {STAGES_DIR}); "
+        f"{value}: no preset file or vision dir (relative to {Path.cwd()} or {STAGES_DIR}); "
         "e.g. models/vision-tiny.yaml or ../data_recipes/vision_base"
     )
 

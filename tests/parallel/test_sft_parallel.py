@@ -241,3 +241,10 @@ def test_parallel_config_errors_name_the_key() -> None:
     for message, accelerate in cases.items():
         with pytest.raises(ValueError, match=message):
             check_parallel_config(AccelerateConfig.model_validate(accelerate), "stage sft")
+
+
+def test_expert_parallel_on_one_process_is_refused_naming_the_key(tmp_path, recipe) -> None:
+    # `posttrain run` starts one process: the split was silently not made, every expert trained here
+    ctx = stage_context(tmp_path, body(recipe[0], 1, parallel={"expert_parallel": 2}))
+    with pytest.raises(ValueError, match=r"parallel.expert_parallel is 2 but the stage runs as one process"):
+        run_stage(ctx)

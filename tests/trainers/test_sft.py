@@ -15,7 +15,9 @@ from pydantic import ValidationError
 from safetensors.torch import load_file
 
 from data_recipes.agent_tasks import FAMILIES
-from posttrain.data.chat import CHAT_TEMPLATE
+from orchestration.pipeline import load_pipeline
+from posttrain.config.errors import ConfigError
+from posttrain.data.chat import CHAT_TEMPLATE, DEFAULT_TOKENIZER_DIR
 from posttrain.data.mixture import DATA_RECIPES, MixtureSource, Recipe
 from posttrain.data.trajectory import BadTrajectoryError
 from posttrain.engines.testing import tiny_k3
@@ -168,6 +170,17 @@ def test_lora_trains_only_the_adapters(tmp_path, small_recipe, tiny_model_dir, s
     assert targeted <= changed
 
 
+def test_lora_target_modules_that_name_no_module_are_refused_naming_the_key(
+    tmp_path, small_recipe, tiny_model_dir, stage_runner
+):
+    # peft trained q_proj alone, skipping the misspelled name without a word
+    cfg = body(small_recipe[0], steps=1)
+    cfg["lora"] = {"target_modules": ["q_proj", "o_porj"]}
+    ctx = stage_runner.context("sft", tmp_path, cfg, model=tiny_model_dir)
+    with pytest.raises(ValueError, match=r"lora.target_modules \['o_porj'\] name no module .* o_proj, "):
+        stage_runner.run(ctx)
+
+
 def test_gradient_checkpointing_changes_memory_not_the_result(
     tmp_path, small_recipe, tiny_model_dir, stage_runner
 ):
@@ -212,6 +225,15 @@ def test_sharding_configs_reach_accelerate_plugins_or_fall_back_without_cuda(tmp
         AccelerateConfig.model_validate({"deepspeed_config": str(config), "fsdp": {}})
 
 
+def test_fp16_without_cuda_is_refused_naming_the_key(monkeypatch):
+    # accelerate trained in float32 under fp16 on the CPU, silently
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    log = logging.getLogger("test")
+    with pytest.raises(ValueError, match="accelerate.mixed_precision fp16 needs CUDA .*set bf16 or no"):
+        accelerator_plugins(AccelerateConfig(mixed_precision="fp16"), 1, log)
+    assert accelerator_plugins(AccelerateConfig(mixed_precision="bf16"), 1, log)["mixed_precision"] == "bf16"
+
+
 def test_config_errors_name_the_key():
     good = {"train": {"steps": 1}}
     SFTConfig.model_validate(good)
@@ -223,6 +245,39 @@ def test_config_errors_name_the_key():
         )
     with pytest.raises(ValidationError, match="accelerate.deepspeed_config: /nowhere/ds.json does not exist"):
         SFTConfig.model_validate({**good, "accelerate": {"deepspeed_config": "/nowhere/ds.json"}})
+
+
+def test_plan_refuses_a_bad_tokenizer_dir_vision_or_betas_at_their_lines(tmp_path):
+    # Each passed `plan` (vision at line 1) and stopped the stage at its start with a library error.
+    stage = tmp_path / "sft-bad.yaml"
+    stage.write_text(
+        "kind: sft\n"
+        f"tokenizer: {tmp_path / 'tok'}\n"
+        "vision: models/vision-tny.yaml\n"
+        "train:\n"
+        "  steps: 1\n"
+        "  betas: [1.5, 0.9]\n"
+    )
+    with pytest.raises(ConfigError) as error:
+        load_pipeline(stage)
+    text = str(error.value)
+    assert "sft-bad.yaml:2: tokenizer: no tokenizer_config.json in that dir" in text
+    assert "sft-bad.yaml:3: vision: models/vision-tny.yaml: no preset file or vision dir" in text
+    assert "sft-bad.yaml:6: train.betas[0]: Input should be less than 1 (got 1.5)" in text
+
+
+def test_plan_refuses_a_text_model_preset_as_vision_at_its_line(tmp_path):
+    # it passed `plan` and stopped the stage after the model load, not naming `vision:`
+    stage = tmp_path / "sft-text-vision.yaml"
+    stage.write_text("kind: sft\nvision: models/small.yaml\ntrain: {steps: 1}\n")
+    with pytest.raises(
+        ConfigError, match=r"sft-text-vision.yaml:2: vision: vision config .*unknown key 'vocab_size'"
+    ):
+        load_pipeline(stage)
+    stage.write_text(
+        f"kind: sft\ntokenizer: {DEFAULT_TOKENIZER_DIR}\ntrain: {{steps: 1, betas: [0, 0.999]}}\n"
+    )
+    load_pipeline(stage)
 
 
 def test_warmup_then_cosine_schedule():
