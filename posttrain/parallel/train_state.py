@@ -153,6 +153,13 @@ class ShardedTrainState(TrainState):
         accelerator = build_accelerator(plain, grad_accum, ctx.log)
         world = accelerator.num_processes
         if world == 1:
+            latest = ctx.checkpoints.latest_step()
+            if latest is not None and (ctx.checkpoints.directory / f"step-{latest}" / SHARDS).is_dir():
+                raise ValueError(
+                    f"stage {ctx.stage_id}: checkpoint step {latest} is sharded over several processes "
+                    "and this run has one; resume with the same number of processes and "
+                    "parallel.expert_parallel (or restart the stage)"
+                )
             if parallel.expert_parallel > 1:
                 # as on several processes, the split must divide the world: unchecked, one process
                 # trained every expert and the key meant nothing
@@ -160,13 +167,6 @@ class ShardedTrainState(TrainState):
                     f"stage {ctx.stage_id}: parallel.expert_parallel is {parallel.expert_parallel} but the "
                     f"stage runs as one process; start it under `torchrun --nproc-per-node "
                     f"{parallel.expert_parallel}` (docs/scaling.md) or set parallel.expert_parallel: 1"
-                )
-            latest = ctx.checkpoints.latest_step()
-            if latest is not None and (ctx.checkpoints.directory / f"step-{latest}" / SHARDS).is_dir():
-                raise ValueError(
-                    f"stage {ctx.stage_id}: checkpoint step {latest} is sharded over several processes "
-                    "and this run has one; resume with the same number of processes and "
-                    "parallel.expert_parallel (or restart the stage)"
                 )
             if accelerate.mixed_precision != "no" or accelerate.fsdp is not None:
                 ctx.log.warning("parallel: one process: accelerate.fsdp and mixed precision not applied")
