@@ -65,9 +65,9 @@ def weight_headers(model_dir: str | Path) -> dict[str, dict[str, TensorHeader]]:
             raise ValueError(f"{index_file} names {name}, which is not in {directory}: {RECOPY}")
         try:
             with safe_open(str(path), framework="numpy") as f:
+                slices = {key: f.get_slice(key) for key in f.keys()}
                 headers[name] = {
-                    key: TensorHeader(f.get_slice(key).get_dtype(), tuple(f.get_slice(key).get_shape()))
-                    for key in f.keys()
+                    key: TensorHeader(s.get_dtype(), tuple(s.get_shape())) for key, s in slices.items()
                 }
         except SafetensorError as error:
             raise ValueError(

@@ -34,7 +34,7 @@ from transformers.core_model_loading import (
 from posttrain.model.configuration_kimi_k3 import KimiK3Config
 from posttrain.model.released import TEXT_PREFIX, WRAPPER_ARCHITECTURE
 from posttrain.qat.mx import unpack_mxfp4
-from posttrain.weight_files import TensorHeader, weight_headers
+from posttrain.weight_files import RECOPY, TensorHeader, weight_headers
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3")  # gate, down, up: the released per-expert names
 _LAYER = re.compile(r"(?:^|\.)model\.layers\.(\d+)\.")
@@ -87,13 +87,13 @@ def check_k3_weights(model_dir: str | Path, config: KimiK3Config) -> None:
         if incomplete:
             raise ValueError(
                 f"{where}: experts {incomplete} lack a part; each expert needs weight_packed and "
-                "weight_scale: copy or export the checkpoint again"
+                f"weight_scale: {RECOPY}"
             )
         absent = sorted(set(range(numbers[-1] + 1)) - set(numbers))
         if absent:
             raise ValueError(
                 f"{where}: experts {absent[:8]} are absent ({len(numbers)} stored, the last numbered "
-                f"{numbers[-1]}; experts are numbered 0..E-1): copy or export the checkpoint again"
+                f"{numbers[-1]}; experts are numbered 0..E-1): {RECOPY}"
             )
         for by_expert in parts.values():
             first_name, first = by_expert[0]
