@@ -95,9 +95,11 @@ def execute(
     log: Callable[[str], None] = lambda message: None,
 ) -> Outcome:
     """Run the stages in `scope` (dependency order) that are not done; `forced` ones start over
-    even when done. Needs outside `scope` must already be done, and for the local executor
-    `check_local_gpus` must have passed (a stage wanting more GPUs than there are would wait
-    forever)."""
+    even when done. Needs outside `scope` must already be done. For the local executor a stage
+    asking for more GPUs than this machine shows is a ConfigError here (it would otherwise wait
+    forever for them); the CLI makes the same check first, naming the override that set it."""
+    if executor == "local":
+        check_local_gpus(pipeline, scope)
     display = display or QuietDisplay()
     backend: _Backend = _RayBackend(run_dir, ray_address) if executor == "ray" else _LocalBackend(run_dir)
     limit = max_parallel or len(scope)

@@ -344,3 +344,20 @@ def test_too_many_gpus_is_refused_before_the_run_dir_is_written(
     assert code == 2 and "g.yaml:5: resources.gpus: stage g asks for 2 GPU(s) but this machine has 1" in err
     assert [p.name for p in existing.iterdir()] == ["pipeline.json"]
     assert (existing / "pipeline.json").read_text() == '{"file": "earlier.yaml"}'
+
+
+def test_execute_refuses_more_gpus_than_the_machine_shows(
+    write, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A program calling `execute` without the CLI's checks gets the error instead of a driver
+    that waits forever for a third GPU."""
+    from orchestration.executors import execute
+    from orchestration.pipeline import load_pipeline
+    from posttrain.config.errors import ConfigError
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    greedy = write("g.yaml", 'kind: toy-sum\nplugins: ["{toy}"]\n', "value: 1\nresources:\n  gpus: 3\n")
+    pipeline = load_pipeline(greedy, [])
+    with pytest.raises(ConfigError, match="g.yaml:5: resources.gpus: stage g asks for 3 GPU"):
+        execute(pipeline, tmp_path / "run", ["g"], set())
+    assert not (tmp_path / "run").exists()
