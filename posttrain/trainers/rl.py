@@ -567,7 +567,7 @@ def _train_step(
         return {**metrics, "skipped": 1.0}
     width = max(len(s.tokens) for s in scored)
     trained = [p for p in state.unwrapped.parameters() if p.requires_grad]
-    start = [p.detach().clone() for p in trained]
+    start = weights_snapshot(trained)
     metrics.update(
         policy_step(
             state,
@@ -584,13 +584,25 @@ def _train_step(
             reference_coef=cfg.kl_to_init,
         )
     )
-    metrics["update_norm"] = float(
-        torch.stack([(p.detach() - p0).norm() for p, p0 in zip(trained, start, strict=True)]).norm()
-    )
+    metrics["update_norm"] = update_norm(trained, start)
     synced = time.perf_counter()
     publish_policy(engine, base_without_peft(state.unwrapped))
     metrics.update(weight_sync_s=time.perf_counter() - synced, policy_version=float(engine.policy_version))
     return metrics
+
+
+def weights_snapshot(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The trained weights before an iteration's updates, kept for `update_norm` only: in host
+    memory, so that on a GPU the metric does not hold a second copy of every trained weight in
+    device memory (14 GB at 3.5B parameters in float32)."""
+    return [p.detach().to("cpu", copy=True) for p in params]
+
+
+def update_norm(params: list[torch.Tensor], start: list[torch.Tensor]) -> float:
+    """The L2 norm of the iteration's whole update, every trained weight together; the snapshot
+    goes back to the device one parameter at a time."""
+    norms = [(p.detach() - p0.to(p.device)).norm() for p, p0 in zip(params, start, strict=True)]
+    return float(torch.stack(norms).norm())
 
 
 def _frozen_copy(model: torch.nn.Module) -> torch.nn.Module:

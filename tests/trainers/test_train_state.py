@@ -76,3 +76,33 @@ def test_train_state_on_cuda_builds_the_fused_adamw() -> None:
     state = TrainState.create(ctx, model, OptimConfig(), AccelerateConfig(), 4)
     assert all(group["fused"] for group in state.optimizer.optimizer.param_groups)
     torch.testing.assert_close(_adamw_run(True, "cuda"), _adamw_run(False, "cpu"), rtol=1e-4, atol=1e-5)
+
+
+def _update_norm_case(device: str) -> tuple[list[torch.Tensor], float, float]:
+    """(snapshot, rl's update_norm, the norm of the update computed directly) for two weights moved
+    by known steps on `device`."""
+    from posttrain.trainers.rl import update_norm, weights_snapshot
+
+    torch.manual_seed(0)
+    params = [torch.randn(5, 3, device=device), torch.randn(7, device=device)]
+    start = weights_snapshot(params)
+    steps = [torch.full((5, 3), 0.5, device=device), torch.full((7,), -2.0, device=device)]
+    for p, step in zip(params, steps, strict=True):
+        p.add_(step)
+    direct = float(torch.cat([s.flatten() for s in steps]).norm())
+    return start, update_norm(params, start), direct
+
+
+def test_update_norm_is_the_norm_of_the_whole_update_from_a_host_snapshot() -> None:
+    start, norm, direct = _update_norm_case("cpu")
+    assert all(s.device.type == "cpu" for s in start)
+    assert norm == pytest.approx(direct, rel=1e-6)
+
+
+@pytest.mark.gpu
+def test_update_norm_keeps_its_snapshot_out_of_gpu_memory() -> None:
+    """RL's update_norm metric holds the iteration's starting weights in host memory, not beside the
+    trained ones on the GPU, and still measures the update made there."""
+    start, norm, direct = _update_norm_case("cuda")
+    assert all(s.device.type == "cpu" for s in start)
+    assert norm == pytest.approx(direct, rel=1e-5)
