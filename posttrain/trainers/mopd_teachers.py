@@ -285,8 +285,8 @@ def check_teacher_tokenizers(
     one). MOPD's reward is log p_teacher - log p_student over the student's token ids: such a
     teacher scores ids that mean other text to it, and its rewards are noise that nothing else
     detects. A served teacher loads its tokenizer from the same dir (vllm, vllm_server); a
-    `trl vllm-serve` server is trusted to serve the dir `model:` names (its protocol has no
-    tokenizer to ask)."""
+    `trl vllm-serve` server is trusted to serve the dir `model:` names (nothing it answers gives
+    its tokenizer whole; docs/mopd.md)."""
     loaded: dict[Path | None, PreTrainedTokenizerFast] = {}
     wrong = []
     for pair, model_dir in teachers.items():
