@@ -115,6 +115,32 @@ def load_tokenizer(path: str | Path | None = None, *, media: bool = False) -> Pr
     return tokenizer
 
 
+def model_tokenizer_dir(model_dir: Path) -> Path | None:
+    """The tokenizer a model dir was trained with, as every stage reads it: the dir's own, or None
+    (the shipped one) for a dir saved without tokenizer files."""
+    return model_dir if (model_dir / "tokenizer_config.json").is_file() else None
+
+
+def token_ids_difference(ours: PreTrainedTokenizerFast, theirs: PreTrainedTokenizerFast) -> str:
+    """'' when the two tokenizers give every token id the same meaning; else their first
+    difference, in words. Compared: the vocabulary with the added tokens (token -> id) and the BPE
+    merges (how text splits into those ids), read from the loaded tokenizers, so two tokenizer.json
+    files that differ only in formatting or key order compare equal."""
+    if len(ours) != len(theirs):
+        return f"{len(ours)} tokens against {len(theirs)}"
+    our_vocab, their_vocab = ours.get_vocab(), theirs.get_vocab()
+    if our_vocab != their_vocab:
+        our_tokens = {i: token for token, i in our_vocab.items()}
+        their_tokens = {i: token for token, i in their_vocab.items()}
+        ids = our_tokens.keys() | their_tokens.keys()
+        first = min(i for i in ids if our_tokens.get(i) != their_tokens.get(i))
+        return f"id {first} is {our_tokens.get(first)!r} against {their_tokens.get(first)!r}"
+    merges = [json.loads(t.backend_tokenizer.to_str())["model"].get("merges") for t in (ours, theirs)]
+    if merges[0] != merges[1]:
+        return "the same vocabulary with other BPE merges (a text splits into other ids)"
+    return ""
+
+
 class ChatRenderer:
     """Render and parse K3 chat for one tokenizer.
 

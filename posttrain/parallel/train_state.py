@@ -191,7 +191,7 @@ class ShardedTrainState(TrainState):
                 reshard_after_forward=fsdp.reshard_after_forward,
             )
         optimizer = build_optimizer(model, optim, fused=accelerator.device.type == "cuda")
-        scheduler = build_scheduler(optimizer, optim, total_steps)
+        scheduler = build_scheduler(optimizer, optim, total_steps, ctx.log)
         ctx.log.info(
             "parallel: %d processes, experts split over %d, %s",
             world,

@@ -342,8 +342,9 @@ def freeze_vision(model: nn.Module) -> None:
 
 @dataclass(frozen=True)
 class WarmupCosine:
-    """LR multiplier at optimizer step s: s/warmup during warm-up, then a cosine from 1 to
-    min_ratio at `total` steps (flat after). A class, not a lambda, so the scheduler pickles."""
+    """LR multiplier at optimizer step s (from 0): (s + 1)/(warmup + 1) during warm-up, then a
+    cosine from 1 at step `warmup` to min_ratio at `total` steps (flat after). A class, not a
+    lambda, so the scheduler pickles."""
 
     warmup: int
     total: int
@@ -357,10 +358,23 @@ class WarmupCosine:
         return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int) -> Any:
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, WarmupCosine(cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
-    )
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int, log: logging.Logger
+) -> Any:
+    schedule = WarmupCosine(cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
+    if cfg.warmup_steps >= total_steps:
+        # Accepted (a smoke run shortens train.steps and keeps the file's warm-up), but the LR then
+        # never reaches train.lr and never decays: said once, so a short run's numbers are not
+        # read as the peak lr's.
+        log.info(
+            "train.warmup_steps %d >= the stage's %d optimizer steps: the run ends inside the warm-up, "
+            "its last step at %.3g x train.lr (%g); the cosine decay never starts",
+            cfg.warmup_steps,
+            total_steps,
+            schedule(total_steps - 1),
+            cfg.lr,
+        )
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
 # accelerate ------------------------------------------------------------------------------------
@@ -458,7 +472,7 @@ class TrainState:
         model, optimizer = accelerator.prepare(model, optimizer)
         # The schedule counts optimizer steps itself (accelerate's prepared scheduler would step
         # once per process and change the LR curve with the world size).
-        scheduler = build_scheduler(optimizer, optim, total_steps)
+        scheduler = build_scheduler(optimizer, optim, total_steps, ctx.log)
         return cls(ctx, model, optimizer, scheduler, accelerator, optim.grad_clip)
 
     @property

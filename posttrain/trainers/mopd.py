@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -29,9 +30,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from posttrain.algos.advantages import group_balance_weights, returns_to_go, subtract_group_mean
 from posttrain.algos.mopd_reward import NonFiniteLogprobError, exact_reverse_kl, mopd_token_rewards
 from posttrain.algos.policy_loss import PolicyLossConfig
-from posttrain.config.stage_file import check_model_reference
+from posttrain.config.stage_file import NEEDS_CONTEXT, check_model_reference
 from posttrain.data.batch import left_pad_values
-from posttrain.data.chat import ChatRenderer, TokenizerDir, load_tokenizer
+from posttrain.data.chat import ChatRenderer, TokenizerDir, load_tokenizer, model_tokenizer_dir
 from posttrain.data.sample import Sample
 from posttrain.engines import EmbeddedEngine
 from posttrain.envs.env_eval import eval_episodes, eval_protocol
@@ -68,9 +69,11 @@ from posttrain.trainers.mopd_teachers import (
     TeacherPool,
     TeacherRoutingConfig,
     TeacherScoreError,
+    check_teacher_tokenizers,
     pair_name,
     resolve_model,
     route_teachers,
+    teacher_reference,
 )
 from posttrain.trainers.policy_step import policy_step
 
@@ -137,12 +140,13 @@ class MOPDConfig(TeacherRoutingConfig):
     keys (posttrain.trainers.mopd_teachers) and the student's."""
 
     model_config = ConfigDict(extra="forbid")
+    # before `student`, whose check compares it with the teachers' tokenizers
+    tokenizer: TokenizerDir = Field(None, description="tokenizer dir; null: the student's")
     student: str = Field(
         "sft",
         validate_default=True,
         description="a need's stage id or a model dir: the model the student starts from",
     )
-    tokenizer: TokenizerDir = Field(None, description="tokenizer dir; null: the student's")
     r_max: float = Field(5.0, gt=0, description="clip bound R_max of the per-token reward")
     discount: float = Field(
         0.0,
@@ -173,7 +177,23 @@ class MOPDConfig(TeacherRoutingConfig):
     @field_validator("student")
     @classmethod
     def _student_is_a_need_or_a_model(cls, student: str, info: ValidationInfo) -> str:
-        return check_model_reference(student, info, "student")
+        check_model_reference(student, info, "student")
+        needs = (info.context or {}).get(NEEDS_CONTEXT)
+        if needs is None or not {"domains", "efforts", "teachers", "tokenizer"} <= set(info.data):
+            return student  # re-validated in the stage (checked at its start) or their own errors
+        tokenizer = info.data["tokenizer"]
+        if tokenizer is None and student in needs:
+            return student  # the need's tokenizer exists once it ran: checked at the stage's start
+        teachers = {
+            (domain, effort): Path(reference).expanduser()
+            for domain in info.data["domains"]
+            for effort in info.data["efforts"]
+            if (reference := teacher_reference(domain, effort, info.data["teachers"])) not in needs
+        }
+        if teachers:  # directories named in the stage file: refused by `plan`, not hours later
+            source = Path(tokenizer) if tokenizer else model_tokenizer_dir(Path(student).expanduser())
+            check_teacher_tokenizers(load_tokenizer(source), source, teachers)
+        return student
 
     @field_validator("environments")
     @classmethod
@@ -495,9 +515,10 @@ def run_mopd(ctx: StageContext) -> dict[str, float]:
     routes = route_teachers(cfg, ctx.inputs)
     # The student's weights and architecture are the `student` model's (the SFT need by default).
     start = resolve_model(cfg.student, ctx.inputs, f"stage {ctx.stage_id}: student")
-    tokenizer = load_tokenizer(
-        cfg.tokenizer or (start if (start / "tokenizer_config.json").is_file() else None)
-    )
+    source = Path(cfg.tokenizer) if cfg.tokenizer else model_tokenizer_dir(start)
+    tokenizer = load_tokenizer(source)
+    # the teachers that are needs exist only now (directories were checked by `plan` as well)
+    check_teacher_tokenizers(tokenizer, source, {pair: teacher.model_dir for pair, teacher in routes.items()})
     policy = load_policy(ctx, len(tokenizer), lora=cfg.lora, model_path=start)
     renderer = renderer_for(tokenizer, policy.model)  # sizes images when the student has a vision tower
     state = TrainState.create(ctx, policy.model, cfg.train, cfg.accelerate, cfg.train.steps)

@@ -22,17 +22,26 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from posttrain.config.stage_file import check_model_reference
+from posttrain.data.chat import (
+    DEFAULT_TOKENIZER_DIR,
+    load_tokenizer,
+    model_tokenizer_dir,
+    token_ids_difference,
+)
 from posttrain.data.sample import EFFORTS, Sample
 from posttrain.engines import ENGINES, Engine
 from posttrain.engines.build import build_engine
 from posttrain.envs.environments import AgentEnvironment, CodingEnvironment, Environment, GeneralEnvironment
 from posttrain.registry import Registry
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 Pair = tuple[str, str]  # (domain, effort)
 EngineKey = tuple[str, str, str | None]  # (resolved model dir, engine name, server url)
@@ -186,11 +195,11 @@ class TeacherRoutingConfig(BaseModel):
                 "`domains:`), register the teachers in the domain's @teacher_domain(teachers=...), "
                 f"or remove {efforts_named} from `efforts`"
             )
-        for key, (domain, effort) in pairs.items():
-            registered = TEACHER_DOMAINS.get(domain).teachers
-            declared = teachers[key].model if key in teachers else None
+        for domain, effort in pairs.values():
             check_model_reference(
-                declared or registered[effort], info, f"teacher of (domain {domain!r}, effort {effort!r})"
+                teacher_reference(domain, effort, teachers),
+                info,
+                f"teacher of (domain {domain!r}, effort {effort!r})",
             )
         default_engine = info.data.get("teacher_engine")
         if default_engine is not None:  # else its own error is reported
@@ -261,6 +270,49 @@ class Teacher:
         return (str(self.model_dir.resolve()), self.engine, self.url)
 
 
+def teacher_reference(domain: str, effort: str, teachers: Mapping[str, TeacherConfig]) -> str:
+    """The pair's teacher as the stage file gives it (a need's stage id or a model dir): its
+    `teachers:` entry's model, else the domain's registered teacher."""
+    declared = teachers.get(pair_name((domain, effort)))
+    return (declared.model if declared else None) or TEACHER_DOMAINS.get(domain).teachers[effort]
+
+
+def check_teacher_tokenizers(
+    student: PreTrainedTokenizerFast, student_tokenizer: Path | None, teachers: Mapping[Pair, Path]
+) -> None:
+    """Refuse every pair whose teacher (model dir) was trained with a tokenizer that numbers tokens
+    otherwise than the student's (`student`, loaded from `student_tokenizer`; None: the shipped
+    one). MOPD's reward is log p_teacher - log p_student over the student's token ids: such a
+    teacher scores ids that mean other text to it, and its rewards are noise that nothing else
+    detects. A served teacher loads its tokenizer from the same dir (vllm, vllm_server); a
+    `trl vllm-serve` server is trusted to serve the dir `model:` names (nothing it answers gives
+    its tokenizer whole; docs/mopd.md)."""
+    loaded: dict[Path | None, PreTrainedTokenizerFast] = {}
+    wrong = []
+    for pair, model_dir in teachers.items():
+        own = model_tokenizer_dir(model_dir)
+        if own not in loaded:
+            try:
+                loaded[own] = load_tokenizer(own)
+            except Exception as error:  # a damaged tokenizer.json: tokenizers' own message names no file
+                raise TeacherRoutingError(
+                    f"{pair_name(pair)}: the tokenizer of the teacher {model_dir} cannot be loaded "
+                    f"({error}); save it again from the tokenizer the teacher was trained with"
+                ) from error
+        difference = token_ids_difference(student, loaded[own])
+        if difference:
+            shown = own or DEFAULT_TOKENIZER_DIR
+            wrong.append(f"{pair_name(pair)}: {model_dir} (tokenizer {shown}: {difference})")
+    if wrong:
+        raise TeacherRoutingError(
+            "teachers with another tokenizer than the student's "
+            f"({student_tokenizer or DEFAULT_TOKENIZER_DIR}): {'; '.join(wrong)}. "
+            "A teacher scores the student's token ids, so its rewards would be noise; give each such "
+            "pair a teacher trained with the student's tokenizer (`teachers: "
+            "{<pair>: {model: <need or dir>}}`), or a student (and `tokenizer:`) with the teachers'"
+        )
+
+
 def resolve_model(ref: str, inputs: Mapping[str, Path], what: str) -> Path:
     """A need's stage id -> its model dir; anything else must be a checkpoint dir."""
     if ref in inputs:
@@ -278,11 +330,10 @@ def route_teachers(cfg: TeacherRoutingConfig, inputs: Mapping[str, Path]) -> dic
     """Every trained (domain, effort) -> its Teacher, resolved against the stage's needs."""
     routes = {}
     for domain in cfg.domains:
-        registered = TEACHER_DOMAINS.get(domain).teachers
         for effort in cfg.efforts:
             declared = cfg.teachers.get(pair_name((domain, effort))) or TeacherConfig()
             path = resolve_model(
-                declared.model or registered[effort],
+                teacher_reference(domain, effort, cfg.teachers),
                 inputs,
                 f"teacher of (domain {domain!r}, effort {effort!r})",
             )

@@ -42,7 +42,7 @@ from posttrain.algos import group_advantages
 from posttrain.algos.policy_loss import PolicyLossConfig
 from posttrain.config.errors import did_you_mean
 from posttrain.config.stage_file import NEEDS_CONTEXT, SETS_MODEL_CONTEXT
-from posttrain.data.chat import ChatRenderer, TokenizerDir, load_tokenizer
+from posttrain.data.chat import ChatRenderer, TokenizerDir, load_tokenizer, model_tokenizer_dir
 from posttrain.data.sample import DOMAINS, EFFORTS, Sample
 from posttrain.engines import Engine
 from posttrain.envs.env_eval import (
@@ -269,9 +269,7 @@ def run_rl(ctx: StageContext) -> dict[str, float]:
     cfg: RLConfig = ctx.config
     domain, effort = _route(cfg, ctx)
     init = _init_dir(cfg, ctx)
-    tokenizer = load_tokenizer(
-        cfg.tokenizer or (init if (init / "tokenizer_config.json").is_file() else None)
-    )
+    tokenizer = load_tokenizer(cfg.tokenizer or model_tokenizer_dir(init))
     policy = load_policy(ctx, len(tokenizer), model_path=init)
     renderer = renderer_for(tokenizer, policy.model)  # sizes images when the policy has a vision tower
     state = TrainState.create(

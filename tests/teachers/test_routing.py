@@ -4,8 +4,10 @@ own pair's teacher; teachers sharing a checkpoint share one engine."""
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ from pydantic import ValidationError
 from posttrain.data.sample import EFFORTS, Sample
 from posttrain.engines.build import build_engine
 from posttrain.envs.environments import Environment
+from posttrain.testing import mopd_context, run_mopd_stage
 from posttrain.trainers.mopd import MOPDConfig
 from posttrain.trainers.mopd_teachers import TeacherPool, TeacherRoutingError, route_teachers, teacher_domain
 
@@ -225,3 +228,79 @@ def test_each_sample_is_scored_by_its_pairs_teacher_and_shared_checkpoints_share
     unrouted = _sample(renderer, "coding-1", "coding", "low")
     with pytest.raises(TeacherRoutingError, match=r"\(domain 'coding', effort 'low'\) has no teacher"):
         pool.teacher_for(unrouted)
+
+
+def retokenized(model_dir: Path, into: Path, edit: Callable[[dict], None]) -> Path:
+    """A copy of the checkpoint `model_dir` whose tokenizer.json is rewritten after `edit` of its
+    parsed JSON (and with other indentation, as a hand-edited or differently saved file has)."""
+    copy = Path(shutil.copytree(model_dir, into))
+    data = json.loads((copy / "tokenizer.json").read_text())
+    edit(data)
+    (copy / "tokenizer.json").write_text(json.dumps(data, indent=4))
+    return copy
+
+
+def swap_two_ids(data: dict) -> None:
+    vocab = data["model"]["vocab"]
+    (first, i), (second, j) = sorted(vocab.items(), key=lambda item: item[1])[300:302]
+    vocab[first], vocab[second] = j, i
+
+
+def add_a_token(data: dict) -> None:
+    last = data["added_tokens"][-1]
+    data["added_tokens"].append({**last, "id": last["id"] + 1, "content": "<|extra|>"})
+
+
+def mopd_file(tmp_path: Path, student: Path, teacher: Path) -> Path:
+    stage = tmp_path / "mopd.yaml"
+    stage.write_text(
+        "kind: mopd\ndomains: [general]\nefforts: [low]\n"
+        f"student: {student}\nteachers:\n  general-low: {{model: {teacher}}}\ntrain: {{steps: 1}}\n"
+    )
+    return stage
+
+
+@pytest.mark.parametrize(
+    ("edit", "difference"),
+    [(swap_two_ids, "id 300 is 'me' against 'Ġi'"), (add_a_token, "2048 tokens against 2049")],
+)
+def test_a_teacher_dir_with_another_tokenizer_fails_plan_naming_the_pair_both_dirs_and_the_fix(
+    tiny_dirs, tmp_path: Path, posttrain, edit, difference
+):
+    """MOPD's reward is log p_teacher - log p_student over the student's ids: a teacher that numbers
+    tokens otherwise scores other text, and the stage used to train on that noise without a word."""
+    teacher = retokenized(tiny_dirs["low"], tmp_path / "teacher", edit)
+    code, out, err = posttrain("plan", mopd_file(tmp_path, tiny_dirs["student"], teacher))
+    assert code == 2
+    message = out + err
+    assert "mopd.yaml:4: student: teachers with another tokenizer than the student's" in message
+    assert f"({tiny_dirs['student']}): general-low: {teacher} (tokenizer {teacher}: {difference})" in message
+    assert "give each such pair a teacher trained with the student's tokenizer" in message
+
+
+def test_a_teacher_whose_tokenizer_file_differs_only_in_formatting_passes_plan(
+    tiny_dirs, tmp_path, posttrain
+):
+    teacher = retokenized(tiny_dirs["low"], tmp_path / "teacher", lambda data: None)
+    assert (teacher / "tokenizer.json").read_bytes() != (tiny_dirs["student"] / "tokenizer.json").read_bytes()
+    code, out, err = posttrain("plan", mopd_file(tmp_path, tiny_dirs["student"], teacher))
+    assert code == 0, out + err
+
+
+def test_a_teacher_dir_with_a_damaged_tokenizer_fails_plan_naming_it(tiny_dirs, tmp_path, posttrain):
+    teacher = Path(shutil.copytree(tiny_dirs["low"], tmp_path / "teacher"))
+    (teacher / "tokenizer.json").write_text((teacher / "tokenizer.json").read_text()[:500])  # cut short
+    code, out, err = posttrain("plan", mopd_file(tmp_path, tiny_dirs["student"], teacher))
+    assert code == 2
+    assert f"general-low: the tokenizer of the teacher {teacher} cannot be loaded" in out + err
+
+
+def test_a_need_teacher_with_another_tokenizer_stops_the_stage_before_it_trains(tiny_dirs, tmp_path: Path):
+    # A need's model exists only when the stage starts: the same check runs there.
+    teacher = retokenized(tiny_dirs["low"], tmp_path / "teacher", swap_two_ids)
+    body_keys = body(domains=["general"], efforts=["low"], student="sft")
+    inputs = {"sft": tiny_dirs["student"], "rl-general-low": teacher}
+    ctx = mopd_context(tmp_path / "run" / "mopd", body_keys, inputs)
+    with pytest.raises(TeacherRoutingError, match=r"general-low: .*teacher \(tokenizer .*id 300 is 'me'"):
+        run_mopd_stage(ctx)
+    assert ctx.checkpoints.steps() == [] and not (ctx.output_dir / "model.safetensors").exists()

@@ -4,9 +4,11 @@ trajectory), and no other module of the pipeline computes the policy loss."""
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,7 +20,7 @@ from posttrain.data.chat import load_tokenizer
 from posttrain.data.sample import Sample
 from posttrain.engines.testing import tiny_k3, tiny_vl_k3
 from posttrain.envs.environments import EnvironmentConfig, make_environment
-from posttrain.trainers.common import renderer_for
+from posttrain.trainers.common import AccelerateConfig, OptimConfig, TrainState, renderer_for
 from posttrain.trainers.policy_step import micro_batch_loss, policy_step, reference_kl, target_logprobs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -239,3 +241,50 @@ def test_the_reference_kl_pulls_zero_advantage_trajectories_back_to_the_init_pol
     assert stats1["train_tokens"] == sum(len(s.tokens) for s in samples) < batch.input_ids.numel()
     assert 0 < stats1["train_tokens_per_s"] < math.inf
     assert stats1["train_tokens_per_s"] * stats1["train_s"] == pytest.approx(stats1["train_tokens"])
+
+
+@pytest.mark.parametrize("micro_batch_size", [2, 4, 9])
+def test_any_micro_batch_size_gives_the_gradient_of_one_micro_batch(micro_batch_size: int):
+    """rl and mopd accept any train.micro_batch_size > 0 against their batch (groups_per_step x
+    group_size; mopd's episodes a step): one that does not divide it (2 or 4 of 5) or exceeds it
+    (9) must still weight every token as one micro-batch of the whole batch does, since each
+    micro-batch's token sum is divided by the whole batch's token count, not its own."""
+    samples = [
+        trajectory("a", [11, 12, 13], [([21, 22, 23, 24], True), ([31, 32], False), ([25, 26, 27], True)]),
+        trajectory("b", [14, 15], [([41, 42], True)]),
+        trajectory("c", [16], [([51, 52, 53, 54, 55], True)]),
+        trajectory("d", [17, 18, 19, 20], [([61], True)]),
+        trajectory("e", [21], [([71, 72, 73], True), ([81], False), ([74, 75], True)]),
+    ]
+    batch = TokenBatch.of(samples, pad_id=0)
+    advantages = torch.tensor([0.7, -1.3, 0.4, 2.0, -0.5])[:, None].expand_as(batch.input_ids)
+    weights = torch.tensor([1.0, 2.0, 0.5, 1.5, 1.0])  # MOPD's pair balance weights, say
+
+    def step(micro: int) -> tuple[dict[str, torch.Tensor], float]:
+        model = tiny_k3(0).train()
+        ctx = SimpleNamespace(stage_id="micro-test", log=logging.getLogger("micro-test"))
+        state = TrainState.create(ctx, model, OptimConfig(lr=1e-3, grad_clip=None), AccelerateConfig(), 1)
+        seen: dict[str, torch.Tensor] = {}
+        state.optimizer.optimizer.register_step_pre_hook(
+            lambda *_: seen.update(
+                {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            )
+        )
+        metrics = policy_step(
+            state,
+            samples,
+            advantages,
+            step=1,
+            loss=PolicyLossConfig(),
+            micro_batch_size=micro,
+            pad_id=0,
+            sample_weights=weights,
+        )
+        return seen, metrics["loss"]
+
+    whole, whole_loss = step(len(samples))
+    split, split_loss = step(micro_batch_size)
+    assert split.keys() == whole.keys() and len(whole) > 10
+    for name, grad in whole.items():
+        torch.testing.assert_close(split[name], grad, atol=1e-6, rtol=1e-4, msg=name)
+    assert split_loss == pytest.approx(whole_loss, rel=1e-5)

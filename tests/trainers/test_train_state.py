@@ -106,3 +106,31 @@ def test_update_norm_keeps_its_snapshot_out_of_gpu_memory() -> None:
     start, norm, direct = _update_norm_case("cuda")
     assert all(s.device.type == "cpu" for s in start)
     assert norm == pytest.approx(direct, rel=1e-5)
+
+
+@pytest.mark.parametrize(("warmup", "steps"), [(10, 3), (3, 3), (2, 3)])
+def test_a_warmup_longer_than_the_run_is_kept_and_said_once_at_the_start(
+    warmup: int, steps: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The documented smoke run `sft.train.steps=3` keeps the file's warm-up (10): the LR rises
+    linearly the whole run (never reaching train.lr, no cosine, no division by zero) and the stage's
+    log says so, with the last step's share of train.lr; a warm-up that ends inside the run is silent."""
+    model = nn.Linear(2, 2)
+    ctx = SimpleNamespace(stage_id="warmup-test", log=logging.getLogger("warmup-test"))
+    optim = OptimConfig(lr=0.1, warmup_steps=warmup)
+    with caplog.at_level(logging.INFO, logger="warmup-test"):
+        state = TrainState.create(ctx, model, optim, AccelerateConfig(), steps)
+    lrs = []
+    for step in range(steps):
+        model(torch.ones(1, 2)).sum().backward()
+        lrs.append(state.optimizer_step(step)["lr"])
+    assert lrs == pytest.approx([0.1 * (s + 1) / (warmup + 1) if s < warmup else 0.1 for s in range(steps)])
+    said = [r.getMessage() for r in caplog.records if "warm-up" in r.getMessage()]
+    if warmup >= steps:
+        assert said == [
+            f"train.warmup_steps {warmup} >= the stage's {steps} optimizer steps: the run ends inside the "
+            f"warm-up, its last step at {steps / (warmup + 1):.3g} x train.lr (0.1); the cosine decay "
+            "never starts"
+        ]
+    else:
+        assert said == [] and lrs[-1] == pytest.approx(0.1)  # the last step is the cosine's first, at lr
