@@ -324,5 +324,29 @@ def test_asking_for_more_distinct_prompts_than_exist_names_the_key(tmp_path, ren
     # Before: "lower the prompt count", which named none of the stage file's several counts.
     cfg = EnvironmentConfig(families=["coding/fix_function"])
     with make_environment("coding", renderer, cfg, sandbox_dir=tmp_path) as env:
-        with pytest.raises(ValueError, match=r"400 were asked for; lower rollout\.prompts$"):
+        with pytest.raises(ValueError, match=r"400 were asked for; lower rollout\.prompts to at most 165$"):
             env.prompts("train", 400, seed=0, key="rollout.prompts")  # the family has 165
+
+
+def test_an_impossible_prompt_count_fails_once_new_prompts_stop_coming(tmp_path, renderer, monkeypatch):
+    # Before: a count of a million drew 50 million prompts of a family that has three (minutes to
+    # hours) before saying so; now it stops after a run of draws that brought no new question.
+    draws = 0
+
+    def three_questions(self: Verdict, rng: random.Random, effort: str) -> Sample:
+        nonlocal draws
+        draws += 1
+        assert draws <= 3000, "still drawing long after the family ran out of questions"
+        n = rng.randrange(3)
+        return self.sample(f"{self.name}-{n}", effort, [{"role": "user", "content": f"Say {n}."}], {})
+
+    monkeypatch.setattr(Verdict, "make_prompt", three_questions)
+    cfg = EnvironmentConfig(families=["plugin-bugs/verdict"])
+    with PluginBugs(renderer, cfg, sandbox_dir=tmp_path) as env:
+        with pytest.raises(ValueError) as error:
+            env.prompts("train", 10**6, seed=0, key="rollout.prompts")
+        assert env.prompts("train", 3, seed=0, key="rollout.prompts")  # what the message offers
+    assert str(error.value) == (
+        "plugin-bugs: only 3 distinct train prompts could be drawn from ['plugin-bugs/verdict'] (the "
+        "last 1000 draws brought no new one), 1000000 were asked for; lower rollout.prompts to at most 3"
+    )
