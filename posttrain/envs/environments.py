@@ -41,10 +41,10 @@ from posttrain.data.sample import Sample
 from posttrain.engines.base import Engine, LogprobsMode, PauseWhen, SamplingConfig
 from posttrain.envs.env_sandboxes import SandboxPool
 from posttrain.envs.sandbox import Sandbox
-from posttrain.envs.tasks import TASK_FAMILIES, Episode, TaskFamily
+from posttrain.envs.tasks import TASK_FAMILIES, Episode, TaskFamily, registered_family
 from posttrain.envs.tools import TOOLS, Tool, make_tools
 from posttrain.files import remove_tree
-from posttrain.registry import Registry, RegistryError
+from posttrain.registry import Registry
 from posttrain.rewards.genrm import GenRM
 
 # Sample.metrics keys an environment maintains (JSON-safe floats, so they survive a checkpoint).
@@ -189,8 +189,8 @@ class Environment:
             )
         for name in config.families:
             try:
-                family = TASK_FAMILIES.get(name)
-            except RegistryError as error:  # a KeyError, which a schema would not report as a mistake
+                family = registered_family(name, cls.domain)
+            except ValueError as error:
                 raise ValueError(f"{cls.domain}: families: {error}") from None
             if family.domain != cls.domain:
                 raise ValueError(

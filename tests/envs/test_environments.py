@@ -300,6 +300,17 @@ def test_configuration_errors_name_the_fix(tmp_path, renderer):
         )
 
 
+def test_an_unknown_family_names_the_nearest_and_the_domains_families_not_every_family():
+    # Before: "(registered: agent/desks_per_floor, ..., general/visual_cost)", all 14 of 3 domains.
+    agent = sorted(name for name, family in TASK_FAMILIES.items() if family.domain == "agent")
+    with pytest.raises(ValueError) as error:
+        make_environment("agent", None, EnvironmentConfig(families=["agent/order_cots"]))
+    assert str(error.value) == (
+        "agent: families: unknown task family 'agent/order_cots'; did you mean 'agent/order_cost'? "
+        f"(the agent domain's: {', '.join(agent)})"
+    )
+
+
 def test_sandboxes_given_back_are_kept_for_the_next_batch(tmp_path, renderer, tiny_k3_engine):
     # More episodes hold a sandbox at once than the 32 a pool used to keep: the next batch (an
     # iteration after an evaluation, the after-evaluation after training) starts none of its own.
