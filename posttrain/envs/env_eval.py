@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from posttrain.data.sample import Sample
 from posttrain.engines.base import Engine
 from posttrain.envs.environments import TRUNCATED, Environment
-from posttrain.envs.tasks import TASK_FAMILIES, registered_family
+from posttrain.envs.tasks import TASK_FAMILIES, check_listed_once, registered_family
 from posttrain.stats import mean_standard_error, paired_standard_error
 
 if TYPE_CHECKING:
@@ -61,6 +61,7 @@ class EvalSubset(BaseModel):
         domains = {family.domain for family in known}
         for family in families:  # a typo's nearest spelling is looked for among its neighbours' domain
             registered_family(family, known[0].domain if known else None)
+        check_listed_once(families)
         if len(domains) > 1:
             raise ValueError(
                 f"its families belong to the domains {sorted(domains)}; a subset is evaluated by one "

@@ -41,7 +41,7 @@ from posttrain.data.sample import Sample
 from posttrain.engines.base import Engine, LogprobsMode, PauseWhen, SamplingConfig
 from posttrain.envs.env_sandboxes import SandboxPool
 from posttrain.envs.sandbox import Sandbox
-from posttrain.envs.tasks import TASK_FAMILIES, Episode, TaskFamily, registered_family
+from posttrain.envs.tasks import TASK_FAMILIES, Episode, TaskFamily, check_listed_once, registered_family
 from posttrain.envs.tools import TOOLS, Tool, make_tools
 from posttrain.files import remove_tree
 from posttrain.registry import Registry
@@ -113,7 +113,8 @@ class EnvironmentConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     families: list[str] = Field(
         default_factory=list,
-        description="task families to draw prompts from; empty: every registered one of the domain",
+        description="task families to draw prompts from, in turn, each listed once; empty: every registered "
+        "one of the domain",
     )
     max_turns: int = Field(4, gt=0, description="assistant turns per episode")
     max_tokens_per_turn: int = Field(96, gt=0, description="generated tokens per assistant turn")
@@ -187,6 +188,10 @@ class Environment:
                 f"runs submissions against hidden tests; the {cls.domain} environment scores its final state "
                 "once"
             )
+        try:
+            check_listed_once(config.families)
+        except ValueError as error:
+            raise ValueError(f"{cls.domain}: families: {error}") from None
         for name in config.families:
             try:
                 family = registered_family(name, cls.domain)

@@ -168,6 +168,17 @@ def registered_family(name: str, domain: str | None = None) -> type[TaskFamily]:
     raise ValueError(f"unknown task family {name!r}{'; ' + hint if hint else ''} ({listed})")
 
 
+def check_listed_once(families: Sequence[str]) -> None:
+    """Raise ValueError naming a family listed more than once: prompts are drawn from the listed
+    families in turn, so a repeat silently gave that family one more share of the prompts."""
+    repeated = sorted({name for name in families if families.count(name) > 1})
+    if repeated:
+        raise ValueError(
+            f"{', '.join(repeated)} listed more than once; prompts come from the families in turn, so a "
+            "repeat would give it another share of them: list each family once"
+        )
+
+
 class Episode:
     """A conversation played out against a family's real tools (in `sandbox` where they need one)."""
 

@@ -181,6 +181,8 @@ def test_eval_subsets_are_played_by_their_domain_and_bad_ones_name_the_fix(rende
         ) in str(error.value) and "general/" not in str(error.value)
         with pytest.raises(ValidationError, match=r"'nowhere/else' \(docs/data.md describes the shipped"):
             EvalConfig(subsets={"typo": {"families": ["nowhere/else"]}})
+        with pytest.raises(ValidationError, match="general/lookup listed more than once; prompts come from"):
+            EvalConfig(subsets={"twice": {"families": ["general/lookup", "general/lookup"]}})
         visual = EvalConfig(subsets={"visual": {"families": ["general/visual"]}})  # opt-in, not offered
         with pytest.raises(
             ValueError, match="eval.subsets.visual: .*list them under environments.general.families"

@@ -311,6 +311,16 @@ def test_an_unknown_family_names_the_nearest_and_the_domains_families_not_every_
     )
 
 
+def test_a_family_listed_twice_is_an_error_not_a_double_share_of_the_prompts():
+    # Before: [lookup, ordering, lookup] drew 20 lookup prompts of 30, silently.
+    with pytest.raises(ValueError, match=r"^general: families: general/lookup listed more than once; "):
+        make_environment(
+            "general",
+            None,
+            EnvironmentConfig(families=["general/lookup", "general/ordering", "general/lookup"]),
+        )
+
+
 def test_sandboxes_given_back_are_kept_for_the_next_batch(tmp_path, renderer, tiny_k3_engine):
     # More episodes hold a sandbox at once than the 32 a pool used to keep: the next batch (an
     # iteration after an evaluation, the after-evaluation after training) starts none of its own.
