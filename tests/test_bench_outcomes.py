@@ -248,3 +248,28 @@ def test_a_damaged_eval_file_exits_2_naming_it(
     error = capsys.readouterr().err
     assert exit_.value.code == 2 and "seed-0/rl-general-max/eval.json is damaged" in error
     assert "--restart rl-general-max" in error and not (out / "outcomes.json").exists()
+
+
+def test_a_stage_file_that_does_not_load_exits_2_naming_its_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    _seed_run(out, 0, [], {})
+    (tmp_path / "mopd.yaml").write_text("stage: mopd\nkind: mopd\nneeds: [nope.yaml]\n")
+    with pytest.raises(SystemExit) as exit_:
+        _main(
+            monkeypatch,
+            "--report-only",
+            "--out",
+            str(out),
+            "--seeds",
+            "0",
+            "--stage-file",
+            str(tmp_path / "mopd.yaml"),
+        )
+    error = capsys.readouterr().err
+    assert (
+        exit_.value.code == 2
+        and f"{tmp_path / 'mopd.yaml'}:3: needs[0]: stage file nope.yaml does not" in error
+    )
+    assert not (out / "outcomes.json").exists()
