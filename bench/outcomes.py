@@ -23,7 +23,9 @@ pair's kept share has an error near 0.1 around a bound of 0.9. The replays of al
 `--cpus` processes of one thread each, storing into each run dir's cache under a lock.
 
 Before reading them it checks each seed's run dir: one that holds no run, or whose last run was
-another stage file or other overrides (pipeline.json), stops it (exit 2) rather than mixing or
+another stage file or other overrides (pipeline.json: the file's name and the overrides; the stages
+it planned and the config hash each started stage ran with, against what the stage file plans now: a
+run of stages/vision/mopd.yaml is not one of stages/mopd.yaml), stops it (exit 2) rather than mixing or
 dropping seeds; stages not done are named under the table (their claims are missing, not misses).
 Writes OUT/outcomes.json ({"commit", "machine", "stage_file", "overrides", "kept_samples",
 "unfinished": {seed: {stage: status}}, "seed_commits": {seed: [commits]}, "runs": {seed: claims},
@@ -61,7 +63,9 @@ from orchestration.outcomes import (  # noqa: E402
     subset_pass_rates,
     subsets_all_holding,
 )
+from orchestration.pipeline import Pipeline, load_pipeline  # noqa: E402
 from orchestration.rundir import read_json, read_manifest  # noqa: E402
+from posttrain.config.errors import ConfigError  # noqa: E402
 from posttrain.files import atomic_write_text  # noqa: E402
 
 SUBSET_SIZE = 3  # the benchmark's default seed count: with more seeds, how often would three pass?
@@ -222,11 +226,26 @@ def record_commit(out: Path, seeds: list[int], commit: str) -> dict[str, list[st
     return commits
 
 
+def recipe_mismatch(run_dir: Path, plan: dict, asked: Pipeline) -> str:
+    """How the run in `run_dir` (its pipeline.json, `plan`) differs from the recipe `asked`
+    plans, or "": its stages (ids, kinds, needs) and the config hash each stage it started ran
+    with (its manifest's: what decides the stage's result, orchestration.pipeline.config_hash)."""
+    planned = {sid: {"kind": stage.kind, "needs": stage.needs} for sid, stage in asked.stages.items()}
+    if plan["stages"] != planned:
+        return f"its stages are {', '.join(plan['stages'])}, the stage file's {', '.join(planned)}"
+    for sid, stage in asked.stages.items():
+        ran = (read_manifest(run_dir / sid) or {}).get("config_hash")
+        if ran is not None and ran != stage.config_hash:
+            return f"its stage {sid} ran another configuration (config hash {ran}, here {stage.config_hash})"
+    return ""
+
+
 def unfinished_stages(
     parser: argparse.ArgumentParser, out: Path, seed: int, stage_file: Path, overrides: list[str]
 ) -> dict[str, str]:
     """Seed's run dir checked before its claims are read: an argparse error (exit 2) where it holds
-    no run or its last run was another stage file or other overrides (another recipe's numbers);
+    no run or its last run was another stage file or other overrides (another recipe's numbers:
+    `recipe_mismatch`);
     else its stages that are not done, with their status (their claims are missing, not held)."""
     run_dir = out / f"seed-{seed}"
     plan = read_json(run_dir / "pipeline.json")
@@ -237,9 +256,16 @@ def unfinished_stages(
         )
     asked = [stage_file.name, f"seed={seed}", *overrides]
     found = [Path(plan["file"]).name, *plan["overrides"]]
-    if found != asked:
+    # The name alone passes stages/vision/mopd.yaml's run as stages/mopd.yaml's: the stages it
+    # planned and the configurations they ran must be the ones the stage file plans.
+    try:
+        mismatch = found == asked and recipe_mismatch(run_dir, plan, load_pipeline(stage_file, asked[1:]))
+    except ConfigError as error:
+        parser.error(f"--stage-file {stage_file}: {error}")
+    if found != asked or mismatch:
         parser.error(
-            f"{run_dir}/pipeline.json: its run was {' '.join(found)}, not {' '.join(asked)}; pass that "
+            f"{run_dir}/pipeline.json: its run was {plan['file']} {' '.join(found[1:])}, not "
+            f"{stage_file} {' '.join(asked[1:])}{': ' + mismatch if mismatch else ''}; pass that "
             "stage file and those overrides, or another --out for this recipe"
         )
     status = {

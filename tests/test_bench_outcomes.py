@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from orchestration.outcomes import claim
+from orchestration.pipeline import load_pipeline
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))  # outcomes imports its sibling kept_replay
@@ -113,19 +115,28 @@ def test_bad_arguments_exit_2_naming_the_argument(
     assert not (tmp_path / "out").exists()  # nothing written
 
 
-def _seed_run(out: Path, seed: int, overrides: list[str], status: dict[str, str]) -> None:
-    """A seed's run dir as posttrain leaves it: pipeline.json and each stage's manifest."""
+def _seed_run(
+    out: Path, seed: int, overrides: list[str], status: dict[str, str], stage_file: str = "stages/mopd.yaml"
+) -> None:
+    """A seed's run dir as posttrain leaves it after a run of `stage_file` (in another checkout):
+    pipeline.json and each stage's manifest, its state from `status` (done where it names none)."""
     run = out / f"seed-{seed}"
     run.mkdir(parents=True)
+    pipeline = load_pipeline(REPO / stage_file, [f"seed={seed}"])
     plan = {
-        "file": "/elsewhere/stages/mopd.yaml",
+        "file": f"/elsewhere/{stage_file}",
         "overrides": [f"seed={seed}", *overrides],
-        "stages": status,
+        "stages": {sid: {"kind": stage.kind, "needs": stage.needs} for sid, stage in pipeline.stages.items()},
     }
     (run / "pipeline.json").write_text(json.dumps(plan))
-    for stage, state in status.items():
+    for stage in pipeline.stages:
         (run / stage).mkdir()
-        (run / stage / "manifest.json").write_text(json.dumps({"status": state, "model_hash": "ffff"}))
+        manifest = {
+            "status": status.get(stage, "done"),
+            "model_hash": "ffff",
+            "config_hash": pipeline.stages[stage].config_hash,
+        }
+        (run / stage / "manifest.json").write_text(json.dumps(manifest))
 
 
 def test_a_report_refuses_missing_seeds_and_other_recipes_and_names_unfinished_stages(
@@ -140,7 +151,7 @@ def test_a_report_refuses_missing_seeds_and_other_recipes_and_names_unfinished_s
     assert exit_.value.code == 2 and "seed-2 holds no run" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:
         _main(monkeypatch, *report, "0", "1")  # seed 1 is another recipe's: not mixed in
-    assert exit_.value.code == 2 and "seed=1 kl_coef=0.1, not mopd.yaml seed=1" in capsys.readouterr().err
+    assert exit_.value.code == 2 and "mopd.yaml seed=1 kl_coef=0.1, not " in capsys.readouterr().err
     assert not (out / "outcomes.json").exists()
     _main(monkeypatch, *report, "0")
     written = json.loads((out / "outcomes.json").read_text())
@@ -149,6 +160,32 @@ def test_a_report_refuses_missing_seeds_and_other_recipes_and_names_unfinished_s
     md = (out / "outcomes.md").read_text()
     assert "Seed 0's stages not done, their claims left out: mopd (failed)." in md
     assert f"Commit {written['commit']}; mopd.yaml; machine: " in md
+
+
+def test_a_run_of_another_stage_file_of_the_same_name_or_another_configuration_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: the file names alone were compared, so a run of stages/vision/mopd.yaml passed as one of
+    stages/mopd.yaml; now its planned stages, and the configuration each started stage ran with."""
+    out = tmp_path / "out"
+    _seed_run(out, 0, [], {"sft": "done", "mopd": "done"}, stage_file="stages/vision/mopd.yaml")
+    report = ["--report-only", "--out", str(out), "--seeds", "0"]
+    with pytest.raises(SystemExit) as exit_:
+        _main(monkeypatch, *report)
+    error = capsys.readouterr().err
+    assert exit_.value.code == 2 and "its run was /elsewhere/stages/vision/mopd.yaml seed=0, not " in error
+    assert "its stages are sft, rl-general-low, rl-general-high, rl-general-max, mopd, the stage " in error
+    _seed_run(tmp_path / "edited", 0, [], {"sft": "done", "rl-agent-max": "done"})
+    manifest = tmp_path / "edited" / "seed-0" / "rl-agent-max" / "manifest.json"
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "config_hash": "0123"}))
+    with pytest.raises(SystemExit) as exit_:  # e.g. a copy of stages/mopd.yaml with another lr
+        _main(monkeypatch, "--report-only", "--out", str(tmp_path / "edited"), "--seeds", "0")
+    error = capsys.readouterr().err
+    assert (
+        exit_.value.code == 2
+        and "its stage rl-agent-max ran another configuration (config hash 0123" in error
+    )
+    assert not (out / "outcomes.json").exists() and not (tmp_path / "edited" / "outcomes.json").exists()
 
 
 def test_a_resumed_seed_at_another_commit_is_named_and_a_failed_seed_exits_1(
@@ -185,8 +222,7 @@ def test_a_relative_out_and_stage_file_mean_the_same_dirs_to_the_runs_and_the_re
     """The seeds' processes run in the repo; relative paths given from elsewhere are this shell's,
     for the runs and for the report that reads them."""
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "mine").mkdir()
-    (tmp_path / "mine" / "mopd.yaml").write_text("")
+    stage_file = os.path.relpath(REPO / "stages" / "mopd.yaml", tmp_path)
     started = []
 
     def fake_call(command: list[str], cwd: Path, **_: object) -> int:
@@ -196,8 +232,8 @@ def test_a_relative_out_and_stage_file_mean_the_same_dirs_to_the_runs_and_the_re
         return 0
 
     monkeypatch.setattr(bench_outcomes.subprocess, "call", fake_call)
-    _main(monkeypatch, "--out", "rel", "--seeds", "0", "--stage-file", "mine/mopd.yaml")
-    assert started == [(tmp_path / "rel" / "seed-0", tmp_path / "mine" / "mopd.yaml")]
+    _main(monkeypatch, "--out", "rel", "--seeds", "0", "--stage-file", stage_file)
+    assert started == [(tmp_path / "rel" / "seed-0", REPO / "stages" / "mopd.yaml")]
     assert json.loads((tmp_path / "rel" / "outcomes.json").read_text())["unfinished"] == {}
 
 
@@ -212,3 +248,28 @@ def test_a_damaged_eval_file_exits_2_naming_it(
     error = capsys.readouterr().err
     assert exit_.value.code == 2 and "seed-0/rl-general-max/eval.json is damaged" in error
     assert "--restart rl-general-max" in error and not (out / "outcomes.json").exists()
+
+
+def test_a_stage_file_that_does_not_load_exits_2_naming_its_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    _seed_run(out, 0, [], {})
+    (tmp_path / "mopd.yaml").write_text("stage: mopd\nkind: mopd\nneeds: [nope.yaml]\n")
+    with pytest.raises(SystemExit) as exit_:
+        _main(
+            monkeypatch,
+            "--report-only",
+            "--out",
+            str(out),
+            "--seeds",
+            "0",
+            "--stage-file",
+            str(tmp_path / "mopd.yaml"),
+        )
+    error = capsys.readouterr().err
+    assert (
+        exit_.value.code == 2
+        and f"{tmp_path / 'mopd.yaml'}:3: needs[0]: stage file nope.yaml does not" in error
+    )
+    assert not (out / "outcomes.json").exists()

@@ -18,6 +18,7 @@ from typing import Any
 from data_recipes.agent_tasks import FAMILIES
 from posttrain.data.sample import EFFORTS, Sample
 from posttrain.envs.tasks import TASK_FAMILIES
+from posttrain.files import atomic_write_text
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parents[1] / "data" / "agent_sft.jsonl"
 DEFAULT_PER_FAMILY = 200
@@ -70,9 +71,11 @@ def main() -> None:
     parser.add_argument("--per-family", type=int, default=DEFAULT_PER_FAMILY)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUTPUT)
     args = parser.parse_args()
+    if args.per_family < 1:  # the default --out is the shipped file, which it would have emptied
+        parser.error(f"--per-family {args.per_family}: pass at least 1 row a family")
     records = generate(args.seed, args.per_family)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(to_jsonl(records))
+    atomic_write_text(args.out, to_jsonl(records))  # a kill while writing leaves the old file whole
     print(f"wrote {len(records)} trajectories to {args.out}")
 
 

@@ -35,8 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from posttrain.data.sample import Sample
 from posttrain.engines.base import Engine
 from posttrain.envs.environments import TRUNCATED, Environment
-from posttrain.envs.tasks import TASK_FAMILIES
-from posttrain.registry import RegistryError
+from posttrain.envs.tasks import TASK_FAMILIES, check_listed_once, registered_family
 from posttrain.stats import mean_standard_error, paired_standard_error
 
 if TYPE_CHECKING:
@@ -58,10 +57,11 @@ class EvalSubset(BaseModel):
     def _of_one_domain(cls, families: list[str]) -> list[str]:
         # Checked when the stage file is read: an unknown family stopped the stage at its start with
         # a KeyError, after its model and cold start were loaded.
-        try:
-            domains = {TASK_FAMILIES.get(family).domain for family in families}
-        except RegistryError as error:
-            raise ValueError(str(error)) from None
+        known = [TASK_FAMILIES.get(family) for family in families if family in TASK_FAMILIES]
+        domains = {family.domain for family in known}
+        for family in families:  # a typo's nearest spelling is looked for among its neighbours' domain
+            registered_family(family, known[0].domain if known else None)
+        check_listed_once(families)
         if len(domains) > 1:
             raise ValueError(
                 f"its families belong to the domains {sorted(domains)}; a subset is evaluated by one "

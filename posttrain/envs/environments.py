@@ -41,10 +41,10 @@ from posttrain.data.sample import Sample
 from posttrain.engines.base import Engine, LogprobsMode, PauseWhen, SamplingConfig
 from posttrain.envs.env_sandboxes import SandboxPool
 from posttrain.envs.sandbox import Sandbox
-from posttrain.envs.tasks import TASK_FAMILIES, Episode, TaskFamily
+from posttrain.envs.tasks import TASK_FAMILIES, Episode, TaskFamily, check_listed_once, registered_family
 from posttrain.envs.tools import TOOLS, Tool, make_tools
 from posttrain.files import remove_tree
-from posttrain.registry import Registry, RegistryError
+from posttrain.registry import Registry
 from posttrain.rewards.genrm import GenRM
 
 # Sample.metrics keys an environment maintains (JSON-safe floats, so they survive a checkpoint).
@@ -61,6 +61,14 @@ SANDBOX_LIMITS: dict[str, Any] = {"memory_mb": 512, "cpu_seconds": 30, "max_proc
 # at once (MOPD's sampled one up to 384 in agent and coding each), and with only 32 kept every
 # later batch started most of its sandboxes again (bench/RESULTS.md, issue #21).
 POOLED_SANDBOXES = 512
+# prompts() gives up once this many draws in a row (at least REPEATS_FLOOR) brought no new question,
+# per distinct question seen: its families have (nearly) run out. The last of F equally likely
+# families' N questions each takes about F x N draws, the distinct count, so ten times that cuts a
+# draw that would still succeed about once in e^10; the shipped stage files' longest run of repeats
+# is under 100 draws. Without it an impossible count ran its count x 50 draws (rollout.prompts=100000
+# in the agent domain: 5 million draws, minutes) before saying so.
+REPEATS_PER_QUESTION = 10
+REPEATS_FLOOR = 1000
 SUBMISSION_FEEDBACK = (
     "The hidden tests failed. {left} submission{s} left: fix the code and reply with the complete function."
 )
@@ -105,7 +113,8 @@ class EnvironmentConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     families: list[str] = Field(
         default_factory=list,
-        description="task families to draw prompts from; empty: every registered one of the domain",
+        description="task families to draw prompts from, in turn, each listed once; empty: every registered "
+        "one of the domain",
     )
     max_turns: int = Field(4, gt=0, description="assistant turns per episode")
     max_tokens_per_turn: int = Field(96, gt=0, description="generated tokens per assistant turn")
@@ -179,10 +188,14 @@ class Environment:
                 f"runs submissions against hidden tests; the {cls.domain} environment scores its final state "
                 "once"
             )
+        try:
+            check_listed_once(config.families)
+        except ValueError as error:
+            raise ValueError(f"{cls.domain}: families: {error}") from None
         for name in config.families:
             try:
-                family = TASK_FAMILIES.get(name)
-            except RegistryError as error:  # a KeyError, which a schema would not report as a mistake
+                family = registered_family(name, cls.domain)
+            except ValueError as error:
                 raise ValueError(f"{cls.domain}: families: {error}") from None
             if family.domain != cls.domain:
                 raise ValueError(
@@ -220,7 +233,8 @@ class Environment:
         """`count` distinct prompts, families in turn (`families`, a subset of those offered, or all
         of them), harness applied; a pure function of its arguments. Questions of `exclude` (e.g.
         the held-out set when drawing training prompts) never appear. `key`: the stage-file key
-        that set `count`, named when fewer distinct prompts exist."""
+        that set `count`, named when fewer distinct prompts exist (known once a long run of draws,
+        REPEATS_PER_QUESTION per distinct question, brought no new one)."""
         rng = random.Random(f"rl-prompts:{self.domain}:{split}:{seed}")
         seen = {_question(p) for p in exclude}
         out: list[Sample] = []
@@ -230,19 +244,24 @@ class Environment:
             raise ValueError(
                 f"{self.domain}: {unknown} are not among the offered families {self.family_names}"
             )
+        repeats = 0  # draws in a row that brought no new question
         for attempt in range(count * 50):
-            if len(out) == count:
+            if len(out) == count or repeats >= max(REPEATS_FLOOR, REPEATS_PER_QUESTION * len(seen)):
                 break
             prompt = self._families[names[attempt % len(names)]].prompt(rng, "high")
             if _question(prompt) in seen:
+                repeats += 1
                 continue
+            repeats = 0
             seen.add(_question(prompt))
             self._apply_harness(prompt, rng)
             out.append(prompt)
         if len(out) < count:
+            excluded = f", besides the {len(exclude)} excluded" if exclude else ""
             raise ValueError(
-                f"{self.domain}: only {len(out)} distinct {split} prompts could be drawn from {names}, "
-                f"{count} were asked for; lower {key}"
+                f"{self.domain}: only {len(out)} distinct {split} prompts could be drawn from {names} "
+                f"(the last {repeats} draws brought no new one{excluded}), {count} were asked for; "
+                f"lower {key} to at most {len(out)}"
             )
         return out
 

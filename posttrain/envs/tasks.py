@@ -32,6 +32,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from posttrain.config.errors import did_you_mean
 from posttrain.data.chat import tool_call_id
 from posttrain.data.sample import Sample
 from posttrain.envs.sandbox import Sandbox
@@ -149,6 +150,33 @@ class TaskFamily(ABC):
 
 
 TASK_FAMILIES: Registry[type[TaskFamily]] = Registry("task family", named=True)
+
+
+def registered_family(name: str, domain: str | None = None) -> type[TaskFamily]:
+    """The family registered as `name`; a ValueError for an unknown name that suggests the nearest
+    of `domain`'s families (every domain's when None) and lists that domain's, where the registry's
+    own message lists every family of every domain (14 shipped, plug-ins' besides)."""
+    if name in TASK_FAMILIES:
+        return TASK_FAMILIES.get(name)
+    candidates = [n for n, family in TASK_FAMILIES.items() if domain is None or family.domain == domain]
+    hint = did_you_mean(name, candidates)
+    listed = (
+        f"the {domain} domain's: {', '.join(candidates)}"
+        if domain
+        else "docs/data.md describes the shipped ones"
+    )
+    raise ValueError(f"unknown task family {name!r}{'; ' + hint if hint else ''} ({listed})")
+
+
+def check_listed_once(families: Sequence[str]) -> None:
+    """Raise ValueError naming a family listed more than once: prompts are drawn from the listed
+    families in turn, so a repeat silently gave that family one more share of the prompts."""
+    repeated = sorted({name for name in families if families.count(name) > 1})
+    if repeated:
+        raise ValueError(
+            f"{', '.join(repeated)} listed more than once; prompts come from the families in turn, so a "
+            "repeat would give it another share of them: list each family once"
+        )
 
 
 class Episode:

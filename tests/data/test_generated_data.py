@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 from itertools import groupby
 from pathlib import Path
 
+import pytest
 import yaml
 
 from data_recipes.agent_tasks import FAMILIES
@@ -16,6 +18,7 @@ from data_recipes.agent_tasks.generate import (
     DEFAULT_PER_FAMILY,
     family_rows,
     generate_trajectory,
+    main,
 )
 from posttrain.data.sample import DOMAINS, EFFORTS
 from posttrain.data.trajectory import clean_record, validate_trajectory
@@ -32,6 +35,18 @@ def test_regenerating_rows_gives_the_shipped_lines(shipped):
         for index in (0, 1, 2):
             row = sum(counts[:number]) + index
             assert json.dumps(generate_trajectory(family, index, seed=0), ensure_ascii=False) == lines[row]
+
+
+@pytest.mark.parametrize("per_family", ["0", "-2"])
+def test_no_rows_a_family_exits_2_and_writes_nothing(tmp_path, monkeypatch, capsys, per_family):
+    # Before: "wrote 0 trajectories", an empty file, by default over the shipped one.
+    out = tmp_path / "agent_sft.jsonl"
+    out.write_text("the rows before\n")
+    monkeypatch.setattr(sys, "argv", ["generate", "--per-family", per_family, "--out", str(out)])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    assert exit_.value.code == 2 and f"--per-family {per_family}: pass at least 1" in capsys.readouterr().err
+    assert out.read_text() == "the rows before\n"
 
 
 def test_domains_efforts_and_size(shipped):

@@ -300,6 +300,27 @@ def test_configuration_errors_name_the_fix(tmp_path, renderer):
         )
 
 
+def test_an_unknown_family_names_the_nearest_and_the_domains_families_not_every_family():
+    # Before: "(registered: agent/desks_per_floor, ..., general/visual_cost)", all 14 of 3 domains.
+    agent = sorted(name for name, family in TASK_FAMILIES.items() if family.domain == "agent")
+    with pytest.raises(ValueError) as error:
+        make_environment("agent", None, EnvironmentConfig(families=["agent/order_cots"]))
+    assert str(error.value) == (
+        "agent: families: unknown task family 'agent/order_cots'; did you mean 'agent/order_cost'? "
+        f"(the agent domain's: {', '.join(agent)})"
+    )
+
+
+def test_a_family_listed_twice_is_an_error_not_a_double_share_of_the_prompts():
+    # Before: [lookup, ordering, lookup] drew 20 lookup prompts of 30, silently.
+    with pytest.raises(ValueError, match=r"^general: families: general/lookup listed more than once; "):
+        make_environment(
+            "general",
+            None,
+            EnvironmentConfig(families=["general/lookup", "general/ordering", "general/lookup"]),
+        )
+
+
 def test_sandboxes_given_back_are_kept_for_the_next_batch(tmp_path, renderer, tiny_k3_engine):
     # More episodes hold a sandbox at once than the 32 a pool used to keep: the next batch (an
     # iteration after an evaluation, the after-evaluation after training) starts none of its own.
@@ -324,5 +345,29 @@ def test_asking_for_more_distinct_prompts_than_exist_names_the_key(tmp_path, ren
     # Before: "lower the prompt count", which named none of the stage file's several counts.
     cfg = EnvironmentConfig(families=["coding/fix_function"])
     with make_environment("coding", renderer, cfg, sandbox_dir=tmp_path) as env:
-        with pytest.raises(ValueError, match=r"400 were asked for; lower rollout\.prompts$"):
+        with pytest.raises(ValueError, match=r"400 were asked for; lower rollout\.prompts to at most 165$"):
             env.prompts("train", 400, seed=0, key="rollout.prompts")  # the family has 165
+
+
+def test_an_impossible_prompt_count_fails_once_new_prompts_stop_coming(tmp_path, renderer, monkeypatch):
+    # Before: a count of a million drew 50 million prompts of a family that has three (minutes to
+    # hours) before saying so; now it stops after a run of draws that brought no new question.
+    draws = 0
+
+    def three_questions(self: Verdict, rng: random.Random, effort: str) -> Sample:
+        nonlocal draws
+        draws += 1
+        assert draws <= 3000, "still drawing long after the family ran out of questions"
+        n = rng.randrange(3)
+        return self.sample(f"{self.name}-{n}", effort, [{"role": "user", "content": f"Say {n}."}], {})
+
+    monkeypatch.setattr(Verdict, "make_prompt", three_questions)
+    cfg = EnvironmentConfig(families=["plugin-bugs/verdict"])
+    with PluginBugs(renderer, cfg, sandbox_dir=tmp_path) as env:
+        with pytest.raises(ValueError) as error:
+            env.prompts("train", 10**6, seed=0, key="rollout.prompts")
+        assert env.prompts("train", 3, seed=0, key="rollout.prompts")  # what the message offers
+    assert str(error.value) == (
+        "plugin-bugs: only 3 distinct train prompts could be drawn from ['plugin-bugs/verdict'] (the "
+        "last 1000 draws brought no new one), 1000000 were asked for; lower rollout.prompts to at most 3"
+    )

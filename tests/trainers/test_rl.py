@@ -78,6 +78,11 @@ def make_ctx(stage_runner, sft_dir) -> Callable[..., StageContext]:
             "environments",
             "general: families: unknown task family 'general/lookpu'; did you mean 'general/lookup'?",
         ),
+        (  # a repeat drew twice the family's share of the prompts
+            {"domain": "general", "environments": {"general": {"families": ["general/lookup"] * 2}}},
+            "environments",
+            "general: families: general/lookup listed more than once",
+        ),
         (
             {"domain": "general", "environments": {"general": {"families": ["coding/fix_function"]}}},
             "environments",
