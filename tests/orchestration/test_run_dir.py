@@ -344,3 +344,20 @@ def test_too_many_gpus_is_refused_before_the_run_dir_is_written(
     assert code == 2 and "g.yaml:5: resources.gpus: stage g asks for 2 GPU(s) but this machine has 1" in err
     assert [p.name for p in existing.iterdir()] == ["pipeline.json"]
     assert (existing / "pipeline.json").read_text() == '{"file": "earlier.yaml"}'
+
+
+def test_the_foreground_runner_names_a_damaged_request_as_damaged(tmp_path: Path, capsys) -> None:
+    """`python -m orchestration.runner DIR STAGE` called a damaged stage.json missing, in a traceback."""
+    from orchestration.runner import main
+
+    run = tmp_path / "run"
+    path = run / "a" / "stage.json"
+    path.parent.mkdir(parents=True)
+    path.write_text('{"stage": {"id"')  # cut short
+    assert main([str(run), "a"]) == 2
+    err = capsys.readouterr().err
+    assert f"{path} is damaged" in err and f"--run-dir {run} --only a" in err
+    path.write_text(json.dumps({"stage": {"id": "a"}, "inputs": {}, "restart": False}))  # fields missing
+    assert main([str(run), "a"]) == 2 and f"{path} is damaged" in capsys.readouterr().err
+    path.unlink()
+    assert main([str(run), "a"]) == 2 and f"{path} is missing" in capsys.readouterr().err
