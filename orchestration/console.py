@@ -26,6 +26,7 @@ from orchestration.executors import Outcome
 from orchestration.pipeline import Pipeline
 from orchestration.report import headline_order, is_timing
 from orchestration.rundir import (
+    PIPELINE,
     StageState,
     is_running,
     manifest_damage,
@@ -122,7 +123,7 @@ def summary_lines(run_dir: Path, outcome: Outcome) -> list[str]:
 def status_table(run_dir: Path) -> tuple[Table, str | None]:
     """The run dir as its manifests describe it (no stage files needed), and a note naming the
     stages it holds from another stage file (None when there are none)."""
-    plan = read_json(run_dir / "pipeline.json") or {}
+    plan = read_json(run_dir / PIPELINE) or {}
     listed = list(plan.get("stages", {}))
     # Stages of another stage file run in this dir earlier keep their results here: shown after
     # the last run's own (pipeline.json lists only those), not hidden.

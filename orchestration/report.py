@@ -11,6 +11,7 @@ RL's policy loss, MOPD's near-zero loss with its baseline), response length per 
 
 from __future__ import annotations
 
+import io
 import time
 from collections import defaultdict
 from collections.abc import Collection
@@ -20,6 +21,7 @@ from typing import Any
 from orchestration.outcomes import DamagedEvalError, claims_table, read_eval, run_claims
 from orchestration.pipeline import Pipeline
 from orchestration.rundir import read_manifest, stage_dir
+from posttrain.files import atomic_write_bytes, atomic_write_text
 from posttrain.metrics import METRICS_FILE, read_metrics
 
 REPORT = "report.md"
@@ -150,8 +152,11 @@ def plot(pipeline: Pipeline, run_dir: Path, stem: str) -> Path | None:
     fig = draw(groups, PLOTS[stem][0])
     path = run_dir / PLOTS_DIR / f"{stem}.png"
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=100)
     plt.close(fig)
+    # Atomic: a kill mid-write must not leave a truncated plot.
+    atomic_write_bytes(path, png.getvalue())
     return path
 
 
@@ -185,7 +190,7 @@ def write_report(pipeline: Pipeline, run_dir: Path, blocked: Collection[str] = (
         for stem, path in figures:
             lines += [f"### {PLOTS[stem][0]}", "", f"![{stem}]({path.relative_to(run_dir)})", ""]
     report = run_dir / REPORT
-    report.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    atomic_write_text(report, "\n".join(lines) + "\n")
     return report
 
 

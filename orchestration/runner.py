@@ -43,7 +43,7 @@ from orchestration.rundir import (
     write_manifest,
 )
 from posttrain.checkpoint import CHECKPOINTS_DIR
-from posttrain.files import fsync_dir, fsync_file, hash_tree, remove_trash, remove_tree
+from posttrain.files import atomic_write_text, fsync_dir, fsync_file, hash_tree, remove_trash, remove_tree
 from posttrain.metrics import MetricsLogger
 from posttrain.registry import import_plugin, load_plugins
 from posttrain.stages import STAGE_KINDS, StageContext, build_context
@@ -70,7 +70,8 @@ def write_request(pipeline: Pipeline, run_dir: Path, stage_id: str, restart: boo
         "inputs": input_hashes(pipeline, run_dir, stage),
         "restart": restart,
     }
-    (directory / REQUEST).write_text(json.dumps(request, indent=1, sort_keys=True), encoding="utf-8")
+    # Atomic: a driver killed mid-write must not leave the next worker a truncated request.
+    atomic_write_text(directory / REQUEST, json.dumps(request, indent=1, sort_keys=True))
     (directory / PROGRESS).unlink(missing_ok=True)  # an earlier attempt's steps are not this one's
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import json
 import logging
 import os
 import signal
@@ -42,6 +41,7 @@ from orchestration.executors import busy_machine_warning, check_local_gpus, exec
 from orchestration.pipeline import Pipeline, load_pipeline
 from orchestration.report import REPORT, write_report
 from orchestration.rundir import (
+    PIPELINE,
     StageLock,
     StageState,
     continue_restart,
@@ -49,6 +49,7 @@ from orchestration.rundir import (
     plan_states,
     read_manifest,
     restart_finished,
+    write_pipeline,
 )
 from orchestration.runner import MODEL_DIR, RUN_LOG
 from posttrain import __version__
@@ -249,17 +250,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         # The same command after an interruption continues its --restart/--from, not begins it anew.
         forced = continue_restart(run_dir, forced)
         to_run = [sid for sid in scope if sid in forced or states[sid].status != "done"]
-        (run_dir / "pipeline.json").write_text(
-            json.dumps(
-                {
-                    "file": str(pipeline.root),
-                    "overrides": list(args.overrides),
-                    "stages": {sid: {"kind": s.kind, "needs": s.needs} for sid, s in pipeline.stages.items()},
-                },
-                indent=1,
-            ),
-            encoding="utf-8",
-        )
+        write_pipeline(run_dir, pipeline, args.overrides)
         log.info("run %s: %d stages in scope, to run: %s", args.file, len(scope), ", ".join(to_run) or "none")
         if not to_run:
             console.print(
@@ -340,7 +331,7 @@ def cmd_status(args: argparse.Namespace, console: Console) -> int:
                 )
             ]
         )
-    if (args.run_dir / "manifest.json").is_file() and not (args.run_dir / "pipeline.json").is_file():
+    if (args.run_dir / "manifest.json").is_file() and not (args.run_dir / PIPELINE).is_file():
         raise ConfigError(
             [
                 Issue(
@@ -350,7 +341,7 @@ def cmd_status(args: argparse.Namespace, console: Console) -> int:
                 )
             ]
         )
-    if not (args.run_dir / "pipeline.json").is_file() and not list(args.run_dir.glob("*/manifest.json")):
+    if not (args.run_dir / PIPELINE).is_file() and not list(args.run_dir.glob("*/manifest.json")):
         raise ConfigError(
             [
                 Issue(

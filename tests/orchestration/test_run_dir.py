@@ -361,3 +361,29 @@ def test_the_foreground_runner_names_a_damaged_request_as_damaged(tmp_path: Path
     assert main([str(run), "a"]) == 2 and f"{path} is damaged" in capsys.readouterr().err
     path.unlink()
     assert main([str(run), "a"]) == 2 and f"{path} is missing" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("record", ["pipeline.json", "stage.json"])
+def test_records_rewritten_every_run_are_replaced_whole(
+    write, posttrain, tmp_path: Path, monkeypatch, record: str
+) -> None:
+    """pipeline.json and stage.json were written in place: a kill or a full disk mid-write left a
+    truncated file. Now a write that fails leaves the old file as it was."""
+    from orchestration_support import fail_fsync_of
+
+    from orchestration.pipeline import load_pipeline
+    from orchestration.runner import write_request
+
+    stage = write("a.yaml", 'kind: toy-sum\nplugins: ["{toy}"]\n')
+    run = tmp_path / "run"
+    path = run / record if record == "pipeline.json" else run / "a" / record
+    path.parent.mkdir(parents=True)
+    path.write_text("old")
+    fail_fsync_of(monkeypatch, record)
+    if record == "pipeline.json":
+        code, _, err = posttrain("run", stage, "--run-dir", run)
+        assert code == 2 and f"{path}: No space left on device" in err, err
+    else:
+        with pytest.raises(OSError):
+            write_request(load_pipeline(stage), run, "a", restart=False)
+    assert path.read_text() == "old"
