@@ -28,12 +28,12 @@ from orchestration.report import headline_order, is_timing
 from orchestration.rundir import (
     PIPELINE,
     StageState,
-    is_running,
     manifest_damage,
     model_damage,
     read_json,
     read_manifest,
     read_progress,
+    recorded_status,
     stage_dir,
 )
 from posttrain.checkpoint import CHECKPOINTS_DIR, latest_checkpoint_step
@@ -140,9 +140,7 @@ def status_table(run_dir: Path) -> tuple[Table, str | None]:
     for sid in order:
         directory = stage_dir(run_dir, sid)
         manifest = read_manifest(directory) or {}
-        status = "running" if is_running(directory) else manifest.get("status", "pending")
-        if status == "running" and not is_running(directory):
-            status = "pending"
+        status = recorded_status(directory, manifest)
         progress = read_progress(directory) or {}
         step = progress.get("step", latest_checkpoint_step(directory / CHECKPOINTS_DIR))
         shown = f"{step}/{progress.get('total') or '?'}" if step is not None else ""

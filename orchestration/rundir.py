@@ -131,6 +131,16 @@ def is_running(directory: Path) -> bool:
     return False
 
 
+def recorded_status(directory: Path, manifest: dict[str, Any]) -> str:
+    """A stage's status as its dir records it: running while a process holds its lock, else its
+    manifest's; a manifest a killed process left saying running is pending (it resumes), and a
+    stage without a manifest is pending."""
+    if is_running(directory):
+        return "running"
+    status = manifest.get("status", "pending")
+    return "pending" if status == "running" else status
+
+
 @dataclass
 class StageState:
     """What `plan` shows for one stage: status in done | stale | pending | running | failed,

@@ -4,6 +4,7 @@
                        [--executor local|ray] [--max-parallel N] [--ray-address ADDR] [KEY=VALUE ...]
     posttrain plan FILE [--run-dir DIR] [KEY=VALUE ...]
     posttrain status DIR
+    posttrain report FILE [--run-dir DIR] [KEY=VALUE ...]
     posttrain export RUN_DIR/STAGE --format bf16|mxfp4 --out DIR [--max-shard-size SIZE]
     posttrain --version
 
@@ -39,7 +40,7 @@ from orchestration.console import (
 )
 from orchestration.executors import busy_machine_warning, check_local_gpus, execute, start_fork_server
 from orchestration.pipeline import Pipeline, load_pipeline
-from orchestration.report import REPORT, write_report
+from orchestration.report import REPORT, report_statuses, write_report
 from orchestration.rundir import (
     PIPELINE,
     StageLock,
@@ -47,6 +48,7 @@ from orchestration.rundir import (
     continue_restart,
     model_damage,
     plan_states,
+    read_json,
     read_manifest,
     restart_finished,
     write_pipeline,
@@ -72,7 +74,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser(command: str) -> argparse.ArgumentParser:
     parser = _Parser(prog=f"posttrain {command}", fromfile_prefix_chars="@")
-    if command in ("run", "plan"):
+    if command in ("run", "plan", "report"):
         parser.add_argument("file", type=Path, help="stage file, e.g. stages/mopd.yaml")
         # default=[]: argparse otherwise lists the optional KEY=VALUE among the missing arguments
         parser.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE", help=OVERRIDES_HELP)
@@ -203,16 +205,50 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     run_dir = _run_dir(args)
     states = plan_states(pipeline, run_dir)
     console.print(plan_table(pipeline, states))
-    counts = {
-        s: sum(1 for st in states.values() if st.status == s)
-        for s in ("done", "stale", "pending", "running", "failed")
-    }
-    console.print(
-        f"run dir {run_dir}: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n), highlight=False
-    )
+    console.print(_counts(run_dir, [st.status for st in states.values()]), highlight=False)
     for note in dict.fromkeys(str(n) for n in pipeline.unregistered.values()):
         console.print(f"* {note}", markup=False, highlight=False, soft_wrap=True)
     return 0
+
+
+def _counts(run_dir: Path, statuses: list[str]) -> str:
+    """`run dir DIR: 3 done, 1 failed`: how many stages are in each status."""
+    order = ("done", "stale", "pending", "running", "failed", "blocked")
+    return f"run dir {run_dir}: " + ", ".join(f"{statuses.count(s)} {s}" for s in order if s in statuses)
+
+
+def cmd_report(args: argparse.Namespace, console: Console) -> int:
+    """report.md and plots of a run dir as it is now: a run killed, run with --only, or running."""
+    pipeline = load_pipeline(args.file, args.overrides)
+    run_dir = _run_dir(args)
+    _check_run_of(run_dir, pipeline, args.file)
+    report = write_report(pipeline, run_dir)
+    console.print(f"report: {report}", markup=False, highlight=False, soft_wrap=True)
+    console.print(_counts(run_dir, list(report_statuses(pipeline, run_dir).values())), highlight=False)
+    return 0
+
+
+def _check_run_of(run_dir: Path, pipeline: Pipeline, file: Path) -> None:
+    """Refuse a run dir that holds no run of `pipeline`'s stage file (by its pipeline.json), so
+    `report` never writes a report.md into a dir that is not a run of that file, nor a report of
+    the wrong stages over another file's."""
+    start = f"posttrain run {file} --run-dir {run_dir}"
+    if not run_dir.is_dir():
+        hint = f"pass the --run-dir of a run of {file}, or start one: {start}"
+        raise ConfigError([Issue(str(run_dir), "run dir does not exist", hint=hint)])
+    path = run_dir / PIPELINE
+    recorded = read_json(path)
+    if recorded is None and path.exists():
+        hint = f"{start} writes it again; finished stages are not run again"
+        raise ConfigError([Issue(str(path), "is damaged (not a JSON mapping)", hint=hint)])
+    if recorded is None:
+        raise ConfigError([Issue(str(path), "is missing: this dir holds no run", hint=f"start one: {start}")])
+    if recorded.get("file") != str(pipeline.root):
+        other = recorded.get("file")
+        hint = f"posttrain report {other} --run-dir {run_dir}, or pass the --run-dir of {file}'s run"
+        raise ConfigError(
+            [Issue(str(path), f"the run in {run_dir} was made by {other}, not {pipeline.root}", hint=hint)]
+        )
 
 
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
@@ -406,9 +442,19 @@ def cmd_export(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "plan": cmd_plan, "status": cmd_status, "export": cmd_export}
+COMMANDS = {
+    "run": cmd_run,
+    "plan": cmd_plan,
+    "status": cmd_status,
+    "report": cmd_report,
+    "export": cmd_export,
+}
 # The header over a command's user errors (status and export read no stage file).
-ERROR_TITLES = {"status": "cannot show the status", "export": "cannot export"}
+ERROR_TITLES = {
+    "status": "cannot show the status",
+    "report": "cannot write the report",
+    "export": "cannot export",
+}
 # What to do after Ctrl-C or SIGTERM: a run resumes its stages; an export starts over (its --out is
 # written beside and renamed into place at the end, so nothing of it is left).
 RESUME = "rerun the same command to resume"
