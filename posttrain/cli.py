@@ -42,6 +42,7 @@ from orchestration.executors import busy_machine_warning, check_local_gpus, exec
 from orchestration.pipeline import Pipeline, load_pipeline
 from orchestration.report import REPORT, report_statuses, write_report
 from orchestration.rundir import (
+    MANIFEST,
     PIPELINE,
     StageLock,
     StageState,
@@ -74,6 +75,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser(command: str) -> argparse.ArgumentParser:
     parser = _Parser(prog=f"posttrain {command}", fromfile_prefix_chars="@")
+    parser.set_defaults(command=command)
     if command in ("run", "plan", "report"):
         parser.add_argument("file", type=Path, help="stage file, e.g. stages/mopd.yaml")
         # default=[]: argparse otherwise lists the optional KEY=VALUE among the missing arguments
@@ -134,6 +136,27 @@ def _shard_size(text: str) -> int:
         return shard_size_bytes(text)
     except ExportError as error:  # argparse names the flag already
         raise argparse.ArgumentTypeError(str(error).removeprefix("--max-shard-size ")) from None
+
+
+def _stage_file(args: argparse.Namespace) -> Path:
+    """FILE, refused when it is a directory: most likely a run dir, which `status` takes but these
+    commands take after --run-dir (a run dir's pipeline.json names its stage file)."""
+    if args.file.is_dir():
+        recorded = (read_json(args.file / PIPELINE) or {}).get("file")
+        hint = (
+            f"posttrain {args.command} {recorded} --run-dir {args.file}"
+            if recorded
+            else "pass a stage file, e.g. stages/mopd.yaml"
+        )
+        raise ConfigError([Issue(str(args.file), "is a directory, not a stage file", hint=hint)])
+    return args.file
+
+
+def _run_of_stage_dir(path: Path) -> Path | None:
+    """The run dir of `path` when `path` is one of its stage dirs (given where a run dir belongs)."""
+    if (path / MANIFEST).is_file() and not (path / PIPELINE).is_file():
+        return path.resolve().parent
+    return None
 
 
 def _run_dir(args: argparse.Namespace, create: bool = False) -> Path:
@@ -201,7 +224,7 @@ def _select(
 
 
 def cmd_plan(args: argparse.Namespace, console: Console) -> int:
-    pipeline = load_pipeline(args.file, args.overrides)
+    pipeline = load_pipeline(_stage_file(args), args.overrides)
     run_dir = _run_dir(args)
     states = plan_states(pipeline, run_dir)
     console.print(plan_table(pipeline, states))
@@ -219,7 +242,7 @@ def _counts(run_dir: Path, statuses: list[str]) -> str:
 
 def cmd_report(args: argparse.Namespace, console: Console) -> int:
     """report.md and plots of a run dir as it is now: a run killed, run with --only, or running."""
-    pipeline = load_pipeline(args.file, args.overrides)
+    pipeline = load_pipeline(_stage_file(args), args.overrides)
     run_dir = _run_dir(args)
     _check_run_of(run_dir, pipeline, args.file)
     report = write_report(pipeline, run_dir)
@@ -236,6 +259,9 @@ def _check_run_of(run_dir: Path, pipeline: Pipeline, file: Path) -> None:
     if not run_dir.is_dir():
         hint = f"pass the --run-dir of a run of {file}, or start one: {start}"
         raise ConfigError([Issue(str(run_dir), "run dir does not exist", hint=hint)])
+    if run := _run_of_stage_dir(run_dir):
+        hint = f"pass the run dir: posttrain report {file} --run-dir {run}"
+        raise ConfigError([Issue(str(run_dir), f"is a stage dir of the run {run}", hint=hint)])
     path = run_dir / PIPELINE
     recorded = read_json(path)
     if recorded is None and path.exists():
@@ -257,7 +283,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     busy = busy_machine_warning(os.environ.get("OMP_WAIT_POLICY")) if local else None
     if local:
         start_fork_server()
-    pipeline = load_pipeline(args.file, args.overrides)
+    pipeline = load_pipeline(_stage_file(args), args.overrides)
     if args.max_parallel is not None and args.max_parallel < 1:
         raise ConfigError([Issue("command line", f"--max-parallel {args.max_parallel}: must be at least 1")])
     run_dir = _run_dir(args).resolve()
@@ -367,13 +393,13 @@ def cmd_status(args: argparse.Namespace, console: Console) -> int:
                 )
             ]
         )
-    if (args.run_dir / "manifest.json").is_file() and not (args.run_dir / PIPELINE).is_file():
+    if run := _run_of_stage_dir(args.run_dir):
         raise ConfigError(
             [
                 Issue(
                     str(args.run_dir),
-                    f"is a stage dir of the run {args.run_dir.resolve().parent}",
-                    hint=f"pass the run dir: posttrain status {args.run_dir.resolve().parent}",
+                    f"is a stage dir of the run {run}",
+                    hint=f"pass the run dir: posttrain status {run}",
                 )
             ]
         )

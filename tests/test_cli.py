@@ -44,6 +44,24 @@ def test_missing_stage_file_and_run_dir(posttrain, tmp_path: Path) -> None:
     assert "cannot show the status" in err and "stage configuration" not in err
 
 
+@pytest.mark.parametrize("command", ["plan", "report"])
+def test_a_run_dir_given_as_the_stage_file_names_the_stage_file(
+    posttrain, tmp_path: Path, command: str
+) -> None:
+    """`posttrain status DIR` takes the run dir; `plan`/`report` given one (the same habit) said
+    "stage file does not exist" of a dir that does. Now the hint is the command with the stage
+    file its pipeline.json names."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "pipeline.json").write_text('{"file": "/stages/mopd.yaml", "stages": {}}')
+    code, out, err = posttrain(command, run)
+    assert code == 2 and "Traceback" not in out + err
+    assert (
+        f"{run}: is a directory, not a stage file (posttrain {command} /stages/mopd.yaml --run-dir {run})"
+        in err
+    )
+
+
 def test_stage_flags_name_real_stages(posttrain, tmp_path: Path) -> None:
     stage = tmp_path / "sft.yaml"
     stage.write_text("kind: x\n")

@@ -439,6 +439,12 @@ def test_report_refuses_a_dir_that_holds_no_run_of_the_stage_file(write, posttra
     toy = 'kind: toy-sum\nplugins: ["{toy}"]\n'
     stage = write("a.yaml", toy)
     run = tmp_path / "run"
+    (tmp_path / "run-of-a").mkdir()
+    (tmp_path / "run-of-a" / "a").mkdir()
+    (tmp_path / "run-of-a" / "a" / "manifest.json").write_text("{}")
+    code, _, err = posttrain("report", stage, "--run-dir", tmp_path / "run-of-a" / "a")
+    assert code == 2 and f"is a stage dir of the run {tmp_path / 'run-of-a'}" in err
+    assert f"--run-dir {tmp_path / 'run-of-a'})" in err
     cases = [("run dir does not exist", f"posttrain run {stage} --run-dir {run}")]
     cases.append((f"{run / 'pipeline.json'}: is missing: this dir holds no run", "start one"))
     cases.append((f"{run / 'pipeline.json'}: is damaged (not a JSON mapping)", "writes it again"))
