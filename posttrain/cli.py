@@ -484,7 +484,10 @@ ERROR_TITLES = {
 # What to do after Ctrl-C or SIGTERM: a run resumes its stages; an export starts over (its --out is
 # written beside and renamed into place at the end, so nothing of it is left).
 RESUME = "rerun the same command to resume"
-AFTER_A_STOP = {"export": "nothing was written to --out; rerun the same command to export"}
+AFTER_A_STOP = {
+    "export": "nothing was written to --out; rerun the same command to export",
+    "report": "rerun the same command to write the report",
+}
 
 
 class Terminated(KeyboardInterrupt):

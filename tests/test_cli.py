@@ -102,20 +102,28 @@ def test_a_profile_file_adds_its_overrides(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("command", "advice"),
-    [("run", "rerun the same command to resume"), ("export", "nothing was written to --out")],
+    [
+        ("run", "rerun the same command to resume"),
+        ("export", "nothing was written to --out"),
+        ("report", "rerun the same command to write the report"),
+    ],
 )
 def test_a_stopped_command_says_what_rerunning_does(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], command: str, advice: str
 ) -> None:
-    """An export starts over when rerun (it renames its --out into place at the end); it used to
-    say, as `run` does, that rerunning resumes."""
+    """An export starts over when rerun (it renames its --out into place at the end), and a report
+    is written anew; they used to say, as `run` does, that rerunning resumes."""
     from posttrain import cli
 
     def stopped(args, console) -> int:
         raise cli.Terminated()
 
     monkeypatch.setitem(cli.COMMANDS, command, stopped)
-    argv = [command, "x.yaml"] if command == "run" else [command, "RUN/sft", "--format", "bf16", "--out", "o"]
+    argv = (
+        [command, "x.yaml"]
+        if command in ("run", "report")
+        else [command, "RUN/sft", "--format", "bf16", "--out", "o"]
+    )
     assert cli.main(argv) == 143
     err = capsys.readouterr().err
     assert err.startswith(f"terminated; {advice}") and ("resume" in err) == (command == "run")
