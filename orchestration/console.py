@@ -28,11 +28,10 @@ from orchestration.report import headline_order, is_timing
 from orchestration.rundir import (
     PIPELINE,
     StageState,
-    manifest_damage,
-    model_damage,
     read_json,
     read_manifest,
     read_progress,
+    recorded_damage,
     recorded_status,
     stage_dir,
 )
@@ -148,10 +147,7 @@ def status_table(run_dir: Path) -> tuple[Table, str | None]:
         detail = (
             manifest.get("error", "") if status == "failed" else _metrics_text(manifest.get("metrics", {}))
         )
-        damage = model_damage(directory, manifest) if status == "done" else None
-        if damage:
-            status, detail = "damaged", f"{damage}; train it again with --restart {sid}"
-        elif damage := manifest_damage(directory):
+        if damage := recorded_damage(directory, manifest, status):
             status, detail = "damaged", damage
         table.add_row(
             sid,

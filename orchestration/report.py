@@ -20,7 +20,7 @@ from typing import Any
 
 from orchestration.outcomes import DamagedEvalError, claims_table, read_eval, run_claims
 from orchestration.pipeline import Pipeline
-from orchestration.rundir import read_manifest, recorded_status, stage_dir
+from orchestration.rundir import read_manifest, recorded_damage, recorded_status, stage_dir
 from posttrain.files import atomic_write_bytes, atomic_write_text
 from posttrain.metrics import METRICS_FILE, read_metrics
 
@@ -164,9 +164,10 @@ def report_statuses(
     pipeline: Pipeline, run_dir: Path, blocked: Collection[str] | None = None
 ) -> dict[str, str]:
     """Each stage's status as report.md shows it: as `posttrain status` reads it from the stage's
-    dir (rundir.recorded_status), and blocked for a stage without a manifest that a run did not
-    start because a need failed. `blocked`: those stages as the run that just ended knows them;
-    None (`posttrain report`): those whose need failed or is itself blocked."""
+    dir (rundir.recorded_status; damaged where rundir.recorded_damage says so), and blocked for a
+    stage without a manifest that a run did not start because a need failed. `blocked`: those
+    stages as the run that just ended knows them; None (`posttrain report`): those whose need
+    failed or is itself blocked."""
     statuses: dict[str, str] = {}
     for sid, stage in pipeline.stages.items():
         directory = stage_dir(run_dir, sid)
@@ -176,9 +177,8 @@ def report_statuses(
         else:
             kept_back = sid in blocked
         # A stage with a manifest started: what it records is its status, not its needs'.
-        statuses[sid] = (
-            "blocked" if manifest is None and kept_back else recorded_status(directory, manifest or {})
-        )
+        status = "blocked" if manifest is None and kept_back else recorded_status(directory, manifest or {})
+        statuses[sid] = "damaged" if recorded_damage(directory, manifest or {}, status) else status
     return statuses
 
 

@@ -141,6 +141,15 @@ def recorded_status(directory: Path, manifest: dict[str, Any]) -> str:
     return "pending" if status == "running" else status
 
 
+def recorded_damage(directory: Path, manifest: dict[str, Any], status: str) -> str | None:
+    """Why a stage of recorded `status` is damaged, with the fix, or None: a done stage's model/
+    no longer as its manifest recorded it, or a manifest.json that does not read."""
+    damage = model_damage(directory, manifest) if status == "done" else None
+    if damage:
+        return f"{damage}; train it again with --restart {Path(directory).name}"
+    return manifest_damage(directory)
+
+
 @dataclass
 class StageState:
     """What `plan` shows for one stage: status in done | stale | pending | running | failed,

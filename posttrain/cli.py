@@ -236,7 +236,7 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
 
 def _counts(run_dir: Path, statuses: list[str]) -> str:
     """`run dir DIR: 3 done, 1 failed`: how many stages are in each status."""
-    order = ("done", "stale", "pending", "running", "failed", "blocked")
+    order = ("done", "stale", "pending", "running", "failed", "blocked", "damaged")
     return f"run dir {run_dir}: " + ", ".join(f"{statuses.count(s)} {s}" for s in order if s in statuses)
 
 

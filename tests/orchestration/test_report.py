@@ -179,3 +179,20 @@ def test_the_report_and_its_plots_are_replaced_whole(tmp_path: Path, monkeypatch
         assert path.read_text() == "old"
     else:
         assert not path.exists() and list(path.parent.iterdir()) == []
+
+
+def test_a_damaged_stage_is_shown_damaged_as_status_shows_it(tmp_path: Path) -> None:
+    """A done stage whose model/ no longer matches its manifest, and a manifest.json that does not
+    read, were shown done and pending; `posttrain status` calls both damaged, and so does the report."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(RECORDED, run_dir)
+    path = run_dir / "sft" / "manifest.json"
+    (run_dir / "sft" / "model").mkdir()
+    (run_dir / "sft" / "model" / "model.safetensors").write_bytes(b"changed")
+    path.write_text(
+        json.dumps({**json.loads(path.read_text()), "model_files": {"model.safetensors": "0" * 64}})
+    )
+    (run_dir / "rl-agent-high" / "manifest.json").write_text('{"status": "do')  # cut short
+    text = write_report(load_pipeline(REPO / "stages" / "mopd.yaml"), run_dir).read_text()
+    assert "| sft | sft | damaged |" in text and "| rl-agent-high | rl | damaged |" in text
+    assert "| rl-general-low | rl | done |" in text
