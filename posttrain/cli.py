@@ -245,7 +245,11 @@ def cmd_report(args: argparse.Namespace, console: Console) -> int:
     pipeline = load_pipeline(_stage_file(args), args.overrides)
     run_dir = _run_dir(args)
     _check_run_of(run_dir, pipeline, args.file)
-    report = write_report(pipeline, run_dir)
+    try:
+        report = write_report(pipeline, run_dir)
+    except PermissionError as error:  # another user's run dir: readable, not writable
+        hint = "report on a copy you may write to: cp -r the run dir and pass the copy as --run-dir"
+        raise ConfigError([Issue(error.filename or str(run_dir), "permission denied", hint=hint)]) from None
     console.print(f"report: {report}", markup=False, highlight=False, soft_wrap=True)
     console.print(_counts(run_dir, list(report_statuses(pipeline, run_dir).values())), highlight=False)
     return 0

@@ -3,6 +3,7 @@ a config change, --restart / --from / --only, failures, report and status."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import time
@@ -462,3 +463,26 @@ def test_report_refuses_a_dir_that_holds_no_run_of_the_stage_file(write, posttra
         code, out, err = posttrain("report", stage, "--run-dir", run)
         assert code == 2 and problem in err and fix in err and "Traceback" not in out + err, err
         assert not (run / "report.md").exists()
+
+
+def test_report_in_a_run_dir_it_may_not_write_is_a_user_error(
+    write, posttrain, tmp_path: Path, monkeypatch
+) -> None:
+    """Another user's run dir, readable but not writable: `posttrain report` ended in a
+    PermissionError traceback; it names the file and says to report on a copy."""
+    import orchestration.report
+    from orchestration.pipeline import load_pipeline
+    from orchestration.rundir import write_pipeline
+
+    stage = write("a.yaml", 'kind: toy-sum\nplugins: ["{toy}"]\n')
+    run = tmp_path / "run"
+    run.mkdir()
+    write_pipeline(run, load_pipeline(stage), [])
+
+    def read_only(path: Path, text: str) -> None:
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+    monkeypatch.setattr(orchestration.report, "atomic_write_text", read_only)
+    code, out, err = posttrain("report", stage, "--run-dir", run)
+    assert code == 2 and "Traceback" not in out + err
+    assert f"{run / 'report.md'}: permission denied" in err and "report on a copy" in err
