@@ -18,17 +18,19 @@ import argparse
 import json
 from pathlib import Path
 
+from orchestration.outcomes import student_accuracy_rows
 from posttrain.envs.env_eval import family_sums
 from posttrain.stages import EPISODES_FILE
 
 
-def pair_counts(run: Path, pair: str, student: dict[str, dict]) -> dict[str, dict[str, float]]:
-    """Per role (prompts, sft, specialist, student), solved per family of one run's pair."""
+def pair_counts(run: Path, pair: str, student: dict[str, list]) -> dict[str, dict[str, float]]:
+    """Per role (prompts, sft, specialist, student), solved per family of one run's pair; `student`:
+    its accuracy episodes after training (orchestration.outcomes.student_accuracy_rows)."""
     teacher_eval = run / f"rl-{pair}" / "eval.json"
     if not teacher_eval.is_file():
         raise SystemExit(f"{teacher_eval} is missing: pair {pair}'s specialist did not finish in {run}")
     teacher = json.loads(teacher_eval.read_text())["episodes"]
-    rows = {"sft": teacher["before"], "specialist": teacher["after"], "student": student["after"]["accuracy"]}
+    rows = {"sft": teacher["before"], "specialist": teacher["after"], "student": student}
     if not rows["student"]["uid"] == rows["specialist"]["uid"] == rows["sft"]["uid"]:
         raise SystemExit(
             f"{run}/mopd/{EPISODES_FILE} pair {pair}: the student's accuracy episodes are not the "
@@ -64,12 +66,13 @@ def main() -> None:
     totals: dict[str, dict[str, dict[str, float]]] = {}
     for run in args.runs:
         episodes_file = run / "mopd" / EPISODES_FILE
-        if not episodes_file.is_file():
+        episodes = student_accuracy_rows(episodes_file)
+        if not episodes:
             raise SystemExit(
-                f"{episodes_file} is missing: the MOPD stage has not finished, or ran before it kept "
-                "its episodes (rerun it with `posttrain run ... --only mopd --restart mopd`)"
+                f"{episodes_file} holds no episodes of a finished MOPD stage: the stage has not "
+                "finished, or ran before it kept its episodes (rerun it with `posttrain run ... "
+                "--only mopd --restart mopd`)"
             )
-        episodes = json.loads(episodes_file.read_text())
         for pair in args.pairs or sorted(episodes):
             if pair not in episodes:
                 raise SystemExit(f"{episodes_file} has no pair {pair!r}; it has {sorted(episodes)}")

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from stage_policy import environment, load_policy
 
-from orchestration.outcomes import claim, seed_summary
+from orchestration.outcomes import claim, seed_summary, student_accuracy_rows
 from posttrain.envs.env_eval import EvalConfig, evaluate, prompt_means
 from posttrain.envs.environments import EnvironmentConfig
 from posttrain.files import atomic_write_text, exclusive_lock
@@ -68,9 +68,9 @@ def recorded_episodes(run: Path, pair: str, student: str) -> dict[str, dict[str,
     if not teacher_eval.is_file():
         raise SystemExit(f"{teacher_eval} is missing: pair {pair}'s specialist has not finished in {run}")
     rows = {"specialist": json.loads(teacher_eval.read_text())["episodes"]["after"]}
-    episodes = run / student / EPISODES_FILE
-    if episodes.is_file():
-        rows["student"] = json.loads(episodes.read_text())[pair]["after"]["accuracy"]
+    student_rows = student_accuracy_rows(run / student / EPISODES_FILE)
+    if pair in student_rows:
+        rows["student"] = student_rows[pair]
     return rows
 
 

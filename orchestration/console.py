@@ -26,13 +26,13 @@ from orchestration.executors import Outcome
 from orchestration.pipeline import Pipeline
 from orchestration.report import headline_order, is_timing
 from orchestration.rundir import (
+    PIPELINE,
     StageState,
-    is_running,
-    manifest_damage,
-    model_damage,
     read_json,
     read_manifest,
     read_progress,
+    recorded_damage,
+    recorded_status,
     stage_dir,
 )
 from posttrain.checkpoint import CHECKPOINTS_DIR, latest_checkpoint_step
@@ -122,7 +122,7 @@ def summary_lines(run_dir: Path, outcome: Outcome) -> list[str]:
 def status_table(run_dir: Path) -> tuple[Table, str | None]:
     """The run dir as its manifests describe it (no stage files needed), and a note naming the
     stages it holds from another stage file (None when there are none)."""
-    plan = read_json(run_dir / "pipeline.json") or {}
+    plan = read_json(run_dir / PIPELINE) or {}
     listed = list(plan.get("stages", {}))
     # Stages of another stage file run in this dir earlier keep their results here: shown after
     # the last run's own (pipeline.json lists only those), not hidden.
@@ -139,9 +139,7 @@ def status_table(run_dir: Path) -> tuple[Table, str | None]:
     for sid in order:
         directory = stage_dir(run_dir, sid)
         manifest = read_manifest(directory) or {}
-        status = "running" if is_running(directory) else manifest.get("status", "pending")
-        if status == "running" and not is_running(directory):
-            status = "pending"
+        status = recorded_status(directory, manifest)
         progress = read_progress(directory) or {}
         step = progress.get("step", latest_checkpoint_step(directory / CHECKPOINTS_DIR))
         shown = f"{step}/{progress.get('total') or '?'}" if step is not None else ""
@@ -149,10 +147,7 @@ def status_table(run_dir: Path) -> tuple[Table, str | None]:
         detail = (
             manifest.get("error", "") if status == "failed" else _metrics_text(manifest.get("metrics", {}))
         )
-        damage = model_damage(directory, manifest) if status == "done" else None
-        if damage:
-            status, detail = "damaged", f"{damage}; train it again with --restart {sid}"
-        elif damage := manifest_damage(directory):
+        if damage := recorded_damage(directory, manifest, status):
             status, detail = "damaged", damage
         table.add_row(
             sid,

@@ -104,7 +104,7 @@ def mopd_claims(run_dir: Path, stage: str = "mopd") -> dict[str, dict[str, Any]]
     by prompt (posttrain.envs.env_eval.paired_ratio) where the stage kept the student's episodes
     (DIR/<stage>/eval_episodes.json), else the two accuracies' errors taken as independent."""
     report = read_eval(run_dir / stage / "eval.json")
-    student_episodes = accuracy_episodes(run_dir / stage / EPISODES_FILE)
+    student_rows = student_accuracy_rows(run_dir / stage / EPISODES_FILE)
     claims: dict[str, dict[str, Any]] = {}
     for pair, row in (report or {}).items():
         kl = "kl_exact" if "kl_exact_before" in row else "kl"
@@ -127,7 +127,8 @@ def mopd_claims(run_dir: Path, stage: str = "mopd") -> dict[str, dict[str, Any]]
         reference = sum(rewards) / len(rewards)
         if reference > 0:
             ratio = row["accuracy_after"] / reference
-            student = student_episodes.get(pair, {})
+            rows = student_rows.get(pair, {"uid": [], "reward": []})
+            student = dict(zip(rows["uid"], rows["reward"], strict=True))
             paired = all(uid in student for uid, _ in first)
             if paired:
                 # Both played the same prompts with the same noise: the error paired by prompt.
@@ -145,12 +146,15 @@ def mopd_claims(run_dir: Path, stage: str = "mopd") -> dict[str, dict[str, Any]]
     return claims
 
 
-def accuracy_episodes(path: Path) -> dict[str, dict[str, float]]:
-    """Per pair, uid -> reward of the student's accuracy episodes after training from the MOPD
-    stage's eval_episodes.json (empty where the file is not there)."""
+def student_accuracy_rows(path: Path) -> dict[str, dict[str, list]]:
+    """Per pair, the student's accuracy episodes after training (their uid, reward and tokens
+    lists) from a MOPD stage's eval_episodes.json (posttrain.trainers.mopd_eval.write_eval); empty
+    where the file is not there or its stage is not done, DamagedEvalError where it is no JSON
+    (read_eval). The one reader of that file: the claims, bench/kept_replay.py and
+    bench/kept_by_family.py take these rows."""
     episodes = read_eval(path) or {}
     return {
-        pair: dict(zip(rows["after"]["accuracy"]["uid"], rows["after"]["accuracy"]["reward"], strict=True))
+        pair: rows["after"]["accuracy"]
         for pair, rows in episodes.items()
         if "accuracy" in rows.get("after", {})
     }

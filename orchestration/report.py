@@ -11,6 +11,7 @@ RL's policy loss, MOPD's near-zero loss with its baseline), response length per 
 
 from __future__ import annotations
 
+import io
 import time
 from collections import defaultdict
 from collections.abc import Collection
@@ -19,7 +20,8 @@ from typing import Any
 
 from orchestration.outcomes import DamagedEvalError, claims_table, read_eval, run_claims
 from orchestration.pipeline import Pipeline
-from orchestration.rundir import read_manifest, stage_dir
+from orchestration.rundir import read_manifest, recorded_damage, recorded_status, stage_dir
+from posttrain.files import atomic_write_bytes, atomic_write_text
 from posttrain.metrics import METRICS_FILE, read_metrics
 
 REPORT = "report.md"
@@ -150,14 +152,41 @@ def plot(pipeline: Pipeline, run_dir: Path, stem: str) -> Path | None:
     fig = draw(groups, PLOTS[stem][0])
     path = run_dir / PLOTS_DIR / f"{stem}.png"
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=100)
     plt.close(fig)
+    # Atomic: `posttrain report` may draw while the run's own report does (or be killed mid-write).
+    atomic_write_bytes(path, png.getvalue())
     return path
 
 
-def write_report(pipeline: Pipeline, run_dir: Path, blocked: Collection[str] = ()) -> Path:
+def report_statuses(
+    pipeline: Pipeline, run_dir: Path, blocked: Collection[str] | None = None
+) -> dict[str, str]:
+    """Each stage's status as report.md shows it: as `posttrain status` reads it from the stage's
+    dir (rundir.recorded_status; damaged where rundir.recorded_damage says so), and blocked for a
+    stage without a manifest that a run did not start because a need failed. `blocked`: those
+    stages as the run that just ended knows them; None (`posttrain report`): those whose need
+    failed or is itself blocked."""
+    statuses: dict[str, str] = {}
+    for sid, stage in pipeline.stages.items():
+        directory = stage_dir(run_dir, sid)
+        manifest = read_manifest(directory)
+        if blocked is None:
+            kept_back = any(statuses[need] in ("failed", "blocked") for need in stage.needs)
+        else:
+            kept_back = sid in blocked
+        # A stage with a manifest started: what it records is its status, not its needs'.
+        status = "blocked" if manifest is None and kept_back else recorded_status(directory, manifest or {})
+        statuses[sid] = "damaged" if recorded_damage(directory, manifest or {}, status) else status
+    return statuses
+
+
+def write_report(pipeline: Pipeline, run_dir: Path, blocked: Collection[str] | None = None) -> Path:
     """Write DIR/report.md (and its plots) from the manifests and metrics.jsonl files. `blocked`:
-    the stages this run did not start because a need failed (they have no manifest to say so)."""
+    the stages this run did not start because a need failed (they have no manifest to say so);
+    None: found from their needs' manifests (report_statuses)."""
+    statuses = report_statuses(pipeline, run_dir, blocked)
     lines = [
         f"# Run report: {run_dir.name}",
         "",
@@ -170,22 +199,23 @@ def write_report(pipeline: Pipeline, run_dir: Path, blocked: Collection[str] = (
     for sid, stage in pipeline.stages.items():
         manifest = read_manifest(stage_dir(run_dir, sid)) or {}
         seconds = manifest.get("run_seconds")
-        status = manifest.get("status", "blocked" if sid in blocked else "pending")
         lines.append(
-            f"| {sid} | {stage.kind} | {status} | {manifest.get('attempts', 0)} "
+            f"| {sid} | {stage.kind} | {statuses[sid]} | {manifest.get('attempts', 0)} "
             f"| {f'{seconds:.1f}' if seconds is not None else ''} | "
             f"{table_metrics(manifest.get('metrics', {}))} |"
         )
     lines += evaluation_sections(pipeline, run_dir)
     for old in (run_dir / PLOTS_DIR).glob("*.png"):
-        old.unlink()  # a curve no longer logged must not linger from an earlier run
+        # A curve no longer logged must not linger from an earlier run; a report drawn at the same
+        # time (`posttrain report` during a run) may have removed it first.
+        old.unlink(missing_ok=True)
     figures = [(stem, path) for stem in PLOTS if (path := plot(pipeline, run_dir, stem)) is not None]
     if figures:
         lines += ["", "## Curves", ""]
         for stem, path in figures:
             lines += [f"### {PLOTS[stem][0]}", "", f"![{stem}]({path.relative_to(run_dir)})", ""]
     report = run_dir / REPORT
-    report.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    atomic_write_text(report, "\n".join(lines) + "\n")
     return report
 
 

@@ -33,6 +33,8 @@ from posttrain.files import atomic_write_text, hash_tree, sha256_known
 MANIFEST = "manifest.json"
 LOCK = ".lock"
 PROGRESS = "progress.json"
+# DIR/pipeline.json: the stage file, overrides and stages (kinds, needs) of the last `run`.
+PIPELINE = "pipeline.json"
 
 
 def stage_dir(run_dir: Path, stage_id: str) -> Path:
@@ -63,6 +65,17 @@ def manifest_damage(directory: Path) -> str | None:
 
 def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
     atomic_write_text(Path(directory) / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+
+
+def write_pipeline(run_dir: Path, pipeline: Pipeline, overrides: list[str]) -> None:
+    """DIR/pipeline.json, rewritten by every `run`: atomically, since a kill mid-write would leave
+    a truncated record, and `status` without the last run's stages and their order."""
+    record = {
+        "file": str(pipeline.root),
+        "overrides": list(overrides),
+        "stages": {sid: {"kind": s.kind, "needs": s.needs} for sid, s in pipeline.stages.items()},
+    }
+    atomic_write_text(Path(run_dir) / PIPELINE, json.dumps(record, indent=1))
 
 
 class StageLock:
@@ -116,6 +129,25 @@ def is_running(directory: Path) -> bool:
     finally:
         os.close(fd)
     return False
+
+
+def recorded_status(directory: Path, manifest: dict[str, Any]) -> str:
+    """A stage's status as its dir records it: running while a process holds its lock, else its
+    manifest's; a manifest a killed process left saying running is pending (it resumes), and a
+    stage without a manifest is pending."""
+    if is_running(directory):
+        return "running"
+    status = manifest.get("status", "pending")
+    return "pending" if status == "running" else status
+
+
+def recorded_damage(directory: Path, manifest: dict[str, Any], status: str) -> str | None:
+    """Why a stage of recorded `status` is damaged, with the fix, or None: a done stage's model/
+    no longer as its manifest recorded it, or a manifest.json that does not read."""
+    damage = model_damage(directory, manifest) if status == "done" else None
+    if damage:
+        return f"{damage}; train it again with --restart {Path(directory).name}"
+    return manifest_damage(directory)
 
 
 @dataclass

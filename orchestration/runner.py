@@ -43,7 +43,7 @@ from orchestration.rundir import (
     write_manifest,
 )
 from posttrain.checkpoint import CHECKPOINTS_DIR
-from posttrain.files import fsync_dir, fsync_file, hash_tree, remove_trash, remove_tree
+from posttrain.files import atomic_write_text, fsync_dir, fsync_file, hash_tree, remove_trash, remove_tree
 from posttrain.metrics import MetricsLogger
 from posttrain.registry import import_plugin, load_plugins
 from posttrain.stages import STAGE_KINDS, StageContext, build_context
@@ -70,20 +70,36 @@ def write_request(pipeline: Pipeline, run_dir: Path, stage_id: str, restart: boo
         "inputs": input_hashes(pipeline, run_dir, stage),
         "restart": restart,
     }
-    (directory / REQUEST).write_text(json.dumps(request, indent=1, sort_keys=True), encoding="utf-8")
+    # Atomic: a driver killed mid-write must not leave the next worker a truncated request.
+    atomic_write_text(directory / REQUEST, json.dumps(request, indent=1, sort_keys=True))
     (directory / PROGRESS).unlink(missing_ok=True)  # an earlier attempt's steps are not this one's
+
+
+class RequestError(RuntimeError):
+    """DIR/<stage>/stage.json is missing or damaged: the message names it and how to write it."""
+
+
+def read_request(run_dir: Path, stage_id: str) -> tuple[dict[str, Any], Stage]:
+    """The request `write_request` recorded for `stage_id` and the stage in it. A damaged one (a
+    hand edit, a file from another posttrain) is named as such, not as missing."""
+    path = stage_dir(run_dir, stage_id) / REQUEST
+    fix = f"`posttrain run FILE --run-dir {run_dir} --only {stage_id}` writes it (and runs the stage)"
+    if not path.is_file():
+        raise RequestError(f"{path} is missing: the driver writes it before starting a worker; {fix}")
+    request = read_json(path)
+    try:
+        if request is None or not isinstance(request["inputs"], dict) or "restart" not in request:
+            raise TypeError("not a stage request")
+        return request, Stage(**request["stage"])
+    except (KeyError, TypeError):  # not JSON, a key missing, or a stage with other fields
+        raise RequestError(f"{path} is damaged (not the stage request the driver writes); {fix}") from None
 
 
 def run_stage(run_dir: Path | str, stage_id: str, executor: str = "local") -> int:
     """Run stage `stage_id` of `run_dir` to completion; 0 done, 1 failed, EXIT_BUSY locked."""
     run_dir = Path(run_dir).resolve()
     directory = stage_dir(run_dir, stage_id)
-    request = read_json(directory / REQUEST)
-    if request is None:
-        raise FileNotFoundError(
-            f"{directory / REQUEST} is missing: the driver writes it before starting a worker"
-        )
-    stage = Stage(**request["stage"])
+    request, stage = read_request(run_dir, stage_id)
     log, warnings = _stage_logger(run_dir, stage_id)
     lock = StageLock(directory)
     if not lock.acquire(wait_s=LOCK_WAIT_S):
@@ -374,7 +390,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("stage")
     parser.add_argument("--executor", default="local")
     args = parser.parse_args(argv)
-    return run_stage(args.run_dir, args.stage, args.executor)
+    try:
+        return run_stage(args.run_dir, args.stage, args.executor)
+    except RequestError as error:  # the user's mistake (a wrong DIR or STAGE), not a traceback
+        print(f"{parser.prog}: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

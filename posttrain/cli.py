@@ -4,6 +4,7 @@
                        [--executor local|ray] [--max-parallel N] [--ray-address ADDR] [KEY=VALUE ...]
     posttrain plan FILE [--run-dir DIR] [KEY=VALUE ...]
     posttrain status DIR
+    posttrain report FILE [--run-dir DIR] [KEY=VALUE ...]
     posttrain export RUN_DIR/STAGE --format bf16|mxfp4 --out DIR [--max-shard-size SIZE]
     posttrain --version
 
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import json
 import logging
 import os
 import signal
@@ -40,15 +40,19 @@ from orchestration.console import (
 )
 from orchestration.executors import busy_machine_warning, check_local_gpus, execute, start_fork_server
 from orchestration.pipeline import Pipeline, load_pipeline
-from orchestration.report import REPORT, write_report
+from orchestration.report import REPORT, report_statuses, write_report
 from orchestration.rundir import (
+    MANIFEST,
+    PIPELINE,
     StageLock,
     StageState,
     continue_restart,
     model_damage,
     plan_states,
+    read_json,
     read_manifest,
     restart_finished,
+    write_pipeline,
 )
 from orchestration.runner import MODEL_DIR, RUN_LOG
 from posttrain import __version__
@@ -71,7 +75,8 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser(command: str) -> argparse.ArgumentParser:
     parser = _Parser(prog=f"posttrain {command}", fromfile_prefix_chars="@")
-    if command in ("run", "plan"):
+    parser.set_defaults(command=command)
+    if command in ("run", "plan", "report"):
         parser.add_argument("file", type=Path, help="stage file, e.g. stages/mopd.yaml")
         # default=[]: argparse otherwise lists the optional KEY=VALUE among the missing arguments
         parser.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE", help=OVERRIDES_HELP)
@@ -131,6 +136,27 @@ def _shard_size(text: str) -> int:
         return shard_size_bytes(text)
     except ExportError as error:  # argparse names the flag already
         raise argparse.ArgumentTypeError(str(error).removeprefix("--max-shard-size ")) from None
+
+
+def _stage_file(args: argparse.Namespace) -> Path:
+    """FILE, refused when it is a directory: most likely a run dir, which `status` takes but these
+    commands take after --run-dir (a run dir's pipeline.json names its stage file)."""
+    if args.file.is_dir():
+        recorded = (read_json(args.file / PIPELINE) or {}).get("file")
+        hint = (
+            f"posttrain {args.command} {recorded} --run-dir {args.file}"
+            if recorded
+            else "pass a stage file, e.g. stages/mopd.yaml"
+        )
+        raise ConfigError([Issue(str(args.file), "is a directory, not a stage file", hint=hint)])
+    return args.file
+
+
+def _run_of_stage_dir(path: Path) -> Path | None:
+    """The run dir of `path` when `path` is one of its stage dirs (given where a run dir belongs)."""
+    if (path / MANIFEST).is_file() and not (path / PIPELINE).is_file():
+        return path.resolve().parent
+    return None
 
 
 def _run_dir(args: argparse.Namespace, create: bool = False) -> Path:
@@ -198,20 +224,61 @@ def _select(
 
 
 def cmd_plan(args: argparse.Namespace, console: Console) -> int:
-    pipeline = load_pipeline(args.file, args.overrides)
+    pipeline = load_pipeline(_stage_file(args), args.overrides)
     run_dir = _run_dir(args)
     states = plan_states(pipeline, run_dir)
     console.print(plan_table(pipeline, states))
-    counts = {
-        s: sum(1 for st in states.values() if st.status == s)
-        for s in ("done", "stale", "pending", "running", "failed")
-    }
-    console.print(
-        f"run dir {run_dir}: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n), highlight=False
-    )
+    console.print(_counts(run_dir, [st.status for st in states.values()]), highlight=False)
     for note in dict.fromkeys(str(n) for n in pipeline.unregistered.values()):
         console.print(f"* {note}", markup=False, highlight=False, soft_wrap=True)
     return 0
+
+
+def _counts(run_dir: Path, statuses: list[str]) -> str:
+    """`run dir DIR: 3 done, 1 failed`: how many stages are in each status."""
+    order = ("done", "stale", "pending", "running", "failed", "blocked", "damaged")
+    return f"run dir {run_dir}: " + ", ".join(f"{statuses.count(s)} {s}" for s in order if s in statuses)
+
+
+def cmd_report(args: argparse.Namespace, console: Console) -> int:
+    """report.md and plots of a run dir as it is now: a run killed, run with --only, or running."""
+    pipeline = load_pipeline(_stage_file(args), args.overrides)
+    run_dir = _run_dir(args)
+    _check_run_of(run_dir, pipeline, args.file)
+    try:
+        report = write_report(pipeline, run_dir)
+    except PermissionError as error:  # another user's run dir: readable, not writable
+        hint = "report on a copy you may write to: cp -r the run dir and pass the copy as --run-dir"
+        raise ConfigError([Issue(error.filename or str(run_dir), "permission denied", hint=hint)]) from None
+    console.print(f"report: {report}", markup=False, highlight=False, soft_wrap=True)
+    console.print(_counts(run_dir, list(report_statuses(pipeline, run_dir).values())), highlight=False)
+    return 0
+
+
+def _check_run_of(run_dir: Path, pipeline: Pipeline, file: Path) -> None:
+    """Refuse a run dir that holds no run of `pipeline`'s stage file (by its pipeline.json), so
+    `report` never writes a report.md into a dir that is not a run of that file, nor a report of
+    the wrong stages over another file's."""
+    start = f"posttrain run {file} --run-dir {run_dir}"
+    if not run_dir.is_dir():
+        hint = f"pass the --run-dir of a run of {file}, or start one: {start}"
+        raise ConfigError([Issue(str(run_dir), "run dir does not exist", hint=hint)])
+    if run := _run_of_stage_dir(run_dir):
+        hint = f"pass the run dir: posttrain report {file} --run-dir {run}"
+        raise ConfigError([Issue(str(run_dir), f"is a stage dir of the run {run}", hint=hint)])
+    path = run_dir / PIPELINE
+    recorded = read_json(path)
+    if recorded is None and path.exists():
+        hint = f"{start} writes it again; finished stages are not run again"
+        raise ConfigError([Issue(str(path), "is damaged (not a JSON mapping)", hint=hint)])
+    if recorded is None:
+        raise ConfigError([Issue(str(path), "is missing: this dir holds no run", hint=f"start one: {start}")])
+    if recorded.get("file") != str(pipeline.root):
+        other = recorded.get("file")
+        hint = f"posttrain report {other} --run-dir {run_dir}, or pass the --run-dir of {file}'s run"
+        raise ConfigError(
+            [Issue(str(path), f"the run in {run_dir} was made by {other}, not {pipeline.root}", hint=hint)]
+        )
 
 
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
@@ -220,7 +287,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     busy = busy_machine_warning(os.environ.get("OMP_WAIT_POLICY")) if local else None
     if local:
         start_fork_server()
-    pipeline = load_pipeline(args.file, args.overrides)
+    pipeline = load_pipeline(_stage_file(args), args.overrides)
     if args.max_parallel is not None and args.max_parallel < 1:
         raise ConfigError([Issue("command line", f"--max-parallel {args.max_parallel}: must be at least 1")])
     run_dir = _run_dir(args).resolve()
@@ -249,17 +316,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         # The same command after an interruption continues its --restart/--from, not begins it anew.
         forced = continue_restart(run_dir, forced)
         to_run = [sid for sid in scope if sid in forced or states[sid].status != "done"]
-        (run_dir / "pipeline.json").write_text(
-            json.dumps(
-                {
-                    "file": str(pipeline.root),
-                    "overrides": list(args.overrides),
-                    "stages": {sid: {"kind": s.kind, "needs": s.needs} for sid, s in pipeline.stages.items()},
-                },
-                indent=1,
-            ),
-            encoding="utf-8",
-        )
+        write_pipeline(run_dir, pipeline, args.overrides)
         log.info("run %s: %d stages in scope, to run: %s", args.file, len(scope), ", ".join(to_run) or "none")
         if not to_run:
             console.print(
@@ -340,17 +397,17 @@ def cmd_status(args: argparse.Namespace, console: Console) -> int:
                 )
             ]
         )
-    if (args.run_dir / "manifest.json").is_file() and not (args.run_dir / "pipeline.json").is_file():
+    if run := _run_of_stage_dir(args.run_dir):
         raise ConfigError(
             [
                 Issue(
                     str(args.run_dir),
-                    f"is a stage dir of the run {args.run_dir.resolve().parent}",
-                    hint=f"pass the run dir: posttrain status {args.run_dir.resolve().parent}",
+                    f"is a stage dir of the run {run}",
+                    hint=f"pass the run dir: posttrain status {run}",
                 )
             ]
         )
-    if not (args.run_dir / "pipeline.json").is_file() and not list(args.run_dir.glob("*/manifest.json")):
+    if not (args.run_dir / PIPELINE).is_file() and not list(args.run_dir.glob("*/manifest.json")):
         raise ConfigError(
             [
                 Issue(
@@ -415,13 +472,26 @@ def cmd_export(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "plan": cmd_plan, "status": cmd_status, "export": cmd_export}
+COMMANDS = {
+    "run": cmd_run,
+    "plan": cmd_plan,
+    "status": cmd_status,
+    "report": cmd_report,
+    "export": cmd_export,
+}
 # The header over a command's user errors (status and export read no stage file).
-ERROR_TITLES = {"status": "cannot show the status", "export": "cannot export"}
+ERROR_TITLES = {
+    "status": "cannot show the status",
+    "report": "cannot write the report",
+    "export": "cannot export",
+}
 # What to do after Ctrl-C or SIGTERM: a run resumes its stages; an export starts over (its --out is
 # written beside and renamed into place at the end, so nothing of it is left).
 RESUME = "rerun the same command to resume"
-AFTER_A_STOP = {"export": "nothing was written to --out; rerun the same command to export"}
+AFTER_A_STOP = {
+    "export": "nothing was written to --out; rerun the same command to export",
+    "report": "rerun the same command to write the report",
+}
 
 
 class Terminated(KeyboardInterrupt):

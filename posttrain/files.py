@@ -88,10 +88,15 @@ def hash_tree(directory: Path, known: dict[str, list] | None = None) -> tuple[di
 
 def atomic_write_text(path: Path, text: str) -> None:
     """Replace `path` with `text` so a reader sees the old or the new content, never a mix."""
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Replace `path` with `data` so a reader sees the old or the new content, never a mix."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
-        with open(tmp, "w", encoding="utf-8") as handle:
-            handle.write(text)
+        with open(tmp, "wb") as handle:
+            handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)

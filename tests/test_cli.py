@@ -44,6 +44,24 @@ def test_missing_stage_file_and_run_dir(posttrain, tmp_path: Path) -> None:
     assert "cannot show the status" in err and "stage configuration" not in err
 
 
+@pytest.mark.parametrize("command", ["plan", "report"])
+def test_a_run_dir_given_as_the_stage_file_names_the_stage_file(
+    posttrain, tmp_path: Path, command: str
+) -> None:
+    """`posttrain status DIR` takes the run dir; `plan`/`report` given one (the same habit) said
+    "stage file does not exist" of a dir that does. Now the hint is the command with the stage
+    file its pipeline.json names."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "pipeline.json").write_text('{"file": "/stages/mopd.yaml", "stages": {}}')
+    code, out, err = posttrain(command, run)
+    assert code == 2 and "Traceback" not in out + err
+    assert (
+        f"{run}: is a directory, not a stage file (posttrain {command} /stages/mopd.yaml --run-dir {run})"
+        in err
+    )
+
+
 def test_stage_flags_name_real_stages(posttrain, tmp_path: Path) -> None:
     stage = tmp_path / "sft.yaml"
     stage.write_text("kind: x\n")
@@ -84,20 +102,28 @@ def test_a_profile_file_adds_its_overrides(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("command", "advice"),
-    [("run", "rerun the same command to resume"), ("export", "nothing was written to --out")],
+    [
+        ("run", "rerun the same command to resume"),
+        ("export", "nothing was written to --out"),
+        ("report", "rerun the same command to write the report"),
+    ],
 )
 def test_a_stopped_command_says_what_rerunning_does(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], command: str, advice: str
 ) -> None:
-    """An export starts over when rerun (it renames its --out into place at the end); it used to
-    say, as `run` does, that rerunning resumes."""
+    """An export starts over when rerun (it renames its --out into place at the end), and a report
+    is written anew; they used to say, as `run` does, that rerunning resumes."""
     from posttrain import cli
 
     def stopped(args, console) -> int:
         raise cli.Terminated()
 
     monkeypatch.setitem(cli.COMMANDS, command, stopped)
-    argv = [command, "x.yaml"] if command == "run" else [command, "RUN/sft", "--format", "bf16", "--out", "o"]
+    argv = (
+        [command, "x.yaml"]
+        if command in ("run", "report")
+        else [command, "RUN/sft", "--format", "bf16", "--out", "o"]
+    )
     assert cli.main(argv) == 143
     err = capsys.readouterr().err
     assert err.startswith(f"terminated; {advice}") and ("resume" in err) == (command == "run")

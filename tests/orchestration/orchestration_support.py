@@ -1,11 +1,14 @@
-"""Paths and the subprocess CLI launcher shared by the orchestration tests."""
+"""Paths, the subprocess CLI launcher and a full-disk injection shared by the orchestration tests."""
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 PLUGINS = Path(__file__).resolve().parent / "plugins"
@@ -28,3 +31,17 @@ def start_cli(*argv: object, cwd: Path) -> subprocess.Popen[str]:
         stderr=subprocess.STDOUT,
         text=True,
     )
+
+
+def fail_fsync_of(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """A full disk for the atomic write of files named `name` only (posttrain.files writes them as
+    `.<name>.<pid>.<id>.tmp` and fsyncs before the rename): a writer that goes through that path
+    fails and leaves the old file; one that writes in place is not stopped."""
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}").rsplit("/", 1)[-1].startswith(f".{name}."):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)

@@ -158,3 +158,41 @@ def test_a_stage_that_did_not_finish_shows_no_evaluation(tmp_path: Path) -> None
     text = write_report(load_pipeline(REPO / "stages" / "mopd.yaml"), run_dir).read_text()
     assert "## RL evaluations" in text and "| rl-general-low |" in text
     assert "## MOPD evaluation" not in text and "mopd_kl_down" not in text
+
+
+@pytest.mark.parametrize("written", ["report.md", "plots/loss.png"])
+def test_the_report_and_its_plots_are_replaced_whole(tmp_path: Path, monkeypatch, written: str) -> None:
+    """report.md and the plots were written in place, every run: a kill or a full disk mid-write
+    left a truncated file. Now a write that fails leaves report.md as it was, and no plot (the old
+    ones are removed first, as always)."""
+    from orchestration_support import fail_fsync_of
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(RECORDED, run_dir)
+    path = run_dir / written
+    path.parent.mkdir(exist_ok=True)
+    path.write_text("old")
+    fail_fsync_of(monkeypatch, path.name)
+    with pytest.raises(OSError):
+        write_report(load_pipeline(REPO / "stages" / "mopd.yaml"), run_dir)
+    if written == "report.md":
+        assert path.read_text() == "old"
+    else:
+        assert not path.exists() and list(path.parent.iterdir()) == []
+
+
+def test_a_damaged_stage_is_shown_damaged_as_status_shows_it(tmp_path: Path) -> None:
+    """A done stage whose model/ no longer matches its manifest, and a manifest.json that does not
+    read, were shown done and pending; `posttrain status` calls both damaged, and so does the report."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(RECORDED, run_dir)
+    path = run_dir / "sft" / "manifest.json"
+    (run_dir / "sft" / "model").mkdir()
+    (run_dir / "sft" / "model" / "model.safetensors").write_bytes(b"changed")
+    path.write_text(
+        json.dumps({**json.loads(path.read_text()), "model_files": {"model.safetensors": "0" * 64}})
+    )
+    (run_dir / "rl-agent-high" / "manifest.json").write_text('{"status": "do')  # cut short
+    text = write_report(load_pipeline(REPO / "stages" / "mopd.yaml"), run_dir).read_text()
+    assert "| sft | sft | damaged |" in text and "| rl-agent-high | rl | damaged |" in text
+    assert "| rl-general-low | rl | done |" in text

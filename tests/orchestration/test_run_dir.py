@@ -3,6 +3,7 @@ a config change, --restart / --from / --only, failures, report and status."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import time
@@ -361,3 +362,144 @@ def test_execute_refuses_more_gpus_than_the_machine_shows(
     with pytest.raises(ConfigError, match="g.yaml:5: resources.gpus: stage g asks for 3 GPU"):
         execute(pipeline, tmp_path / "run", ["g"], set())
     assert not (tmp_path / "run").exists()
+
+
+def test_the_foreground_runner_names_a_damaged_request_as_damaged(tmp_path: Path, capsys) -> None:
+    """`python -m orchestration.runner DIR STAGE` called a damaged stage.json missing, in a traceback."""
+    from orchestration.runner import main
+
+    run = tmp_path / "run"
+    path = run / "a" / "stage.json"
+    path.parent.mkdir(parents=True)
+    path.write_text('{"stage": {"id"')  # cut short
+    assert main([str(run), "a"]) == 2
+    err = capsys.readouterr().err
+    assert f"{path} is damaged" in err and f"--run-dir {run} --only a" in err
+    path.write_text(json.dumps({"stage": {"id": "a"}, "inputs": {}, "restart": False}))  # fields missing
+    assert main([str(run), "a"]) == 2 and f"{path} is damaged" in capsys.readouterr().err
+    path.unlink()
+    assert main([str(run), "a"]) == 2 and f"{path} is missing" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("record", ["pipeline.json", "stage.json"])
+def test_records_rewritten_every_run_are_replaced_whole(
+    write, posttrain, tmp_path: Path, monkeypatch, record: str
+) -> None:
+    """pipeline.json and stage.json were written in place: a kill or a full disk mid-write left a
+    truncated file. Now a write that fails leaves the old file as it was."""
+    from orchestration_support import fail_fsync_of
+
+    from orchestration.pipeline import load_pipeline
+    from orchestration.runner import write_request
+
+    stage = write("a.yaml", 'kind: toy-sum\nplugins: ["{toy}"]\n')
+    run = tmp_path / "run"
+    path = run / record if record == "pipeline.json" else run / "a" / record
+    path.parent.mkdir(parents=True)
+    path.write_text("old")
+    fail_fsync_of(monkeypatch, record)
+    if record == "pipeline.json":
+        code, _, err = posttrain("run", stage, "--run-dir", run)
+        assert code == 2 and f"{path}: No space left on device" in err, err
+    else:
+        with pytest.raises(OSError):
+            write_request(load_pipeline(stage), run, "a", restart=False)
+    assert path.read_text() == "old"
+
+
+def test_report_writes_the_report_of_a_run_that_did_not_end(write, posttrain, tmp_path: Path) -> None:
+    """report.md was written only at the end of `posttrain run`: a run killed, or one still going,
+    had none. `posttrain report` writes it from the run dir as it is, each stage as `status` reads
+    it: running while its process holds its lock, pending where a killed worker's manifest still
+    says running, blocked behind a failed need."""
+    from orchestration.pipeline import load_pipeline
+    from orchestration.rundir import StageLock, write_manifest, write_pipeline
+
+    toy = 'kind: toy-sum\nplugins: ["{toy}"]\n'
+    write("a.yaml", toy)
+    write("b.yaml", toy, "needs: [a.yaml]\n")
+    write("c.yaml", toy, "needs: [a.yaml]\n")
+    write("f.yaml", toy, "needs: [a.yaml]\n")
+    write("g.yaml", toy, "needs: [f.yaml]\n")
+    dag = write("dag.yaml", toy, "needs: [b.yaml, c.yaml, g.yaml]\n")
+    run = tmp_path / "run"
+    # A run as it is while b runs (without training anything): a done, c's worker killed, f
+    # failed, g and dag not started.
+    for sid, record in {
+        "a": {"status": "done", "attempts": 1, "metrics": {"total": 1.0}},
+        "b": {"status": "running", "attempts": 1},
+        "c": {"status": "running", "attempts": 1},
+        "f": {"status": "failed", "attempts": 1, "error": "RuntimeError: boom"},
+    }.items():
+        (run / sid).mkdir(parents=True)
+        write_manifest(run / sid, record)
+    (run / "a" / "metrics.jsonl").write_text('{"step": 1, "loss": 0.5}\n{"step": 2, "loss": 0.25}\n')
+    write_pipeline(run, load_pipeline(dag), [])
+    running = StageLock(run / "b")
+    assert running.acquire(wait_s=0)
+    try:
+        code, out, err = posttrain("report", dag, "--run-dir", run)
+    finally:
+        running.release()
+    assert code == 0, err
+    assert f"report: {run / 'report.md'}" in out
+    assert f"run dir {run}: 1 done, 1 pending, 1 running, 1 failed, 2 blocked" in out
+    report = (run / "report.md").read_text()
+    for row in ("| a | toy-sum | done | 1 |", "| b | toy-sum | running |", "| c | toy-sum | pending |"):
+        assert row in report
+    assert "| f | toy-sum | failed |" in report
+    assert "| g | toy-sum | blocked |" in report and "| dag | toy-sum | blocked |" in report
+    assert "total=1" in report and "![loss](plots/loss.png)" in report
+
+
+def test_report_refuses_a_dir_that_holds_no_run_of_the_stage_file(write, posttrain, tmp_path: Path) -> None:
+    """Exit 2 naming the dir (or its pipeline.json) and the fix, and no report.md written into it."""
+    toy = 'kind: toy-sum\nplugins: ["{toy}"]\n'
+    stage = write("a.yaml", toy)
+    run = tmp_path / "run"
+    (tmp_path / "run-of-a").mkdir()
+    (tmp_path / "run-of-a" / "a").mkdir()
+    (tmp_path / "run-of-a" / "a" / "manifest.json").write_text("{}")
+    code, _, err = posttrain("report", stage, "--run-dir", tmp_path / "run-of-a" / "a")
+    assert code == 2 and f"is a stage dir of the run {tmp_path / 'run-of-a'}" in err
+    assert f"--run-dir {tmp_path / 'run-of-a'})" in err
+    cases = [("run dir does not exist", f"posttrain run {stage} --run-dir {run}")]
+    cases.append((f"{run / 'pipeline.json'}: is missing: this dir holds no run", "start one"))
+    cases.append((f"{run / 'pipeline.json'}: is damaged (not a JSON mapping)", "writes it again"))
+    other = tmp_path / "other.yaml"
+    cases.append(
+        (f"the run in {run} was made by {other}, not {stage}", f"posttrain report {other} --run-dir")
+    )
+    for index, (problem, fix) in enumerate(cases):
+        if index == 1:
+            run.mkdir()
+        if index == 2:
+            (run / "pipeline.json").write_text('{"file": "a.ya')  # cut short by hand
+        if index == 3:
+            (run / "pipeline.json").write_text(json.dumps({"file": str(other), "stages": {}}))
+        code, out, err = posttrain("report", stage, "--run-dir", run)
+        assert code == 2 and problem in err and fix in err and "Traceback" not in out + err, err
+        assert not (run / "report.md").exists()
+
+
+def test_report_in_a_run_dir_it_may_not_write_is_a_user_error(
+    write, posttrain, tmp_path: Path, monkeypatch
+) -> None:
+    """Another user's run dir, readable but not writable: `posttrain report` ended in a
+    PermissionError traceback; it names the file and says to report on a copy."""
+    import orchestration.report
+    from orchestration.pipeline import load_pipeline
+    from orchestration.rundir import write_pipeline
+
+    stage = write("a.yaml", 'kind: toy-sum\nplugins: ["{toy}"]\n')
+    run = tmp_path / "run"
+    run.mkdir()
+    write_pipeline(run, load_pipeline(stage), [])
+
+    def read_only(path: Path, text: str) -> None:
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+    monkeypatch.setattr(orchestration.report, "atomic_write_text", read_only)
+    code, out, err = posttrain("report", stage, "--run-dir", run)
+    assert code == 2 and "Traceback" not in out + err
+    assert f"{run / 'report.md'}: permission denied" in err and "report on a copy" in err
