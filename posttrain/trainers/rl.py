@@ -144,6 +144,8 @@ class RLConfig(BaseModel):
     )
     train: RLTrainConfig
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    # before `environments`, whose check needs it
+    genrm: GenRMConfig | None = Field(None, description="the judge, for environments with reward: genrm")
     environments: dict[str, EnvironmentConfig] = Field(
         default_factory=dict, description="domain -> environment settings (the stage uses its domain's)"
     )
@@ -157,7 +159,6 @@ class RLConfig(BaseModel):
         "(k2: (log pi_theta - log pi_init)^2 / 2) on every trained token, zero-advantage ones too; 0: none",
     )
     eval: EvalConfig = Field(default_factory=EvalConfig)
-    genrm: GenRMConfig | None = Field(None, description="the judge, for environments with reward: genrm")
     accelerate: AccelerateConfig = Field(default_factory=AccelerateConfig)
     tokenizer: TokenizerDir = Field(None, description="tokenizer dir; null: the init model's")
     checkpoint_every: int = Field(1, gt=0, description="iterations between checkpoints")
@@ -192,6 +193,12 @@ class RLConfig(BaseModel):
         domain = info.data.get("domain")
         if domain in environments:  # the stage's own domain; a matrix's other stages check theirs
             ENVIRONMENTS.get(domain).check_config(environments[domain])
+            if environments[domain].reward == "genrm" and info.data.get("genrm") is None:
+                # when the stage file is read, not at the stage's start after its needs have run
+                raise ValueError(
+                    f"environments.{domain}.reward is genrm; add a `genrm:` block (the judge; its keys: "
+                    "docs/rl.md), or set the reward to verifier"
+                )
         return environments
 
     @field_validator("budget")

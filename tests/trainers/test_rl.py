@@ -93,6 +93,11 @@ def make_ctx(stage_runner, sft_dir) -> Callable[..., StageContext]:
             "environments",
             "agent: max_submissions is 2, but only the coding environment runs submissions",
         ),
+        (  # a judged reward without a judge stopped the stage only at its start, after SFT
+            {"domain": "general", "environments": {"general": {"reward": "genrm"}}},
+            "environments",
+            "environments.general.reward is genrm; add a `genrm:` block",
+        ),
     ],
 )
 def test_environment_mistakes_are_validation_errors_at_their_key(keys, key, expected):
