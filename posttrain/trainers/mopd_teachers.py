@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from posttrain.config.stage_file import check_model_reference
 from posttrain.data.chat import (
     DEFAULT_TOKENIZER_DIR,
+    TokenIds,
     load_tokenizer,
     model_tokenizer_dir,
     token_ids_difference,
@@ -293,7 +294,8 @@ def check_teacher_tokenizers(
     `vocab_size`) have fewer rows than the student has tokens is refused as well: a dir saved
     without tokenizer files passes the comparison (the shipped tokenizer is assumed), and its first
     scoring call, after SFT and the RL stages, would index past its embedding."""
-    loaded: dict[Path | None, PreTrainedTokenizerFast] = {}
+    ours = TokenIds.of(student)
+    differences: dict[Path | None, str] = {}  # per teacher tokenizer: pairs may share one
     wrong, small = [], []
     for pair, model_dir in teachers.items():
         # config.json first: transformers reads it to load the tokenizer too, and a damaged one
@@ -302,15 +304,16 @@ def check_teacher_tokenizers(
         if rows is not None and rows < len(student):
             small.append(f"{pair_name(pair)}: {model_dir} (vocab_size {rows})")
         own = model_tokenizer_dir(model_dir)
-        if own not in loaded:
+        if own not in differences:
             try:
-                loaded[own] = load_tokenizer(own)
+                theirs = load_tokenizer(own)
             except Exception as error:  # a damaged tokenizer.json: tokenizers' own message names no file
                 raise TeacherRoutingError(
                     f"{pair_name(pair)}: the tokenizer of the teacher {model_dir} cannot be loaded "
                     f"({error}); save it again from the tokenizer the teacher was trained with"
                 ) from error
-        difference = token_ids_difference(student, loaded[own])
+            differences[own] = token_ids_difference(ours, TokenIds.of(theirs))
+        difference = differences[own]
         if difference:
             shown = own or DEFAULT_TOKENIZER_DIR
             wrong.append(f"{pair_name(pair)}: {model_dir} (tokenizer {shown}: {difference})")

@@ -14,12 +14,19 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from posttrain.data.chat import TokenIds
 from posttrain.data.sample import EFFORTS, Sample
 from posttrain.engines.build import build_engine
 from posttrain.envs.environments import Environment
 from posttrain.testing import mopd_context, run_mopd_stage
 from posttrain.trainers.mopd import MOPDConfig
-from posttrain.trainers.mopd_teachers import TeacherPool, TeacherRoutingError, route_teachers, teacher_domain
+from posttrain.trainers.mopd_teachers import (
+    TeacherPool,
+    TeacherRoutingError,
+    check_teacher_tokenizers,
+    route_teachers,
+    teacher_domain,
+)
 
 
 @teacher_domain(
@@ -304,6 +311,23 @@ def test_a_need_teacher_with_another_tokenizer_stops_the_stage_before_it_trains(
     with pytest.raises(TeacherRoutingError, match=r"general-low: .*teacher \(tokenizer .*id 300 is 'me'"):
         run_mopd_stage(ctx)
     assert ctx.checkpoints.steps() == [] and not (ctx.output_dir / "model.safetensors").exists()
+
+
+def test_the_tokenizer_check_reads_the_student_and_each_teacher_tokenizer_once(
+    tiny_dirs, renderer, monkeypatch
+):
+    """Reading a tokenizer's ids (vocabulary, merges) takes over a second at K3's 163k tokens; it
+    was done for the student again for every pair, and for a teacher dir again for every pair using it."""
+    read, of = [], TokenIds.of
+
+    def counted(tokenizer):
+        read.append(tokenizer)
+        return of(tokenizer)
+
+    monkeypatch.setattr(TokenIds, "of", staticmethod(counted))
+    teachers = {(d, e): tiny_dirs[e] for d in ("general", "agent", "coding") for e in EFFORTS}
+    check_teacher_tokenizers(renderer.tokenizer, None, teachers)
+    assert read[0] is renderer.tokenizer and len(read) == 1 + len(EFFORTS)
 
 
 def without_tokenizer(model_dir: Path, into: Path, config: Callable[[dict], dict]) -> Path:
