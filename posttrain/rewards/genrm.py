@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from posttrain.data.chat import ChatRenderer, load_tokenizer
+from posttrain.data.chat import ChatRenderer, load_tokenizer, model_tokenizer_dir
 from posttrain.data.sample import Sample
 from posttrain.engines import EmbeddedEngine, SamplingConfig
 
@@ -221,7 +221,7 @@ def stage_judge(cfg: GenRMConfig, ctx: StageContext) -> GenRM:
         raise FileNotFoundError(
             f"stage {ctx.stage_id}: genrm.judge {cfg.judge!r} is neither a need of this stage nor a model dir"
         )
-    tokenizer = load_tokenizer(path if (path / "tokenizer_config.json").is_file() else None)
+    tokenizer = load_tokenizer(model_tokenizer_dir(path))
     renderer = ChatRenderer(tokenizer)
     engine = EmbeddedEngine.from_pretrained(path, pad_token_id=renderer.pad_id)
     sampling = SamplingConfig(

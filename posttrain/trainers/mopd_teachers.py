@@ -18,6 +18,7 @@ teacher keys into engines and keeps them serving:
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from posttrain.config.stage_file import check_model_reference
 from posttrain.data.chat import (
     DEFAULT_TOKENIZER_DIR,
+    TokenIds,
     load_tokenizer,
     model_tokenizer_dir,
     token_ids_difference,
@@ -38,7 +40,9 @@ from posttrain.data.sample import EFFORTS, Sample
 from posttrain.engines import ENGINES, Engine
 from posttrain.engines.build import build_engine
 from posttrain.envs.environments import AgentEnvironment, CodingEnvironment, Environment, GeneralEnvironment
+from posttrain.model.released import flatten_released_config, is_released_config
 from posttrain.registry import Registry
+from posttrain.weight_files import RECOPY
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -286,20 +290,30 @@ def check_teacher_tokenizers(
     teacher scores ids that mean other text to it, and its rewards are noise that nothing else
     detects. A served teacher loads its tokenizer from the same dir (vllm, vllm_server); a
     `trl vllm-serve` server is trusted to serve the dir `model:` names (nothing it answers gives
-    its tokenizer whole; docs/mopd.md)."""
-    loaded: dict[Path | None, PreTrainedTokenizerFast] = {}
-    wrong = []
+    its tokenizer whole; docs/mopd.md). A teacher whose embedding and LM head (config.json's
+    `vocab_size`) have fewer rows than the student has tokens is refused as well: a dir saved
+    without tokenizer files passes the comparison (the shipped tokenizer is assumed), and its first
+    scoring call, after SFT and the RL stages, would index past its embedding."""
+    ours = TokenIds.of(student)
+    differences: dict[Path | None, str] = {}  # per teacher tokenizer: pairs may share one
+    wrong, small = [], []
     for pair, model_dir in teachers.items():
+        # config.json first: transformers reads it to load the tokenizer too, and a damaged one
+        # would be reported as a damaged tokenizer
+        rows = teacher_vocab_size(pair, model_dir)
+        if rows is not None and rows < len(student):
+            small.append(f"{pair_name(pair)}: {model_dir} (vocab_size {rows})")
         own = model_tokenizer_dir(model_dir)
-        if own not in loaded:
+        if own not in differences:
             try:
-                loaded[own] = load_tokenizer(own)
+                theirs = load_tokenizer(own)
             except Exception as error:  # a damaged tokenizer.json: tokenizers' own message names no file
                 raise TeacherRoutingError(
                     f"{pair_name(pair)}: the tokenizer of the teacher {model_dir} cannot be loaded "
                     f"({error}); save it again from the tokenizer the teacher was trained with"
                 ) from error
-        difference = token_ids_difference(student, loaded[own])
+            differences[own] = token_ids_difference(ours, TokenIds.of(theirs))
+        difference = differences[own]
         if difference:
             shown = own or DEFAULT_TOKENIZER_DIR
             wrong.append(f"{pair_name(pair)}: {model_dir} (tokenizer {shown}: {difference})")
@@ -311,6 +325,32 @@ def check_teacher_tokenizers(
             "pair a teacher trained with the student's tokenizer (`teachers: "
             "{<pair>: {model: <need or dir>}}`), or a student (and `tokenizer:`) with the teachers'"
         )
+    if small:
+        raise TeacherRoutingError(
+            f"teachers whose embeddings are smaller than the student's {len(student)} tokens "
+            f"({student_tokenizer or DEFAULT_TOKENIZER_DIR}): {'; '.join(small)}. A teacher scores "
+            "every id the student samples, and its first scoring call would fail; give each such pair "
+            "a teacher trained with the student's tokenizer, or copy into its dir the tokenizer it "
+            "was trained with (save_pretrained) so the difference is shown"
+        )
+
+
+def teacher_vocab_size(pair: Pair, model_dir: Path) -> int | None:
+    """The rows of a teacher's embedding and LM head: config.json's `vocab_size` (under
+    `text_config` in the released wrapper), read without its weights; None when it sets none."""
+    config = model_dir / "config.json"
+    try:
+        data = json.loads(config.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise TeacherRoutingError(
+            f"{pair_name(pair)}: {config} cannot be read ({error}): {RECOPY}"
+        ) from error
+    if not isinstance(data, dict):
+        raise TeacherRoutingError(f"{pair_name(pair)}: {config} is not a mapping of config keys: {RECOPY}")
+    if is_released_config(data):
+        data = flatten_released_config(data)
+    rows = data.get("vocab_size")
+    return rows if isinstance(rows, int) else None
 
 
 def resolve_model(ref: str, inputs: Mapping[str, Path], what: str) -> Path:

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from torch import nn
 
 from posttrain.algos.sft import sft_loss
-from posttrain.data.chat import ChatRenderer, TokenizerDir, load_tokenizer
+from posttrain.data.chat import ChatRenderer, TokenizerDir, load_tokenizer, model_tokenizer_dir
 from posttrain.data.images import MediaItem
 from posttrain.data.packing import PackedRow
 from posttrain.model.vision_config import load_vision_config
@@ -172,15 +172,11 @@ def eval_loss(model: nn.Module, rows: list[PackedRow], media: list[list[MediaIte
 
 
 def _tokenizer_dir(cfg: SFTConfig, ctx: StageContext) -> Path | None:
+    """`tokenizer:`, else the starting model dir's own (None, the shipped one, for a model dir
+    without tokenizer files, a preset file or no model)."""
     if cfg.tokenizer:
         return Path(cfg.tokenizer)
-    if (
-        ctx.model is not None
-        and Path(ctx.model).is_dir()
-        and (Path(ctx.model) / "tokenizer_config.json").is_file()
-    ):
-        return Path(ctx.model)
-    return None
+    return model_tokenizer_dir(Path(ctx.model)) if ctx.model is not None else None
 
 
 class Evaluator:

@@ -14,12 +14,19 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from posttrain.data.chat import TokenIds
 from posttrain.data.sample import EFFORTS, Sample
 from posttrain.engines.build import build_engine
 from posttrain.envs.environments import Environment
 from posttrain.testing import mopd_context, run_mopd_stage
 from posttrain.trainers.mopd import MOPDConfig
-from posttrain.trainers.mopd_teachers import TeacherPool, TeacherRoutingError, route_teachers, teacher_domain
+from posttrain.trainers.mopd_teachers import (
+    TeacherPool,
+    TeacherRoutingError,
+    check_teacher_tokenizers,
+    route_teachers,
+    teacher_domain,
+)
 
 
 @teacher_domain(
@@ -302,5 +309,76 @@ def test_a_need_teacher_with_another_tokenizer_stops_the_stage_before_it_trains(
     inputs = {"sft": tiny_dirs["student"], "rl-general-low": teacher}
     ctx = mopd_context(tmp_path / "run" / "mopd", body_keys, inputs)
     with pytest.raises(TeacherRoutingError, match=r"general-low: .*teacher \(tokenizer .*id 300 is 'me'"):
+        run_mopd_stage(ctx)
+    assert ctx.checkpoints.steps() == [] and not (ctx.output_dir / "model.safetensors").exists()
+
+
+def test_the_tokenizer_check_reads_the_student_and_each_teacher_tokenizer_once(
+    tiny_dirs, renderer, monkeypatch
+):
+    """Reading a tokenizer's ids (vocabulary, merges) takes over a second at K3's 163k tokens; it
+    was done for the student again for every pair, and for a teacher dir again for every pair using it."""
+    read, of = [], TokenIds.of
+
+    def counted(tokenizer):
+        read.append(tokenizer)
+        return of(tokenizer)
+
+    monkeypatch.setattr(TokenIds, "of", staticmethod(counted))
+    teachers = {(d, e): tiny_dirs[e] for d in ("general", "agent", "coding") for e in EFFORTS}
+    check_teacher_tokenizers(renderer.tokenizer, None, teachers)
+    assert read[0] is renderer.tokenizer and len(read) == 1 + len(EFFORTS)
+
+
+def without_tokenizer(model_dir: Path, into: Path, config: Callable[[dict], dict]) -> Path:
+    """A copy of the checkpoint `model_dir` saved without tokenizer files (the shipped tokenizer is
+    assumed for it), its config.json rewritten by `config`."""
+    copy = Path(
+        shutil.copytree(model_dir, into, ignore=shutil.ignore_patterns("tokenizer*", "chat_template*"))
+    )
+    (copy / "config.json").write_text(json.dumps(config(json.loads((copy / "config.json").read_text()))))
+    return copy
+
+
+def smaller_vocab(data: dict) -> dict:
+    return {**data, "vocab_size": 1024}
+
+
+def smaller_vocab_released(data: dict) -> dict:
+    """The released wrapper layout stage outputs are saved in: the text keys under `text_config`."""
+    return {"model_type": "kimi_k3", "text_config": smaller_vocab(data)}
+
+
+@pytest.mark.parametrize("config", [smaller_vocab, smaller_vocab_released])
+def test_a_teacher_dir_without_tokenizer_files_and_a_smaller_vocab_fails_plan_naming_both_sizes(
+    tiny_dirs, tmp_path: Path, posttrain, config
+):
+    """Such a teacher passes the tokenizer comparison (the shipped tokenizer is assumed), and its
+    first scoring call, after SFT and nine RL stages, indexed past its 1024 embedding rows."""
+    teacher = without_tokenizer(tiny_dirs["low"], tmp_path / "teacher", config)
+    code, out, err = posttrain("plan", mopd_file(tmp_path, tiny_dirs["student"], teacher))
+    assert code == 2
+    message = out + err
+    assert (
+        "mopd.yaml:4: student: teachers whose embeddings are smaller than the student's 2048 tokens "
+        f"({tiny_dirs['student']}): general-low: {teacher} (vocab_size 1024)"
+    ) in message
+    assert "give each such pair a teacher trained with the student's tokenizer" in message
+
+
+def test_a_teacher_dir_whose_config_is_not_json_fails_plan_naming_it(tiny_dirs, tmp_path, posttrain):
+    teacher = Path(shutil.copytree(tiny_dirs["low"], tmp_path / "teacher"))
+    (teacher / "config.json").write_text((teacher / "config.json").read_text()[:100])  # cut short
+    code, out, err = posttrain("plan", mopd_file(tmp_path, tiny_dirs["student"], teacher))
+    assert code == 2
+    assert f"general-low: {teacher / 'config.json'} cannot be read" in out + err
+
+
+def test_a_need_teacher_with_a_smaller_vocab_stops_the_stage_before_it_trains(tiny_dirs, tmp_path: Path):
+    teacher = without_tokenizer(tiny_dirs["low"], tmp_path / "teacher", smaller_vocab_released)
+    body_keys = body(domains=["general"], efforts=["low"], student="sft")
+    inputs = {"sft": tiny_dirs["student"], "rl-general-low": teacher}
+    ctx = mopd_context(tmp_path / "run" / "mopd", body_keys, inputs)
+    with pytest.raises(TeacherRoutingError, match=r"general-low: .*teacher \(vocab_size 1024\)"):
         run_mopd_stage(ctx)
     assert ctx.checkpoints.steps() == [] and not (ctx.output_dir / "model.safetensors").exists()
