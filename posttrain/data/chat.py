@@ -122,6 +122,28 @@ def model_tokenizer_dir(model_dir: Path) -> Path | None:
     return model_dir if (model_dir / "tokenizer_config.json").is_file() else None
 
 
+# The files a tokenizer dir is loaded from (fast and slow tokenizers, added and special tokens).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
+
+
+def tokenizer_files(path: Path | None) -> dict[str, str]:
+    """File name -> sha256 of the TOKENIZER_FILES a tokenizer dir holds (None: the shipped one).
+    Two dirs with equal digests load as the same tokenizer, which is cheap to know: loading one of
+    K3's size and reading its ids (`TokenIds`) takes seconds."""
+    from posttrain.files import sha256_file
+
+    directory = path if path is not None else DEFAULT_TOKENIZER_DIR
+    return {name: sha256_file(directory / name) for name in TOKENIZER_FILES if (directory / name).is_file()}
+
+
 @dataclass(frozen=True)
 class TokenIds:
     """What gives a tokenizer's ids their meaning, as loaded: its length, the vocabulary with the

@@ -35,6 +35,7 @@ from posttrain.data.chat import (
     load_tokenizer,
     model_tokenizer_dir,
     token_ids_difference,
+    tokenizer_files,
 )
 from posttrain.data.sample import EFFORTS, Sample
 from posttrain.engines import ENGINES, Engine
@@ -294,7 +295,8 @@ def check_teacher_tokenizers(
     `vocab_size`) have fewer rows than the student has tokens is refused as well: a dir saved
     without tokenizer files passes the comparison (the shipped tokenizer is assumed), and its first
     scoring call, after SFT and the RL stages, would index past its embedding."""
-    ours = TokenIds.of(student)
+    ours: TokenIds | None = None  # read when a teacher's files differ from the student's
+    student_files = tokenizer_files(student_tokenizer)
     differences: dict[Path | None, str] = {}  # per teacher tokenizer: pairs may share one
     wrong, small = [], []
     for pair, model_dir in teachers.items():
@@ -304,6 +306,9 @@ def check_teacher_tokenizers(
         if rows is not None and rows < len(student):
             small.append(f"{pair_name(pair)}: {model_dir} (vocab_size {rows})")
         own = model_tokenizer_dir(model_dir)
+        if own not in differences and tokenizer_files(own) == student_files:
+            # the student's very files (every stage of one run saves the same): the same ids
+            differences[own] = ""
         if own not in differences:
             try:
                 theirs = load_tokenizer(own)
@@ -312,6 +317,7 @@ def check_teacher_tokenizers(
                     f"{pair_name(pair)}: the tokenizer of the teacher {model_dir} cannot be loaded "
                     f"({error}); save it again from the tokenizer the teacher was trained with"
                 ) from error
+            ours = ours or TokenIds.of(student)
             differences[own] = token_ids_difference(ours, TokenIds.of(theirs))
         difference = differences[own]
         if difference:

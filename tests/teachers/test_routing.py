@@ -330,6 +330,24 @@ def test_the_tokenizer_check_reads_the_student_and_each_teacher_tokenizer_once(
     assert read[0] is renderer.tokenizer and len(read) == 1 + len(EFFORTS)
 
 
+def test_teachers_saved_with_the_students_very_tokenizer_files_are_not_loaded(tiny_dirs, monkeypatch):
+    """Every stage of one run saves the same tokenizer files: comparing their digests is enough,
+    where loading and reading each of nine K3-sized tokenizers takes seconds (the default run's
+    MOPD start)."""
+    import posttrain.trainers.mopd_teachers as mopd_teachers
+    from posttrain.data.chat import load_tokenizer
+
+    student = load_tokenizer(tiny_dirs["student"])
+    read, of = [], TokenIds.of
+    monkeypatch.setattr(mopd_teachers, "load_tokenizer", lambda path: read.append(path))
+    monkeypatch.setattr(
+        TokenIds, "of", staticmethod(lambda tokenizer: read.append(tokenizer) or of(tokenizer))
+    )
+    teachers = {(d, e): tiny_dirs["student"] for d in ("general", "agent", "coding") for e in EFFORTS}
+    check_teacher_tokenizers(student, tiny_dirs["student"], teachers)
+    assert read == []
+
+
 def without_tokenizer(model_dir: Path, into: Path, config: Callable[[dict], dict]) -> Path:
     """A copy of the checkpoint `model_dir` saved without tokenizer files (the shipped tokenizer is
     assumed for it), its config.json rewritten by `config`."""
