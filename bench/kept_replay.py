@@ -27,7 +27,8 @@ from typing import Any
 import torch
 from stage_policy import environment, load_policy
 
-from orchestration.outcomes import claim, seed_summary, student_accuracy_rows
+from orchestration.outcomes import DamagedEvalError, claim, read_eval, seed_summary, student_accuracy_rows
+from orchestration.rundir import manifest_damage
 from posttrain.envs.env_eval import EvalConfig, evaluate, prompt_means
 from posttrain.envs.environments import EnvironmentConfig
 from posttrain.files import atomic_write_text, exclusive_lock
@@ -65,9 +66,10 @@ def recorded_episodes(run: Path, pair: str, student: str) -> dict[str, dict[str,
     """The stage evaluations' own episode rows after training: the specialist's (its eval.json)
     and the student's accuracy episodes (the MOPD stage's eval_episodes.json), by role."""
     teacher_eval = run / f"rl-{pair}" / "eval.json"
-    if not teacher_eval.is_file():
+    report = read_eval(teacher_eval)  # None too where the stage's manifest does not say done
+    if report is None:
         raise SystemExit(f"{teacher_eval} is missing: pair {pair}'s specialist has not finished in {run}")
-    rows = {"specialist": json.loads(teacher_eval.read_text())["episodes"]["after"]}
+    rows = {"specialist": report["episodes"]["after"]}
     student_rows = student_accuracy_rows(run / student / EPISODES_FILE)
     if pair in student_rows:
         rows["student"] = student_rows[pair]
@@ -98,6 +100,9 @@ def model_hash(stage_dir: Path) -> str:
     manifest = stage_dir / "manifest.json"
     if not manifest.is_file():
         raise SystemExit(f"{manifest} is missing: {stage_dir.name} has not finished in {stage_dir.parent}")
+    damage = manifest_damage(stage_dir)
+    if damage is not None:
+        raise SystemExit(damage)
     record = json.loads(manifest.read_text())
     if record.get("status", "done") != "done":
         raise SystemExit(
@@ -182,7 +187,10 @@ def main() -> None:
     for pair in args.pairs:
         claims = []
         for run in args.runs:
-            row = kept_share(run, pair, args.samples, args.student)
+            try:
+                row = kept_share(run, pair, args.samples, args.student)
+            except DamagedEvalError as error:  # a user's file to repair, not a bug: no traceback
+                parser.error(str(error))
             claims.append({pair: claim(row["kept"], row["kept_se"], f">={args.bound}")})
             print(
                 f"| {pair} | {run} | {row['specialist']:.3f} ± {row['specialist_se']:.3f} "
