@@ -5,6 +5,8 @@ string and its tools run in a fresh sandbox, so any row can be regenerated alone
 file is byte-identical on every run. Efforts cycle low/high/max over the index. The route-choice
 families ship ROUTE_CHOICE_ROW_SHARE of a family's rows: the share measured (bench/RESULTS.md); a
 larger one cost the other agent families more of the SFT model's accuracy on the first branch.
+Only the shipped arguments (--seed 0, --per-family 200) write the shipped file; other ones need
+--out, so a trial set never replaces the rows the default recipe trains on.
 """
 
 from __future__ import annotations
@@ -73,6 +75,15 @@ def main() -> None:
     args = parser.parse_args()
     if args.per_family < 1:  # the default --out is the shipped file, which it would have emptied
         parser.error(f"--per-family {args.per_family}: pass at least 1 row a family")
+    shipped = (args.seed, args.per_family) == (0, DEFAULT_PER_FAMILY)
+    if args.out.resolve() == DEFAULT_OUTPUT and not shipped:
+        # The default recipe and the results recorded with it train on the shipped rows: only the
+        # arguments that made them may write that file (they write the same bytes again).
+        parser.error(
+            f"--seed {args.seed} --per-family {args.per_family} would overwrite the shipped "
+            f"{DEFAULT_OUTPUT}, made by --seed 0 --per-family {DEFAULT_PER_FAMILY}: pass --out PATH "
+            "for another set"
+        )
     records = generate(args.seed, args.per_family)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(args.out, to_jsonl(records))  # a kill while writing leaves the old file whole
