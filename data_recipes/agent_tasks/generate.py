@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from data_recipes.agent_tasks import FAMILIES
+from data_recipes.shipped import check_shipped_out
 from posttrain.data.sample import EFFORTS, Sample
 from posttrain.envs.tasks import TASK_FAMILIES
 from posttrain.files import atomic_write_text
@@ -75,15 +76,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.per_family < 1:  # the default --out is the shipped file, which it would have emptied
         parser.error(f"--per-family {args.per_family}: pass at least 1 row a family")
-    shipped = (args.seed, args.per_family) == (0, DEFAULT_PER_FAMILY)
-    if args.out.resolve() == DEFAULT_OUTPUT and not shipped:
-        # The default recipe and the results recorded with it train on the shipped rows: only the
-        # arguments that made them may write that file (they write the same bytes again).
-        parser.error(
-            f"--seed {args.seed} --per-family {args.per_family} would overwrite the shipped "
-            f"{DEFAULT_OUTPUT}, made by --seed 0 --per-family {DEFAULT_PER_FAMILY}: pass --out PATH "
-            "for another set"
-        )
+    made_by = {"seed": 0, "per_family": DEFAULT_PER_FAMILY}
+    check_shipped_out(parser, args.out, DEFAULT_OUTPUT, {k: vars(args)[k] for k in made_by}, made_by)
     records = generate(args.seed, args.per_family)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(args.out, to_jsonl(records))  # a kill while writing leaves the old file whole
