@@ -171,3 +171,18 @@ def test_a_damaged_manifest_is_named(tmp_path: Path) -> None:
     (stage / "manifest.json").write_text('{"model_ha')
     with pytest.raises(SystemExit, match="rl-general-max/manifest.json is damaged"):
         kept_replay.model_hash(stage)
+
+
+def test_a_damaged_stage_record_or_replay_cache_is_named(tmp_path: Path) -> None:
+    """Before: a JSONDecodeError traceback for either."""
+    stage = _rl_stage(tmp_path, "general", "max", prompts=3)
+    (stage / "stage.json").write_text('{"stage": {"se')
+    with pytest.raises(SystemExit, match="rl-general-max/stage.json is damaged.*--restart rl-general-max"):
+        kept_replay.stage_settings(stage)
+    student = tmp_path / "mopd"
+    student.mkdir()
+    _finished(stage, "aaaa")
+    _finished(student, "bbbb")
+    (tmp_path / kept_replay.CACHE_FILE).write_text('{"mopd/general-max/8/aaaa/bbbb": {"kept": 0.9')
+    with pytest.raises(SystemExit, match="kept_replay.json is damaged.*remove it"):
+        kept_replay.kept_share(tmp_path, "general-max", 8)
