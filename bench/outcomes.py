@@ -202,6 +202,12 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     above = next((p for p in (args.out, *args.out.parents) if p.exists()), None)
     if above is not None and not above.is_dir():
         parser.error(f"--out {args.out}: {above} is a file; name a directory for the runs")
+    commits = args.out / COMMITS_FILE
+    if commits.exists() and read_json(commits) is None:  # read as none, a run would write it afresh
+        parser.error(
+            f"{commits} is damaged (not a JSON mapping): remove it, and the report no longer names "
+            "the seeds resumed at another commit than their first"
+        )
 
 
 def checkout() -> str:

@@ -336,3 +336,18 @@ def test_a_report_that_cannot_be_written_leaves_the_last_one_whole(
         _main(monkeypatch, "--report-only", "--out", str(out), "--seeds", "0")
     monkeypatch.undo()
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+
+
+def test_a_damaged_commit_record_exits_2_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: read as no record, so the report named no seed resumed at another commit and a run
+    wrote the record afresh, the seeds' earlier commits lost."""
+    out = tmp_path / "out"
+    _seed_run(out, 0, [], {})
+    (out / bench_outcomes.COMMITS_FILE).write_text('{"0": ["aaaa", "bb')
+    with pytest.raises(SystemExit) as exit_:
+        _main(monkeypatch, "--report-only", "--out", str(out), "--seeds", "0")
+    error = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"{out / bench_outcomes.COMMITS_FILE} is damaged" in error
+    assert not (out / "outcomes.json").exists()
