@@ -15,10 +15,9 @@ several runs (seeds), the counts are summed over them.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-from orchestration.outcomes import student_accuracy_rows
+from orchestration.outcomes import DamagedEvalError, read_eval, student_accuracy_rows
 from posttrain.envs.env_eval import family_sums
 from posttrain.stages import EPISODES_FILE
 
@@ -27,9 +26,10 @@ def pair_counts(run: Path, pair: str, student: dict[str, list]) -> dict[str, dic
     """Per role (prompts, sft, specialist, student), solved per family of one run's pair; `student`:
     its accuracy episodes after training (orchestration.outcomes.student_accuracy_rows)."""
     teacher_eval = run / f"rl-{pair}" / "eval.json"
-    if not teacher_eval.is_file():
+    report = read_eval(teacher_eval)  # None too where the stage's manifest does not say done
+    if report is None:
         raise SystemExit(f"{teacher_eval} is missing: pair {pair}'s specialist did not finish in {run}")
-    teacher = json.loads(teacher_eval.read_text())["episodes"]
+    teacher = report["episodes"]
     rows = {"sft": teacher["before"], "specialist": teacher["after"], "student": student}
     if not rows["student"]["uid"] == rows["specialist"]["uid"] == rows["sft"]["uid"]:
         raise SystemExit(
@@ -56,15 +56,10 @@ def pair_lines(pair: str, counts: dict[str, dict[str, float]]) -> list[str]:
     return lines
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "runs", type=Path, nargs="+", help="finished runs of the default recipe (their rl-* and mopd dirs)"
-    )
-    parser.add_argument("--pairs", nargs="+", help="<domain>-<effort> pairs (default: all nine)")
-    args = parser.parse_args()
+def family_totals(runs: list[Path], pairs: list[str] | None) -> dict[str, dict[str, dict[str, float]]]:
+    """Per pair and role, solved per family summed over `runs`; `pairs` None: every pair of the runs."""
     totals: dict[str, dict[str, dict[str, float]]] = {}
-    for run in args.runs:
+    for run in runs:
         episodes_file = run / "mopd" / EPISODES_FILE
         episodes = student_accuracy_rows(episodes_file)
         if not episodes:
@@ -73,13 +68,27 @@ def main() -> None:
                 "finished, or ran before it kept its episodes (rerun it with `posttrain run ... "
                 "--only mopd --restart mopd`)"
             )
-        for pair in args.pairs or sorted(episodes):
+        for pair in pairs or sorted(episodes):
             if pair not in episodes:
                 raise SystemExit(f"{episodes_file} has no pair {pair!r}; it has {sorted(episodes)}")
             for who, by_family in pair_counts(run, pair, episodes[pair]).items():
                 into = totals.setdefault(pair, {}).setdefault(who, {})
                 for family, n in by_family.items():
                     into[family] = into.get(family, 0.0) + n
+    return totals
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "runs", type=Path, nargs="+", help="finished runs of the default recipe (their rl-* and mopd dirs)"
+    )
+    parser.add_argument("--pairs", nargs="+", help="<domain>-<effort> pairs (default: all nine)")
+    args = parser.parse_args()
+    try:
+        totals = family_totals(args.runs, args.pairs)
+    except DamagedEvalError as error:  # a user's file to repair, not a bug: no traceback
+        parser.error(str(error))
     if len(args.runs) > 1:
         print(f"summed over {len(args.runs)} runs: {' '.join(map(str, args.runs))}")
     for pair, counts in totals.items():

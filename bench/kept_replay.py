@@ -27,7 +27,8 @@ from typing import Any
 import torch
 from stage_policy import environment, load_policy
 
-from orchestration.outcomes import claim, seed_summary, student_accuracy_rows
+from orchestration.outcomes import DamagedEvalError, claim, read_eval, seed_summary, student_accuracy_rows
+from orchestration.rundir import manifest_damage, read_json, read_manifest
 from posttrain.envs.env_eval import EvalConfig, evaluate, prompt_means
 from posttrain.envs.environments import EnvironmentConfig
 from posttrain.files import atomic_write_text, exclusive_lock
@@ -42,7 +43,13 @@ def stage_settings(stage_dir: Path) -> tuple[int, EvalConfig, EnvironmentConfig,
     path = stage_dir / "stage.json"
     if not path.is_file():
         raise SystemExit(f"{path} is missing: is {stage_dir} a finished RL stage of a run?")
-    stage = json.loads(path.read_text())["stage"]
+    record = read_json(path)
+    if record is None:  # a disk that filled, a hand edit
+        raise SystemExit(
+            f"{path} is damaged (not a JSON mapping): run the stage again: posttrain run FILE "
+            f"--restart {stage_dir.name}"
+        )
+    stage = record["stage"]
     body = stage["body"]
     domain, effort = body["domain"], body["effort"]
     harness = EnvironmentConfig(**(body.get("environments") or {}).get(domain, {}))
@@ -65,9 +72,10 @@ def recorded_episodes(run: Path, pair: str, student: str) -> dict[str, dict[str,
     """The stage evaluations' own episode rows after training: the specialist's (its eval.json)
     and the student's accuracy episodes (the MOPD stage's eval_episodes.json), by role."""
     teacher_eval = run / f"rl-{pair}" / "eval.json"
-    if not teacher_eval.is_file():
+    report = read_eval(teacher_eval)  # None too where the stage's manifest does not say done
+    if report is None:
         raise SystemExit(f"{teacher_eval} is missing: pair {pair}'s specialist has not finished in {run}")
-    rows = {"specialist": json.loads(teacher_eval.read_text())["episodes"]["after"]}
+    rows = {"specialist": report["episodes"]["after"]}
     student_rows = student_accuracy_rows(run / student / EPISODES_FILE)
     if pair in student_rows:
         rows["student"] = student_rows[pair]
@@ -98,7 +106,9 @@ def model_hash(stage_dir: Path) -> str:
     manifest = stage_dir / "manifest.json"
     if not manifest.is_file():
         raise SystemExit(f"{manifest} is missing: {stage_dir.name} has not finished in {stage_dir.parent}")
-    record = json.loads(manifest.read_text())
+    record = read_manifest(stage_dir)
+    if record is None:  # a disk that filled, a hand edit
+        raise SystemExit(manifest_damage(stage_dir))
     if record.get("status", "done") != "done":
         raise SystemExit(
             f"{manifest}: {stage_dir.name} is {record['status']}, not done, in {stage_dir.parent}; "
@@ -113,7 +123,7 @@ def kept_share(run: Path, pair: str, samples: int, student: str = "mopd") -> dic
     Cached in RUN/kept_replay.json by pair, episodes a prompt and the two models' hashes, so a
     report reads it again."""
     cache_file = run / CACHE_FILE
-    cache = json.loads(cache_file.read_text()) if cache_file.is_file() else {}
+    cache = read_cache(cache_file)
     # the two models' hashes (the run's manifests) in the key: a stage run again is replayed again
     models = [model_hash(run / stage) for stage in (f"rl-{pair}", student)]
     key = "/".join([student, pair, str(samples), *models])
@@ -152,12 +162,25 @@ def one_thread() -> None:
     torch.set_num_threads(1)
 
 
+def read_cache(cache_file: Path) -> dict[str, Any]:
+    """The replays cached in a run dir ({} where it has none). A damaged cache is named, not
+    replaced: a store would drop every other pair's replay with it, unasked."""
+    if not cache_file.is_file():
+        return {}
+    cache = read_json(cache_file)
+    if cache is None:
+        raise SystemExit(
+            f"{cache_file} is damaged (not a JSON mapping): remove it, and its replays are played again"
+        )
+    return cache
+
+
 def store(cache_file: Path, key: str, row: dict[str, Any]) -> None:
     """Add one replay to the cache: read again under the lock and merged, so a replay another
     process stored while this one played is kept (a write of this process's first read would drop
     it)."""
     with exclusive_lock(cache_file.with_name(f".{cache_file.name}.lock")):
-        cache = json.loads(cache_file.read_text()) if cache_file.is_file() else {}
+        cache = read_cache(cache_file)
         cache[key] = row
         atomic_write_text(cache_file, json.dumps(cache, indent=1))
 
@@ -182,7 +205,10 @@ def main() -> None:
     for pair in args.pairs:
         claims = []
         for run in args.runs:
-            row = kept_share(run, pair, args.samples, args.student)
+            try:
+                row = kept_share(run, pair, args.samples, args.student)
+            except DamagedEvalError as error:  # a user's file to repair, not a bug: no traceback
+                parser.error(str(error))
             claims.append({pair: claim(row["kept"], row["kept_se"], f">={args.bound}")})
             print(
                 f"| {pair} | {run} | {row['specialist']:.3f} ± {row['specialist_se']:.3f} "

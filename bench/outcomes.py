@@ -22,12 +22,14 @@ sharing their sampling noise), where the stage's evaluation plays each prompt on
 pair's kept share has an error near 0.1 around a bound of 0.9. The replays of all seeds' pairs run in
 `--cpus` processes of one thread each, storing into each run dir's cache under a lock.
 
-Before reading them it checks each seed's run dir: one that holds no run, or whose last run was
-another stage file or other overrides (pipeline.json: the file's name and the overrides; the stages
-it planned and the config hash each started stage ran with, against what the stage file plans now: a
-run of stages/vision/mopd.yaml is not one of stages/mopd.yaml), stops it (exit 2) rather than mixing or
+Before reading them it checks each seed's run dir: one that holds no run, whose pipeline.json is
+damaged (rerunning the seed writes it again), or whose last run was another stage file or other
+overrides (pipeline.json: the file's name and the overrides; the stages it planned and the config
+hash each started stage ran with, against what the stage file plans now: a run of
+stages/vision/mopd.yaml is not one of stages/mopd.yaml), stops it (exit 2) rather than mixing or
 dropping seeds; stages not done are named under the table (their claims are missing, not misses).
-Writes OUT/outcomes.json ({"commit", "machine", "stage_file", "overrides", "kept_samples",
+Writes, atomically (a failed write leaves the last report whole), OUT/outcomes.json ({"commit",
+"machine", "stage_file", "overrides", "kept_samples",
 "unfinished": {seed: {stage: status}}, "seed_commits": {seed: [commits]}, "runs": {seed: claims},
 "summary": per claim, "subsets_of_3": per claim [held, subsets]}) and OUT/outcomes.md, both naming
 the checkout's commit and the machine as a RESULTS.md entry does. Each seed's run records the
@@ -64,12 +66,13 @@ from orchestration.outcomes import (  # noqa: E402
     subsets_all_holding,
 )
 from orchestration.pipeline import Pipeline, load_pipeline  # noqa: E402
-from orchestration.rundir import read_json, read_manifest  # noqa: E402
+from orchestration.rundir import PIPELINE, read_json, read_manifest  # noqa: E402
 from posttrain.config.errors import ConfigError  # noqa: E402
 from posttrain.files import atomic_write_text  # noqa: E402
 
 SUBSET_SIZE = 3  # the benchmark's default seed count: with more seeds, how often would three pass?
 COMMITS_FILE = "commits.json"  # in OUT: per seed, the commits its runs were started at, in order
+PLAN_KEYS = {"file", "overrides", "stages"}  # what a seed's pipeline.json records (rundir.write_pipeline)
 
 
 def run_seed(
@@ -199,6 +202,12 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     above = next((p for p in (args.out, *args.out.parents) if p.exists()), None)
     if above is not None and not above.is_dir():
         parser.error(f"--out {args.out}: {above} is a file; name a directory for the runs")
+    commits = args.out / COMMITS_FILE
+    if commits.exists() and read_json(commits) is None:  # read as none, a run would write it afresh
+        parser.error(
+            f"{commits} is damaged (not a JSON mapping): remove it, and the report no longer names "
+            "the seeds resumed at another commit than their first"
+        )
 
 
 def checkout() -> str:
@@ -248,7 +257,13 @@ def unfinished_stages(
     `recipe_mismatch`);
     else its stages that are not done, with their status (their claims are missing, not held)."""
     run_dir = out / f"seed-{seed}"
-    plan = read_json(run_dir / "pipeline.json")
+    plan = read_json(run_dir / PIPELINE)
+    if (run_dir / PIPELINE).exists() and (plan is None or PLAN_KEYS - plan.keys()):
+        # a disk that filled or a hand edit: a run is there, and rerunning the seed rewrites its record
+        parser.error(
+            f"{run_dir / PIPELINE} is damaged (not the JSON record `posttrain run` writes): run the "
+            "seed without --report-only, which writes it again (finished stages are not run again)"
+        )
     if plan is None:
         parser.error(
             f"{run_dir} holds no run (no pipeline.json; log {out}/seed-{seed}.log): run the seed "
@@ -372,8 +387,9 @@ def main() -> None:
     }
     if all_holding:
         report[f"subsets_of_{SUBSET_SIZE}_all_holding"] = all_holding
-    (args.out / "outcomes.json").write_text(json.dumps(report, indent=1))
-    (args.out / "outcomes.md").write_text("\n".join(lines) + "\n")
+    # atomic: a full disk or a kill while writing leaves the last report whole, not a truncated one
+    atomic_write_text(args.out / "outcomes.json", json.dumps(report, indent=1))
+    atomic_write_text(args.out / "outcomes.md", "\n".join(lines) + "\n")
     if failed:
         raise SystemExit(f"seeds {failed} failed (exit code not 0): see {args.out}/seed-S.log")
 

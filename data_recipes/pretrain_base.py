@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from data_recipes.shipped import check_shipped_out, logged_arguments
+
 ROOT = Path(__file__).resolve().parents[1]
 PRESET = ROOT / "stages" / "models" / "small.yaml"
 TOKENIZER = Path(__file__).resolve().parent / "tokenizer"
@@ -150,6 +152,10 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=OUTPUT)
     args = parser.parse_args()
+    # what made the shipped base, as its log recorded it (the device and the out dir change no weights)
+    made_by = logged_arguments(OUTPUT / "pretrain_log.json")
+    asked = {k: v for k, v in vars(args).items() if k not in ("out", "device")}
+    check_shipped_out(parser, args.out, OUTPUT, asked, {k: made_by.get(k) for k in asked})
 
     torch.manual_seed(args.seed)
     tokenizer = load_tokenizer(TOKENIZER)

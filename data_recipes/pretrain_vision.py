@@ -38,6 +38,7 @@ import yaml
 from safetensors.torch import save_file
 from torch import nn
 
+from data_recipes.shipped import check_shipped_out, logged_arguments
 from posttrain.model.vision_model import VISION_CONFIG_FILE, VISION_PREFIXES, VISION_WEIGHTS_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -208,8 +209,10 @@ def main() -> None:
     parser.add_argument("--log-every", type=int, default=500)
     parser.add_argument("--out", type=Path, default=OUTPUT)
     args = parser.parse_args()
-    model, vision_config, log = train(args.steps, args.batch, args.lr, args.seed, args.log_every)
     recorded = {k: v for k, v in vars(args).items() if k != "out"}
+    made_by = logged_arguments(OUTPUT / LOG_FILE)
+    check_shipped_out(parser, args.out, OUTPUT, recorded, {k: made_by.get(k) for k in recorded})
+    model, vision_config, log = train(args.steps, args.batch, args.lr, args.seed, args.log_every)
     save(model, vision_config, log, recorded, args.out)
 
 

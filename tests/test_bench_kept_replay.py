@@ -51,7 +51,8 @@ def test_a_replay_plays_the_stage_eval_and_its_first_copies_are_the_stages(tmp_p
 
 
 def _finished(stage: Path, model_hash: str) -> None:
-    (stage / "manifest.json").write_text(json.dumps({"model_hash": model_hash}))
+    """The manifest a done stage leaves (read_eval reads the evaluations of done stages only)."""
+    (stage / "manifest.json").write_text(json.dumps({"model_hash": model_hash, "status": "done"}))
 
 
 def test_kept_share_reads_its_cache_only_for_the_same_models(tmp_path: Path) -> None:
@@ -132,3 +133,56 @@ def test_zero_samples_or_threads_exit_2_before_playing(
     with pytest.raises(SystemExit) as exit_:
         kept_replay.main()
     assert exit_.value.code == 2 and f"{' '.join(argv)}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("damaged", "stage"),
+    [("rl-general-max/eval.json", "rl-general-max"), ("mopd/eval_episodes.json", "mopd")],
+)
+def test_a_damaged_eval_file_exits_2_naming_it_before_playing(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    damaged: str,
+    stage: str,
+) -> None:
+    """The stages' evaluation files are read by orchestration.outcomes.read_eval: a damaged one
+    (a disk that filled) exits 2 naming it and the stage to evaluate again, not a traceback."""
+    rl = _rl_stage(tmp_path, "general", "max", prompts=3)
+    student = tmp_path / "mopd"
+    student.mkdir()
+    _finished(rl, "aaaa")
+    _finished(student, "bbbb")
+    (rl / "eval.json").write_text(
+        json.dumps({"episodes": {"after": {"uid": [], "reward": [], "tokens": []}}})
+    )
+    (student / "eval_episodes.json").write_text(json.dumps({}))
+    (tmp_path / damaged).write_text('{"episodes": {"aft')
+    monkeypatch.setattr(sys, "argv", ["kept_replay.py", str(tmp_path), "--samples", "2"])
+    with pytest.raises(SystemExit) as exit_:
+        kept_replay.main()
+    error = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"{tmp_path / damaged} is damaged" in error
+    assert f"--restart {stage}" in error
+
+
+def test_a_damaged_manifest_is_named(tmp_path: Path) -> None:
+    stage = _rl_stage(tmp_path, "general", "max", prompts=3)
+    (stage / "manifest.json").write_text('{"model_ha')
+    with pytest.raises(SystemExit, match="rl-general-max/manifest.json is damaged"):
+        kept_replay.model_hash(stage)
+
+
+def test_a_damaged_stage_record_or_replay_cache_is_named(tmp_path: Path) -> None:
+    """Before: a JSONDecodeError traceback for either."""
+    stage = _rl_stage(tmp_path, "general", "max", prompts=3)
+    (stage / "stage.json").write_text('{"stage": {"se')
+    with pytest.raises(SystemExit, match="rl-general-max/stage.json is damaged.*--restart rl-general-max"):
+        kept_replay.stage_settings(stage)
+    student = tmp_path / "mopd"
+    student.mkdir()
+    _finished(stage, "aaaa")
+    _finished(student, "bbbb")
+    (tmp_path / kept_replay.CACHE_FILE).write_text('{"mopd/general-max/8/aaaa/bbbb": {"kept": 0.9')
+    with pytest.raises(SystemExit, match="kept_replay.json is damaged.*remove it"):
+        kept_replay.kept_share(tmp_path, "general-max", 8)

@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import builtins
+import errno
 import importlib.util
+import io
 import json
 import os
 import sys
@@ -272,4 +275,79 @@ def test_a_stage_file_that_does_not_load_exits_2_naming_its_line(
         exit_.value.code == 2
         and f"{tmp_path / 'mopd.yaml'}:3: needs[0]: stage file nope.yaml does not" in error
     )
+    assert not (out / "outcomes.json").exists()
+
+
+@pytest.mark.parametrize("damage", ['{"file": "stages/mopd.yaml", "overr', '{"file": "stages/mopd.yaml"}'])
+def test_a_damaged_pipeline_record_is_named_damaged_not_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], damage: str
+) -> None:
+    """Before: a truncated pipeline.json read as "holds no run (no pipeline.json)", one without its
+    overrides was a KeyError traceback."""
+    out = tmp_path / "out"
+    _seed_run(out, 0, [], {})
+    (out / "seed-0" / "pipeline.json").write_text(damage)
+    with pytest.raises(SystemExit) as exit_:
+        _main(monkeypatch, "--report-only", "--out", str(out), "--seeds", "0")
+    error = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"{out}/seed-0/pipeline.json is damaged" in error
+    assert "run the seed without --report-only" in error and not (out / "outcomes.json").exists()
+
+
+def test_a_report_that_cannot_be_written_leaves_the_last_one_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A disk that fills while the report is written: the last outcomes.json stays as it was, no
+    truncated report and no temporary file left beside it (before: a plain write_text truncated it)."""
+    out = tmp_path / "out"
+    _seed_run(out, 0, [], {})
+    _main(monkeypatch, "--report-only", "--out", str(out), "--seeds", "0")
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    real_open = io.open
+
+    class FullDisk:
+        """A file of OUT that takes half of what is written, then fails as a full disk does."""
+
+        def __init__(self, handle: io.IOBase) -> None:
+            self.handle = handle
+
+        def write(self, data: str | bytes) -> int:
+            self.handle.write(data[: len(data) // 2])
+            self.handle.flush()
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self.handle, name)
+
+        def __enter__(self) -> FullDisk:
+            return self
+
+        def __exit__(self, *_: object) -> None:
+            self.handle.close()
+
+    def full_disk_open(file: object, mode: str = "r", *args: object, **kwargs: object) -> object:
+        handle = real_open(file, mode, *args, **kwargs)
+        writing = any(m in mode for m in "wax") and Path(str(file)).parent == out
+        return FullDisk(handle) if writing else handle
+
+    monkeypatch.setattr(io, "open", full_disk_open)
+    monkeypatch.setattr(builtins, "open", full_disk_open)
+    with pytest.raises(OSError, match="No space left"):
+        _main(monkeypatch, "--report-only", "--out", str(out), "--seeds", "0")
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+
+
+def test_a_damaged_commit_record_exits_2_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: read as no record, so the report named no seed resumed at another commit and a run
+    wrote the record afresh, the seeds' earlier commits lost."""
+    out = tmp_path / "out"
+    _seed_run(out, 0, [], {})
+    (out / bench_outcomes.COMMITS_FILE).write_text('{"0": ["aaaa", "bb')
+    with pytest.raises(SystemExit) as exit_:
+        _main(monkeypatch, "--report-only", "--out", str(out), "--seeds", "0")
+    error = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"{out / bench_outcomes.COMMITS_FILE} is damaged" in error
     assert not (out / "outcomes.json").exists()

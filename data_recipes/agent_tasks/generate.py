@@ -5,6 +5,8 @@ string and its tools run in a fresh sandbox, so any row can be regenerated alone
 file is byte-identical on every run. Efforts cycle low/high/max over the index. The route-choice
 families ship ROUTE_CHOICE_ROW_SHARE of a family's rows: the share measured (bench/RESULTS.md); a
 larger one cost the other agent families more of the SFT model's accuracy on the first branch.
+Only the shipped arguments (--seed 0, --per-family 200) write the shipped file; other ones need
+--out, so a trial set never replaces the rows the default recipe trains on.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from data_recipes.agent_tasks import FAMILIES
+from data_recipes.shipped import check_shipped_out
 from posttrain.data.sample import EFFORTS, Sample
 from posttrain.envs.tasks import TASK_FAMILIES
 from posttrain.files import atomic_write_text
@@ -73,6 +76,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.per_family < 1:  # the default --out is the shipped file, which it would have emptied
         parser.error(f"--per-family {args.per_family}: pass at least 1 row a family")
+    made_by = {"seed": 0, "per_family": DEFAULT_PER_FAMILY}
+    check_shipped_out(parser, args.out, DEFAULT_OUTPUT, {k: vars(args)[k] for k in made_by}, made_by)
     records = generate(args.seed, args.per_family)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(args.out, to_jsonl(records))  # a kill while writing leaves the old file whole

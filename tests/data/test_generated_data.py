@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from data_recipes.agent_tasks import FAMILIES
+from data_recipes.agent_tasks import generate as generate_module
 from data_recipes.agent_tasks.generate import (
     DEFAULT_OUTPUT,
     DEFAULT_PER_FAMILY,
@@ -47,6 +48,24 @@ def test_no_rows_a_family_exits_2_and_writes_nothing(tmp_path, monkeypatch, caps
         main()
     assert exit_.value.code == 2 and f"--per-family {per_family}: pass at least 1" in capsys.readouterr().err
     assert out.read_text() == "the rows before\n"
+
+
+@pytest.mark.parametrize("argv", [["--seed", "1"], ["--per-family", "1"]])
+def test_other_arguments_do_not_overwrite_the_shipped_file(tmp_path, monkeypatch, capsys, argv):
+    # Before: --out defaults to the shipped file, which any other --seed or --per-family replaced.
+    shipped = tmp_path / "agent_sft.jsonl"
+    shipped.write_text("the shipped rows\n")
+    monkeypatch.setattr(generate_module, "DEFAULT_OUTPUT", shipped)
+    monkeypatch.setattr(sys, "argv", ["generate", *argv])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    error = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"would overwrite the shipped {shipped}" in error
+    assert "pass --out PATH" in error and shipped.read_text() == "the shipped rows\n"
+    other = tmp_path / "other.jsonl"  # the same arguments write a file of their own
+    monkeypatch.setattr(sys, "argv", ["generate", *argv, "--out", str(other), "--per-family", "1"])
+    main()
+    assert len(other.read_text().splitlines()) == len(FAMILIES)
 
 
 def test_domains_efforts_and_size(shipped):

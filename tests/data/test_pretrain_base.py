@@ -97,3 +97,35 @@ def test_the_shipped_base_recalls_most_stated_values_and_random_weights_none():
     torch.manual_seed(0)
     fresh = k3.KimiK3ForCausalLM(k3.load_model_config(pretrain_base.PRESET)).eval()
     assert pretrain_base.recall_accuracy(fresh, tokenizer, "cpu", n=40) == 0.0
+
+
+class Started(Exception):
+    """Raised where pretraining would start: the arguments were let through."""
+
+
+def test_other_arguments_do_not_overwrite_the_shipped_base(tmp_path, monkeypatch, capsys):
+    # Before: --out defaults to the shipped base, which a trial with --steps 2 replaced.
+    shipped = tmp_path / "base"
+    shipped.mkdir()
+    made_by = {"steps": 6000, "minutes": 5.2, "batch": 32, "length": 256, "lr": 0.003, "seed": 0}
+    log = json.dumps({"args": made_by | {"device": "cuda", "out": "/elsewhere"}})
+    (shipped / "pretrain_log.json").write_text(log)
+    monkeypatch.setattr(pretrain_base, "OUTPUT", shipped)
+    monkeypatch.setattr(sys, "argv", ["pretrain_base", "--steps", "2", "--device", "cpu"])
+    with pytest.raises(SystemExit) as exit_:
+        pretrain_base.main()
+    error = capsys.readouterr().err
+    assert (
+        exit_.value.code == 2 and f"--steps 2 --minutes None would overwrite the shipped {shipped}" in error
+    )
+    assert [p.name for p in shipped.iterdir()] == ["pretrain_log.json"]
+    # the README's command (on any device) is the one that made it: let through
+    argv = ["pretrain_base", "--steps", "6000", "--minutes", "5.2", "--batch", "32", "--length", "256"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--device", "cpu"])
+
+    def start(seed: int) -> None:
+        raise Started
+
+    monkeypatch.setattr(pretrain_base.torch, "manual_seed", start)
+    with pytest.raises(Started):
+        pretrain_base.main()

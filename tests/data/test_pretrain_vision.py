@@ -5,6 +5,8 @@ features tell drawn scenes apart where a fresh tower's do not)."""
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -108,3 +110,27 @@ def test_the_shipped_tower_sees_what_a_fresh_one_does_not(stage_runner, tmp_path
     shipped = load_policy(ctx, len(tokenizer), vision=SHIPPED, media_pad_id=pad)
     assert _centroid_accuracy(shipped.model.eval()) >= 0.9
     assert _centroid_accuracy(fresh.model.eval()) < 0.6
+
+
+def test_other_arguments_do_not_overwrite_the_shipped_tower(tmp_path, monkeypatch, capsys):
+    # Before: --out defaults to the shipped tower, which a trial with --steps 2 replaced.
+    shipped = tmp_path / "vision_base"
+    shipped.mkdir()
+    made_by = {"steps": 4000, "batch": 32, "lr": 0.002, "seed": 0, "log_every": 500}
+    (shipped / pretrain_vision.LOG_FILE).write_text(json.dumps({"args": made_by}))
+    monkeypatch.setattr(pretrain_vision, "OUTPUT", shipped)
+    monkeypatch.setattr(sys, "argv", ["pretrain_vision", "--steps", "2"])
+    with pytest.raises(SystemExit) as exit_:
+        pretrain_vision.main()
+    error = capsys.readouterr().err
+    assert (
+        exit_.value.code == 2
+        and f"--steps 2 would overwrite the shipped {shipped}, made by --steps 4000" in error
+    )
+    assert [p.name for p in shipped.iterdir()] == [pretrain_vision.LOG_FILE]
+    started = []  # the documented command, the defaults, is the one that made it: let through
+    monkeypatch.setattr(sys, "argv", ["pretrain_vision"])
+    monkeypatch.setattr(pretrain_vision, "train", lambda *a: started.append(a) or (None, None, {}))
+    monkeypatch.setattr(pretrain_vision, "save", lambda *a: None)
+    pretrain_vision.main()
+    assert started == [(4000, 32, 0.002, 0, 500)]

@@ -1,0 +1,32 @@
+"""The shipped artifacts' guard: the data_recipes scripts default `--out` to the file or directory
+they made (the SFT rows, the pretrained bases), which the default recipe and the results recorded
+with it depend on. Those scripts write it only with the arguments that made it; a trial with other
+ones needs `--out`, rather than replacing the shipped copy unseen."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+
+def check_shipped_out(
+    parser: argparse.ArgumentParser, out: Path, shipped: Path, asked: dict[str, Any], made_by: dict[str, Any]
+) -> None:
+    """An argparse error (exit 2), before any work, where `out` is `shipped` and the arguments
+    `asked` (argparse dests) are not `made_by`, the ones that made it; it names both and the fix."""
+    if out.resolve() != shipped.resolve() or asked == made_by:
+        return
+    differ = " ".join(
+        f"--{key.replace('_', '-')} {value}" for key, value in asked.items() if made_by.get(key) != value
+    )
+    made = " ".join(f"--{key.replace('_', '-')} {value}" for key, value in made_by.items())
+    parser.error(
+        f"{differ} would overwrite the shipped {shipped}, made by {made}: pass --out PATH for another"
+    )
+
+
+def logged_arguments(log: Path) -> dict[str, Any]:
+    """The arguments a shipped base's pretrain_log.json recorded ({} where it has none)."""
+    return json.loads(log.read_text(encoding="utf-8")).get("args", {}) if log.is_file() else {}
