@@ -55,6 +55,16 @@ def _finished(stage: Path, model_hash: str) -> None:
     (stage / "manifest.json").write_text(json.dumps({"model_hash": model_hash, "status": "done"}))
 
 
+def _finished_pair(root: Path) -> tuple[Path, Path]:
+    """rl-general-max (3 held-out prompts) and mopd, both done (model hashes aaaa and bbbb)."""
+    stage = _rl_stage(root, "general", "max", prompts=3)
+    student = root / "mopd"
+    student.mkdir()
+    _finished(stage, "aaaa")
+    _finished(student, "bbbb")
+    return stage, student
+
+
 def test_kept_share_reads_its_cache_only_for_the_same_models(tmp_path: Path) -> None:
     """A replay is cached in the run dir under the two models' hashes: read again while they are
     the ones replayed, played again once a stage has run again (a new model hash)."""
@@ -90,11 +100,7 @@ def test_a_replay_stored_by_another_process_meanwhile_is_kept(tmp_path: Path, mo
     """bench/outcomes.py replays a run's pairs in parallel processes: one that stores its replay
     after another stored one since its start must keep that one (it reads the cache again under a
     lock, not its first read)."""
-    stage = _rl_stage(tmp_path, "general", "max", prompts=3)
-    student = tmp_path / "mopd"
-    student.mkdir()
-    _finished(stage, "aaaa")
-    _finished(student, "bbbb")
+    stage, student = _finished_pair(tmp_path)
     (stage / "eval.json").write_text(
         json.dumps({"episodes": {"after": {"uid": [], "reward": [], "tokens": []}}})
     )
@@ -148,11 +154,7 @@ def test_a_damaged_eval_file_exits_2_naming_it_before_playing(
 ) -> None:
     """The stages' evaluation files are read by orchestration.outcomes.read_eval: a damaged one
     (a disk that filled) exits 2 naming it and the stage to evaluate again, not a traceback."""
-    rl = _rl_stage(tmp_path, "general", "max", prompts=3)
-    student = tmp_path / "mopd"
-    student.mkdir()
-    _finished(rl, "aaaa")
-    _finished(student, "bbbb")
+    rl, student = _finished_pair(tmp_path)
     (rl / "eval.json").write_text(
         json.dumps({"episodes": {"after": {"uid": [], "reward": [], "tokens": []}}})
     )
