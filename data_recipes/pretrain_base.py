@@ -24,13 +24,12 @@ import json
 import math
 import random
 import re
-import shutil
 import time
 from pathlib import Path
 
 import torch
 
-from data_recipes.shipped import check_shipped_out, logged_arguments
+from data_recipes.shipped import check_shipped_out, logged_arguments, replaced_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESET = ROOT / "stages" / "models" / "small.yaml"
@@ -216,13 +215,12 @@ def main() -> None:
             print(json.dumps(entry), flush=True)
         if done:
             break
-    if args.out.exists():
-        shutil.rmtree(args.out)
-    model.to("cpu", dtype=torch.bfloat16).save_pretrained(args.out)
-    tokenizer.save_pretrained(args.out)
-    (args.out / "pretrain_log.json").write_text(
-        json.dumps({"args": vars(args) | {"out": str(args.out)}, "steps": step, "log": log}, indent=1)
-    )
+    with replaced_dir(args.out) as tmp:
+        model.to("cpu", dtype=torch.bfloat16).save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "pretrain_log.json").write_text(
+            json.dumps({"args": vars(args) | {"out": str(args.out)}, "steps": step, "log": log}, indent=1)
+        )
     print(f"saved {args.out} after {step} steps", flush=True)
 
 

@@ -28,7 +28,6 @@ import argparse
 import json
 import math
 import random
-import shutil
 import time
 from pathlib import Path
 
@@ -38,7 +37,7 @@ import yaml
 from safetensors.torch import save_file
 from torch import nn
 
-from data_recipes.shipped import check_shipped_out, logged_arguments
+from data_recipes.shipped import check_shipped_out, logged_arguments, replaced_dir
 from posttrain.model.vision_model import VISION_CONFIG_FILE, VISION_PREFIXES, VISION_WEIGHTS_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -180,24 +179,17 @@ def train(steps: int, batch: int, lr: float, seed: int, log_every: int) -> tuple
 def save(model: Describer, vision_config, log: dict, args: dict, out: Path) -> None:
     """The tower and projector (fp32, released names), the vision config and the log, whole or not
     at all (written to a sibling directory, then renamed into place)."""
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     state = {
         name: tensor.detach().contiguous()
         for name, tensor in model.state_dict().items()
         if name.startswith(VISION_PREFIXES)
     }
-    save_file(state, str(tmp / VISION_WEIGHTS_FILE))
     keys = yaml.safe_load(PRESET.read_text())
     keys["text_hidden_size"] = vision_config.text_hidden_size
-    (tmp / VISION_CONFIG_FILE).write_text(yaml.safe_dump(keys, sort_keys=False))
-    (tmp / LOG_FILE).write_text(json.dumps({"args": args, **log}, indent=1) + "\n")
-    readme = out / "README.md"
-    if readme.is_file():
-        shutil.copy(readme, tmp / "README.md")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.replace(out)
+    with replaced_dir(out) as tmp:
+        save_file(state, str(tmp / VISION_WEIGHTS_FILE))
+        (tmp / VISION_CONFIG_FILE).write_text(yaml.safe_dump(keys, sort_keys=False))
+        (tmp / LOG_FILE).write_text(json.dumps({"args": args, **log}, indent=1) + "\n")
 
 
 def main() -> None:

@@ -1,12 +1,16 @@
 """The shipped artifacts' guard: the data_recipes scripts default `--out` to the file or directory
 they made (the SFT rows, the pretrained bases), which the default recipe and the results recorded
 with it depend on. Those scripts write it only with the arguments that made it; a trial with other
-ones needs `--out`, rather than replacing the shipped copy unseen."""
+ones needs `--out`, rather than replacing the shipped copy unseen. A pretrained base is replaced
+whole (`replaced_dir`): a killed save leaves the old one, its hand-written README.md kept."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -30,3 +34,23 @@ def check_shipped_out(
 def logged_arguments(log: Path) -> dict[str, Any]:
     """The arguments a shipped base's pretrain_log.json recorded ({} where it has none)."""
     return json.loads(log.read_text(encoding="utf-8")).get("args", {}) if log.is_file() else {}
+
+
+@contextmanager
+def replaced_dir(out: Path) -> Iterator[Path]:
+    """A sibling directory to write `out` anew into, put in its place when the block ends and
+    removed if it raises: a run killed while saving leaves the old `out` whole. The old README.md
+    (a shipped base's description, written by hand, not by the script) is carried over."""
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    readme = out / "README.md"
+    if readme.is_file() and not (tmp / readme.name).exists():
+        shutil.copy(readme, tmp / readme.name)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.replace(out)

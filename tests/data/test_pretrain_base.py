@@ -53,7 +53,12 @@ def test_corpus_holds_no_task_prompt_or_chat_markup(corpus):
 
 
 def test_script_writes_a_loadable_base_of_the_small_preset(tmp_path, monkeypatch):
+    """Written over an earlier base: that one's files go, its hand-written README.md stays (the
+    script used to delete the shipped base's README with the rest)."""
     out = tmp_path / "base"
+    out.mkdir()
+    (out / "README.md").write_text("what this base is\n")
+    (out / "stale.safetensors").write_text("an earlier save")
     argv = [
         "pretrain_base",
         "--steps",
@@ -77,6 +82,24 @@ def test_script_writes_a_loadable_base_of_the_small_preset(tmp_path, monkeypatch
     )
     assert json.loads((out / "pretrain_log.json").read_text())["steps"] == 2
     assert load_tokenizer(out).get_vocab() == load_tokenizer(pretrain_base.TOKENIZER).get_vocab()
+    assert (out / "README.md").read_text() == "what this base is\n" and not (
+        out / "stale.safetensors"
+    ).exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["base"]  # no temporary left beside it
+
+
+def test_a_save_that_fails_leaves_the_old_base_whole(tmp_path):
+    """A run killed (here: failing) while it saves leaves the base it was replacing as it was."""
+    from data_recipes.shipped import replaced_dir
+
+    out = tmp_path / "base"
+    out.mkdir()
+    (out / "model.safetensors").write_text("the shipped weights")
+    with pytest.raises(OSError, match="disk full"), replaced_dir(out) as tmp:
+        (tmp / "model.safetensors").write_text("half")
+        raise OSError("disk full")
+    assert [p.name for p in tmp_path.iterdir()] == ["base"]
+    assert (out / "model.safetensors").read_text() == "the shipped weights"
 
 
 def test_the_shipped_base_copies_a_span_it_has_read_and_random_weights_do_not():
