@@ -66,7 +66,7 @@ from orchestration.outcomes import (  # noqa: E402
     subsets_all_holding,
 )
 from orchestration.pipeline import Pipeline, load_pipeline  # noqa: E402
-from orchestration.rundir import PIPELINE, read_json, read_manifest  # noqa: E402
+from orchestration.rundir import PIPELINE, planned_stages, read_json, read_manifest  # noqa: E402
 from posttrain.config.errors import ConfigError  # noqa: E402
 from posttrain.files import atomic_write_text  # noqa: E402
 
@@ -239,7 +239,7 @@ def recipe_mismatch(run_dir: Path, plan: dict, asked: Pipeline) -> str:
     """How the run in `run_dir` (its pipeline.json, `plan`) differs from the recipe `asked`
     plans, or "": its stages (ids, kinds, needs) and the config hash each stage it started ran
     with (its manifest's: what decides the stage's result, orchestration.pipeline.config_hash)."""
-    planned = {sid: {"kind": stage.kind, "needs": stage.needs} for sid, stage in asked.stages.items()}
+    planned = planned_stages(asked)
     if plan["stages"] != planned:
         return f"its stages are {', '.join(plan['stages'])}, the stage file's {', '.join(planned)}"
     for sid, stage in asked.stages.items():

@@ -67,14 +67,15 @@ def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
     atomic_write_text(Path(directory) / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
 
 
+def planned_stages(pipeline: Pipeline) -> dict[str, dict[str, Any]]:
+    """The stages pipeline.json records of a run: id -> its kind and needs, in the file's order."""
+    return {sid: {"kind": s.kind, "needs": s.needs} for sid, s in pipeline.stages.items()}
+
+
 def write_pipeline(run_dir: Path, pipeline: Pipeline, overrides: list[str]) -> None:
     """DIR/pipeline.json, rewritten by every `run`: atomically, since a kill mid-write would leave
     a truncated record, and `status` without the last run's stages and their order."""
-    record = {
-        "file": str(pipeline.root),
-        "overrides": list(overrides),
-        "stages": {sid: {"kind": s.kind, "needs": s.needs} for sid, s in pipeline.stages.items()},
-    }
+    record = {"file": str(pipeline.root), "overrides": list(overrides), "stages": planned_stages(pipeline)}
     atomic_write_text(Path(run_dir) / PIPELINE, json.dumps(record, indent=1))
 
 
