@@ -182,11 +182,11 @@ def report_statuses(
     return statuses
 
 
-def write_report(pipeline: Pipeline, run_dir: Path, blocked: Collection[str] | None = None) -> Path:
-    """Write DIR/report.md (and its plots) from the manifests and metrics.jsonl files. `blocked`:
-    the stages this run did not start because a need failed (they have no manifest to say so);
-    None: found from their needs' manifests (report_statuses)."""
-    statuses = report_statuses(pipeline, run_dir, blocked)
+def write_report(pipeline: Pipeline, run_dir: Path, statuses: dict[str, str] | None = None) -> Path:
+    """Write DIR/report.md (and its plots) from the manifests and metrics.jsonl files. `statuses`:
+    each stage's, as `report_statuses` gives them (None: read here, blocked stages found from their
+    needs' manifests)."""
+    statuses = statuses if statuses is not None else report_statuses(pipeline, run_dir)
     lines = [
         f"# Run report: {run_dir.name}",
         "",

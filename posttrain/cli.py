@@ -245,13 +245,14 @@ def cmd_report(args: argparse.Namespace, console: Console) -> int:
     pipeline = load_pipeline(_stage_file(args), args.overrides)
     run_dir = _run_dir(args)
     _check_run_of(run_dir, pipeline, args.file)
+    statuses = report_statuses(pipeline, run_dir)
     try:
-        report = write_report(pipeline, run_dir)
+        report = write_report(pipeline, run_dir, statuses)
     except PermissionError as error:  # another user's run dir: readable, not writable
         hint = "report on a copy you may write to: cp -r the run dir and pass the copy as --run-dir"
         raise ConfigError([Issue(error.filename or str(run_dir), "permission denied", hint=hint)]) from None
     console.print(f"report: {report}", markup=False, highlight=False, soft_wrap=True)
-    console.print(_counts(run_dir, list(report_statuses(pipeline, run_dir).values())), highlight=False)
+    console.print(_counts(run_dir, list(statuses.values())), highlight=False)
     return 0
 
 
@@ -348,7 +349,8 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
                 console.print(line, markup=False, highlight=False, soft_wrap=True)
         report = run_dir / REPORT
         if to_run or not report.exists():  # matplotlib costs seconds; a no-op rerun skips it
-            write_report(pipeline, run_dir, [sid for sid, st in outcome.status.items() if st == "blocked"])
+            blocked = [sid for sid, st in outcome.status.items() if st == "blocked"]
+            write_report(pipeline, run_dir, report_statuses(pipeline, run_dir, blocked))
         console.print(
             f"report: {report}   log: {run_dir / RUN_LOG}", markup=False, highlight=False, soft_wrap=True
         )
