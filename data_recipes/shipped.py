@@ -14,6 +14,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from posttrain.files import new_dir
+
 
 def check_shipped_out(
     parser: argparse.ArgumentParser, out: Path, shipped: Path, asked: dict[str, Any], made_by: dict[str, Any]
@@ -38,19 +40,11 @@ def logged_arguments(log: Path) -> dict[str, Any]:
 
 @contextmanager
 def replaced_dir(out: Path) -> Iterator[Path]:
-    """A sibling directory to write `out` anew into, put in its place when the block ends and
-    removed if it raises: a run killed while saving leaves the old `out` whole. The old README.md
-    (a shipped base's description, written by hand, not by the script) is carried over."""
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    """A directory to write `out` anew into (posttrain.files.new_dir, replacing): a run killed while
+    saving leaves the old `out` whole. The old README.md (a shipped base's description, written by
+    hand, not by the script) is carried over."""
+    with new_dir(out, replace=True) as tmp:
         yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    readme = out / "README.md"
-    if readme.is_file() and not (tmp / readme.name).exists():
-        shutil.copy(readme, tmp / readme.name)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.replace(out)
+        readme = out / "README.md"
+        if readme.is_file() and not (tmp / readme.name).exists():
+            shutil.copy(readme, tmp / readme.name)

@@ -128,10 +128,11 @@ def remove_trash(directory: Path) -> None:
 
 
 @contextmanager
-def new_dir(out_dir: Path) -> Iterator[Path]:
+def new_dir(out_dir: Path, replace: bool = False) -> Iterator[Path]:
     """A directory written whole or not at all: yields a temporary sibling to fill, renamed to
-    `out_dir` when the block ends, removed if it raises. `out_dir` must be new or empty."""
-    if out_dir.exists() and any(out_dir.iterdir()):
+    `out_dir` when the block ends, removed if it raises. `out_dir` must be new or empty, unless
+    `replace`: then what it holds is removed only once the new contents are complete."""
+    if not replace and out_dir.exists() and any(out_dir.iterdir()):
         raise FileExistsError(f"{out_dir} exists and is not empty: choose a new directory or remove it")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
@@ -139,8 +140,10 @@ def new_dir(out_dir: Path) -> Iterator[Path]:
     tmp.mkdir()
     try:
         yield tmp
-        if out_dir.exists():
-            out_dir.rmdir()
+        if replace:
+            shutil.rmtree(out_dir, ignore_errors=True)
+        elif out_dir.exists():
+            out_dir.rmdir()  # still empty, or this fails rather than lose what appeared in it
         tmp.rename(out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
