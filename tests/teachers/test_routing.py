@@ -294,25 +294,6 @@ def test_a_teacher_whose_tokenizer_file_differs_only_in_formatting_passes_plan(
     assert code == 0, out + err
 
 
-def test_a_teacher_dir_with_a_damaged_tokenizer_fails_plan_naming_it(tiny_dirs, tmp_path, posttrain):
-    teacher = Path(shutil.copytree(tiny_dirs["low"], tmp_path / "teacher"))
-    (teacher / "tokenizer.json").write_text((teacher / "tokenizer.json").read_text()[:500])  # cut short
-    code, out, err = posttrain("plan", mopd_file(tmp_path, tiny_dirs["student"], teacher))
-    assert code == 2
-    assert f"general-low: the tokenizer of the teacher {teacher} cannot be loaded" in out + err
-
-
-def test_a_need_teacher_with_another_tokenizer_stops_the_stage_before_it_trains(tiny_dirs, tmp_path: Path):
-    # A need's model exists only when the stage starts: the same check runs there.
-    teacher = retokenized(tiny_dirs["low"], tmp_path / "teacher", swap_two_ids)
-    body_keys = body(domains=["general"], efforts=["low"], student="sft")
-    inputs = {"sft": tiny_dirs["student"], "rl-general-low": teacher}
-    ctx = mopd_context(tmp_path / "run" / "mopd", body_keys, inputs)
-    with pytest.raises(TeacherRoutingError, match=r"general-low: .*teacher \(tokenizer .*id 300 is 'me'"):
-        run_mopd_stage(ctx)
-    assert ctx.checkpoints.steps() == [] and not (ctx.output_dir / "model.safetensors").exists()
-
-
 def test_the_tokenizer_check_reads_the_student_and_each_teacher_tokenizer_once(
     tiny_dirs, renderer, monkeypatch
 ):
@@ -384,19 +365,45 @@ def test_a_teacher_dir_without_tokenizer_files_and_a_smaller_vocab_fails_plan_na
     assert "give each such pair a teacher trained with the student's tokenizer" in message
 
 
-def test_a_teacher_dir_whose_config_is_not_json_fails_plan_naming_it(tiny_dirs, tmp_path, posttrain):
+@pytest.mark.parametrize(
+    ("damaged", "kept", "message"),
+    [
+        ("tokenizer.json", 500, "general-low: the tokenizer of the teacher {teacher} cannot be loaded"),
+        ("config.json", 100, "general-low: {teacher}/config.json cannot be read"),
+    ],
+)
+def test_a_teacher_dir_with_a_damaged_file_fails_plan_naming_it(
+    tiny_dirs, tmp_path, posttrain, damaged: str, kept: int, message: str
+):
     teacher = Path(shutil.copytree(tiny_dirs["low"], tmp_path / "teacher"))
-    (teacher / "config.json").write_text((teacher / "config.json").read_text()[:100])  # cut short
+    (teacher / damaged).write_text((teacher / damaged).read_text()[:kept])  # cut short
     code, out, err = posttrain("plan", mopd_file(tmp_path, tiny_dirs["student"], teacher))
     assert code == 2
-    assert f"general-low: {teacher / 'config.json'} cannot be read" in out + err
+    assert message.format(teacher=teacher) in out + err
 
 
-def test_a_need_teacher_with_a_smaller_vocab_stops_the_stage_before_it_trains(tiny_dirs, tmp_path: Path):
-    teacher = without_tokenizer(tiny_dirs["low"], tmp_path / "teacher", smaller_vocab_released)
+@pytest.mark.parametrize(
+    ("teacher_of", "message"),
+    [
+        (
+            lambda low, into: retokenized(low, into, swap_two_ids),
+            r"general-low: .*teacher \(tokenizer .*id 300 is 'me'",
+        ),
+        (
+            lambda low, into: without_tokenizer(low, into, smaller_vocab_released),
+            r"general-low: .*teacher \(vocab_size 1024\)",
+        ),
+    ],
+    ids=["another_tokenizer", "a_smaller_vocab"],
+)
+def test_a_need_teacher_that_cannot_score_the_students_ids_stops_the_stage_before_it_trains(
+    tiny_dirs, tmp_path: Path, teacher_of, message: str
+):
+    # A need's model exists only when the stage starts: the same checks run there.
+    teacher = teacher_of(tiny_dirs["low"], tmp_path / "teacher")
     body_keys = body(domains=["general"], efforts=["low"], student="sft")
     inputs = {"sft": tiny_dirs["student"], "rl-general-low": teacher}
     ctx = mopd_context(tmp_path / "run" / "mopd", body_keys, inputs)
-    with pytest.raises(TeacherRoutingError, match=r"general-low: .*teacher \(vocab_size 1024\)"):
+    with pytest.raises(TeacherRoutingError, match=message):
         run_mopd_stage(ctx)
     assert ctx.checkpoints.steps() == [] and not (ctx.output_dir / "model.safetensors").exists()
