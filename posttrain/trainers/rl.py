@@ -599,14 +599,19 @@ def _train_step(
 def weights_snapshot(params: list[torch.Tensor]) -> list[torch.Tensor]:
     """The trained weights before an iteration's updates, kept for `update_norm` only: in host
     memory, so that on a GPU the metric does not hold a second copy of every trained weight in
-    device memory (14 GB at 3.5B parameters in float32)."""
-    return [p.detach().to("cpu", copy=True) for p in params]
+    device memory (14 GB at 3.5B parameters in float32). The copies are non-blocking into pinned
+    memory (torch's caching host allocator reuses it every iteration): pageable copies took 3.0 s an
+    iteration at 1B parameters on an H100, these 0.15 s (bench/update_norm_gpu.py). Reading the
+    snapshot back is ordered after them on the same stream, so nothing waits for them here."""
+    return [p.detach().to("cpu", non_blocking=True, copy=True) for p in params]
 
 
 def update_norm(params: list[torch.Tensor], start: list[torch.Tensor]) -> float:
     """The L2 norm of the iteration's whole update, every trained weight together; the snapshot
     goes back to the device one parameter at a time."""
-    norms = [(p.detach() - p0.to(p.device)).norm() for p, p0 in zip(params, start, strict=True)]
+    norms = [
+        (p.detach() - p0.to(p.device, non_blocking=True)).norm() for p, p0 in zip(params, start, strict=True)
+    ]
     return float(torch.stack(norms).norm())
 
 
