@@ -38,9 +38,26 @@ class ConfigError(Exception):
 
 
 def did_you_mean(word: str, candidates: Iterable[str]) -> str:
-    """The hint naming the nearest valid spelling, or "" when nothing is close."""
-    close = difflib.get_close_matches(word, sorted(set(candidates)), n=1, cutoff=0.6)
-    return f"did you mean {close[0]!r}?" if close else ""
+    """The hint naming the nearest valid spelling, or "" when nothing is close. A candidate that
+    shares a prefix with `word` up to a '/' or '.' must also be close after it: the shared
+    'general/' alone made 'general/zzz' look like 'general/visual'."""
+    names = sorted(set(candidates))
+    for close in difflib.get_close_matches(word, names, n=len(names), cutoff=0.6):
+        if _close_after_shared_prefix(word, close):
+            return f"did you mean {close!r}?"
+    return ""
+
+
+def _close_after_shared_prefix(word: str, candidate: str) -> bool:
+    cut = 0
+    for i, (a, b) in enumerate(zip(word, candidate, strict=False)):
+        if a != b:
+            break
+        if a in "/.":
+            cut = i + 1
+    if not cut:
+        return True
+    return difflib.SequenceMatcher(None, word[cut:], candidate[cut:]).ratio() >= 0.5
 
 
 def key_path(parts: Iterable[object]) -> str:

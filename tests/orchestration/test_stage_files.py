@@ -12,7 +12,7 @@ from orchestration_support import REPO
 from safetensors.numpy import save_file
 
 from orchestration.pipeline import load_pipeline
-from posttrain.config.errors import ConfigError
+from posttrain.config.errors import ConfigError, did_you_mean
 
 HEADER = """
     kind: toy-sum
@@ -28,6 +28,21 @@ def assert_user_error(result: tuple[int, str, str], *fragments: str) -> str:
     for fragment in fragments:
         assert fragment in err, f"{fragment!r} not in:\n{err}"
     return err
+
+
+@pytest.mark.parametrize(
+    ("word", "hint"),
+    [
+        ("general/zzz", ""),  # only 'general/' in common: no suggestion
+        ("general/lookpu", "did you mean 'general/lookup'?"),
+        ("train.lx", "did you mean 'train.lr'?"),
+        ("train.stpes", "did you mean 'train.steps'?"),
+        ("stf", "did you mean 'sft'?"),
+    ],
+)
+def test_did_you_mean_needs_the_part_after_a_shared_prefix_to_be_close(word: str, hint: str) -> None:
+    names = ["general/visual", "general/lookup", "train.lr", "train.steps", "rollout.steps", "sft"]
+    assert did_you_mean(word, names) == hint
 
 
 @pytest.mark.parametrize("command", ["run", "plan"])
