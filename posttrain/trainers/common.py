@@ -48,7 +48,11 @@ class OptimConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     lr: float = Field(1e-3, gt=0, description="peak learning rate")
-    warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warm-up from 0 to lr")
+    warmup_steps: int = Field(
+        0,
+        ge=0,
+        description="optimizer steps of linear warm-up to lr: step s (from 0) uses lr*(s+1)/(warmup_steps+1)",
+    )
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a fraction of lr")
     weight_decay: float = Field(0.0, ge=0, description="decoupled decay on matrices (not norms, biases)")
     # in [0, 1) as torch's AdamW requires: checked here, a bad one fails `plan`, not the stage start
