@@ -122,7 +122,8 @@ def summary_lines(run_dir: Path, outcome: Outcome) -> list[str]:
 def status_table(run_dir: Path) -> tuple[Table, str | None]:
     """The run dir as its manifests describe it (no stage files needed), and a note naming the
     stages it holds from another stage file (None when there are none)."""
-    plan = read_json(run_dir / PIPELINE) or {}
+    recorded = read_json(run_dir / PIPELINE)
+    plan = recorded or {}
     listed = list(plan.get("stages", {}))
     # Stages of another stage file run in this dir earlier keep their results here: shown after
     # the last run's own (pipeline.json lists only those), not hidden.
@@ -133,6 +134,14 @@ def status_table(run_dir: Path) -> tuple[Table, str | None]:
         if listed and others
         else None
     )
+    if recorded is None and (run_dir / PIPELINE).exists():
+        # Without it the stage order and the run's stage file are unknown: say why the table is
+        # in name order and holds only the stages that have started.
+        note = (
+            f"{run_dir / PIPELINE} is damaged (not a JSON mapping): the stages are listed from their "
+            "manifests, in name order; `posttrain run FILE --run-dir DIR` writes it again "
+            "(finished stages are not run again)"
+        )
     table = Table(title=f"status: {run_dir}", title_justify="left")
     for column in ("stage", "status", "progress", "attempts", "time (s)", "final metrics / error"):
         table.add_column(column)

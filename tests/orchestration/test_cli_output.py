@@ -172,6 +172,17 @@ def test_status_shows_the_stages_of_an_earlier_stage_file_run_in_the_same_dir(
     assert f"a: not stages of the last run's file ({second})" in out
 
 
+def test_status_names_a_damaged_pipeline_json(write, posttrain, tmp_path: Path) -> None:
+    """A damaged pipeline.json made `status` list the manifests' stages in name order without a word."""
+    run = tmp_path / "run"
+    assert posttrain("run", write("a.yaml", TOY, "value: 2\n"), "--run-dir", run)[0] == 0
+    (run / "pipeline.json").write_text('{"stages": {"a"')
+    code, out, err = posttrain("status", run)
+    assert code == 0, err
+    assert "done" in next(line for line in out.splitlines() if line.startswith("│ a ")), out
+    assert f"{run / 'pipeline.json'} is damaged (not a JSON mapping)" in " ".join(out.split()), out
+
+
 def test_a_stage_another_file_finished_with_another_config_is_replaced_with_a_warning(
     write, posttrain, tmp_path: Path
 ) -> None:
