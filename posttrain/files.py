@@ -9,10 +9,12 @@ renaming it away first. Content is identified by sha256.
 from __future__ import annotations
 
 import fcntl
+import glob
 import hashlib
 import json
 import os
 import shutil
+import socket
 import time
 import uuid
 from collections.abc import Iterator
@@ -127,15 +129,38 @@ def remove_trash(directory: Path) -> None:
         shutil.rmtree(trash, ignore_errors=True)
 
 
+def remove_dead_writers(directory: Path, prefix: str) -> None:
+    """Remove the temporary dirs `prefix`PID in `directory` whose writer is no longer running: what
+    a SIGKILLed `new_dir` left (an exported 3.5B model is 7-14 GB). The prefix names this host, so
+    a writer on another host sharing the filesystem is never taken for a dead one here."""
+    for path in directory.glob(f"{glob.escape(prefix)}*"):
+        pid = path.name[len(prefix) :]
+        if pid.isdigit() and int(pid) != os.getpid() and not _running(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 @contextmanager
 def new_dir(out_dir: Path, replace: bool = False) -> Iterator[Path]:
     """A directory written whole or not at all: yields a temporary sibling to fill, renamed to
     `out_dir` when the block ends, removed if it raises. `out_dir` must be new or empty, unless
-    `replace`: then what it holds is removed only once the new contents are complete."""
+    `replace`: then what it holds is removed only once the new contents are complete. The siblings
+    earlier writers of `out_dir` on this host left when they were killed are removed first."""
     if not replace and out_dir.exists() and any(out_dir.iterdir()):
         raise FileExistsError(f"{out_dir} exists and is not empty: choose a new directory or remove it")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    prefix = f".{out_dir.name}.tmp-{socket.gethostname()}-"
+    remove_dead_writers(out_dir.parent, prefix)
+    tmp = out_dir.with_name(f"{prefix}{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:

@@ -8,6 +8,9 @@ import json
 import logging
 import os
 import random
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +19,7 @@ import torch
 
 from posttrain.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
 from posttrain.data.sample import Sample
-from posttrain.files import atomic_write_text
+from posttrain.files import atomic_write_text, new_dir
 from posttrain.metrics import MetricsLogger, read_metrics
 
 
@@ -250,3 +253,34 @@ def test_a_write_that_fills_the_disk_keeps_the_old_file_and_leaves_no_temporary(
         atomic_write_text(path, "new")
     assert error.value.errno == errno.ENOSPC and error.value.filename == str(path)
     assert path.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["manifest.json"]
+
+
+def test_new_dir_removes_what_a_killed_writer_left_and_keeps_a_running_writers(tmp_path: Path) -> None:
+    """A SIGKILLed export left its `.NAME.tmp-HOST-PID` dir (7-14 GB for a 3.5B model) forever;
+    the next writer of NAME now removes it, and leaves a writer that is still running alone."""
+    out = tmp_path / "model"
+    writer = (
+        "import sys, time\nfrom pathlib import Path\nfrom posttrain.files import new_dir\n"
+        "with new_dir(Path(sys.argv[1])) as tmp:\n"
+        "    (tmp / 'half.safetensors').write_bytes(b'x' * 1000)\n"
+        "    print('writing', flush=True)\n"
+        "    time.sleep(600)\n"
+    )
+    killed, running = (
+        subprocess.Popen([sys.executable, "-c", writer, str(out)], stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    )
+    try:
+        for process in (killed, running):
+            assert process.stdout.readline() == "writing\n"
+        killed.kill()
+        killed.wait()
+        prefix = f".model.tmp-{socket.gethostname()}-"
+        assert {p.name for p in tmp_path.iterdir()} == {f"{prefix}{killed.pid}", f"{prefix}{running.pid}"}
+        with new_dir(out) as tmp:
+            (tmp / "model.safetensors").write_bytes(b"y")
+        assert {p.name for p in tmp_path.iterdir()} == {"model", f"{prefix}{running.pid}"}
+        assert [p.name for p in out.iterdir()] == ["model.safetensors"]
+    finally:
+        running.kill()
+        running.wait()
