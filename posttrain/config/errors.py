@@ -42,7 +42,7 @@ def did_you_mean(word: str, candidates: Iterable[str]) -> str:
     shares a prefix with `word` up to a '/' or '.' must also be close after it: the shared
     'general/' alone made 'general/zzz' look like 'general/visual'."""
     names = sorted(set(candidates))
-    for close in difflib.get_close_matches(word, names, n=len(names), cutoff=0.6):
+    for close in difflib.get_close_matches(word, names, n=max(len(names), 1), cutoff=0.6):
         if _close_after_shared_prefix(word, close):
             return f"did you mean {close!r}?"
     return ""

@@ -43,6 +43,7 @@ def assert_user_error(result: tuple[int, str, str], *fragments: str) -> str:
 def test_did_you_mean_needs_the_part_after_a_shared_prefix_to_be_close(word: str, hint: str) -> None:
     names = ["general/visual", "general/lookup", "train.lr", "train.steps", "rollout.steps", "sft"]
     assert did_you_mean(word, names) == hint
+    assert did_you_mean(word, []) == ""  # a stage with no needs has nothing to suggest
 
 
 @pytest.mark.parametrize("command", ["run", "plan"])
