@@ -139,6 +139,10 @@ def test_ctrl_c_at_a_terminal_stops_the_stage_once_and_records_it(write, tmp_pat
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,  # its own group, standing for the terminal's foreground group
+        # A foreground process has SIGINT's default action. pytest run from a background job (a
+        # CI script's `&`) passes SIGINT on ignored, and Python then keeps ignoring it: the test
+        # failed after the stage's 120 s gate whenever the pytest process had it ignored.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     wait_for_line(process, "a started")
     while not (tmp_path / "gate" / "a").exists():  # the stage itself is running, at its rendezvous
