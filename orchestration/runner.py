@@ -43,7 +43,15 @@ from orchestration.rundir import (
     write_manifest,
 )
 from posttrain.checkpoint import CHECKPOINTS_DIR
-from posttrain.files import atomic_write_text, fsync_dir, fsync_file, hash_tree, remove_trash, remove_tree
+from posttrain.files import (
+    atomic_write_text,
+    fsync_dir,
+    fsync_file,
+    hash_tree,
+    process_running,
+    remove_trash,
+    remove_tree,
+)
 from posttrain.metrics import MetricsLogger
 from posttrain.registry import import_plugin, load_plugins
 from posttrain.stages import STAGE_KINDS, StageContext, build_context
@@ -367,19 +375,11 @@ def exit_with_driver(driver_pid: int) -> None:
         if pidfd is not None:
             select.select([pidfd], [], [])
         else:
-            while _alive(driver_pid):
+            while process_running(driver_pid):
                 time.sleep(0.2)
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="exit-with-driver", daemon=True).start()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def main(argv: list[str] | None = None) -> int:

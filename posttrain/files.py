@@ -135,11 +135,12 @@ def remove_dead_writers(directory: Path, prefix: str) -> None:
     a writer on another host sharing the filesystem is never taken for a dead one here."""
     for path in directory.glob(f"{glob.escape(prefix)}*"):
         pid = path.name[len(prefix) :]
-        if pid.isdigit() and int(pid) != os.getpid() and not _running(int(pid)):
+        if pid.isdigit() and int(pid) != os.getpid() and not process_running(int(pid)):
             shutil.rmtree(path, ignore_errors=True)
 
 
-def _running(pid: int) -> bool:
+def process_running(pid: int) -> bool:
+    """Whether process `pid` exists on this host (a zombie counts until it is reaped)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
