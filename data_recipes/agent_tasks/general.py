@@ -1,4 +1,5 @@
-"""General-domain task families: word arithmetic with a calculator, element facts, order puzzles.
+"""General-domain task families: word arithmetic and unit conversions with a calculator, order
+puzzles, reading; element facts (opt-in).
 
 Every answer is exact (a number or a name) and checked by normalised string match.
 """
@@ -10,7 +11,7 @@ import random
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from data_recipes.agent_tasks.common import (
     ToolFamily,
@@ -134,10 +135,15 @@ def elements() -> tuple[dict[str, Any], ...]:
 
 @TASK_FAMILIES.register("general/elements")
 class Elements(ExactAnswerFamily):
-    """Facts about the first 30 chemical elements, recalled or combined with the calculator."""
+    """Facts about the first 30 chemical elements, recalled or combined with the calculator.
+
+    Opt-in: the vision option's stages list it; the default run has general/unit_convert in its
+    place. The tiny model recalls these facts almost never (0-2 of 19 held-out prompts at max
+    effort over 24 SFT seeds) and RL never moved them (bench/RESULTS.md, issue #21)."""
 
     name = "general/elements"
     domain = "general"
+    opt_in = True
     tool_names = ("calculator",)
     kinds = ("symbol", "number", "name", "sum")
 
@@ -324,25 +330,95 @@ class UnitCost(ExactAnswerFamily):
         q, p, item = values["q"], values["p"], values["item"]
         expression = f"{q}*{p}"
         plan = f"{values['n']} buys {q} {item} at {p} dollars. I compute {expression}"
-        yield from priced_routes(sample, episode, plan, [f"{q} {item} at {p} dollars each."], expression)
+        yield from product_routes(sample, episode, plan, [f"{q} {item} at {p} dollars each."], expression)
 
 
-def priced_routes(
-    sample: Sample, episode: Episode, plan: str, working: list[str], expression: str
+# (the unit asked for, the unit given, how many of the first make one of the second)
+CONVERSIONS = (("minutes", "hours", 60), ("hours", "days", 24), ("days", "weeks", 7), ("inches", "feet", 12))
+
+
+@TASK_FAMILIES.register("general/unit_convert")
+class UnitConvert(ExactAnswerFamily):
+    """A count in one unit converted to a smaller one (17 hours in minutes), answered by one of
+    unit_cost's two routes: the calculator, or the product stated in the thinking, which the tiny
+    model cannot compute. The factor is the one fact to recall, from four the data repeat ~50
+    times each.
+
+    In the default run it replaced general/elements (kept for the vision option), whose answers
+    are recalled facts the tiny model almost never gets right and RL never moved, neither recalled
+    nor looked up with a periodic-table tool (the model miscopied the rare name tokens): general's
+    max gain then rested on two route families, and a seed whose SFT model already took both
+    routes had nothing left to gain (bench/RESULTS.md, issue #21)."""
+
+    name = "general/unit_convert"
+    domain = "general"
+    tool_names = ("calculator",)
+
+    def make_prompt(self, rng: random.Random, effort: str) -> Sample:
+        small, big, factor = rng.choice(CONVERSIONS)
+        q = rng.randint(12, 39)
+        question = f"How many {small} are there in {q} {big}?"
+        messages = [system_message(self.domain, rng), {"role": "user", "content": question}]
+        task = {
+            "answer": str(q * factor),
+            "values": {"q": str(q), "small": small, "big": big, "factor": str(factor)},
+        }
+        return self.sample(f"{self.name}-{rng.getrandbits(40):010x}", effort, messages, task)
+
+    def demonstration(self, sample: Sample, episode: Episode) -> Iterator[dict[str, Any]]:
+        values = sample.task["values"]
+        q, small, big, factor = values["q"], values["small"], values["big"], values["factor"]
+        expression = f"{q}*{factor}"
+        plan = f"One of the {big} is {factor} {small}. I compute {expression}"
+        checks = RouteChecks(
+            f"The count is in {small}.",
+            f"Check: {{expression}} multiplies the {big} by {factor}.",
+            f"That is the number of {small}.",
+        )
+        yield from product_routes(
+            sample, episode, plan, [f"{q} {big} of {factor} {small} each."], expression, checks
+        )
+
+
+class RouteChecks(NamedTuple):
+    """What a product family's two routes check at max effort: the mental route's fact, the
+    calculator call's check (`{expression}` filled in), and the check after the result."""
+
+    mental: str
+    tool: str
+    reading: str
+
+
+PRICE_CHECKS = RouteChecks(
+    "The price is per item.",
+    "Check: {expression} multiplies the count by the price.",
+    "That is the total price.",
+)
+
+
+def product_routes(
+    sample: Sample,
+    episode: Episode,
+    plan: str,
+    working: list[str],
+    expression: str,
+    checks: RouteChecks = PRICE_CHECKS,
 ) -> Iterator[dict[str, Any]]:
-    """unit_cost's two routes after a plan ending at the product's expression (general/visual_cost
-    shares them): the product stated in the thinking and answered at once, or the calculator called
-    on `expression` and its result answered (`takes_tool_route` picks by uid)."""
+    """unit_cost's two routes after a plan ending at the product's expression (general/unit_convert
+    and general/visual_cost share them): the product stated in the thinking and answered at once,
+    or the calculator called on `expression` and its result answered (`takes_tool_route` picks by
+    uid)."""
     effort = sample.effort
     if not takes_tool_route(sample.uid):
         answer = sample.task["answer"]
         yield episode.assistant(
-            thinking(effort, f"{plan} = {answer}.", working, ["The price is per item."]), content=answer
+            thinking(effort, f"{plan} = {answer}.", working, [checks.mental]), content=answer
         )
         return
-    check = f"Check: {expression} multiplies the count by the price."
     yield episode.assistant(
-        thinking(effort, f"{plan} with the calculator.", working, [check]),
+        thinking(
+            effort, f"{plan} with the calculator.", working, [checks.tool.format(expression=expression)]
+        ),
         calls=[("calculator", {"expression": expression})],
     )
     result = episode.results()[0]
@@ -351,8 +427,6 @@ def priced_routes(
     # low budget no longer scores the working route's successes below the failing route's
     # failures (bench/RESULTS.md, "Why seed 2's general-low specialist kept the failing route").
     reading = (
-        ""
-        if effort == "low"
-        else thinking(effort, f"The calculator gives {result}.", [], ["That is the total price."])
+        "" if effort == "low" else thinking(effort, f"The calculator gives {result}.", [], [checks.reading])
     )
     yield episode.assistant(reading, content=result)

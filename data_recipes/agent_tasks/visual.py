@@ -23,7 +23,7 @@ from typing import Any
 from PIL import Image, ImageDraw
 
 from data_recipes.agent_tasks.common import system_message, thinking
-from data_recipes.agent_tasks.general import ITEMS, NAMES, ExactAnswerFamily, priced_routes
+from data_recipes.agent_tasks.general import ITEMS, NAMES, ExactAnswerFamily, product_routes
 from posttrain.data.images import image_to_data_uri
 from posttrain.data.sample import Sample
 from posttrain.envs.tasks import TASK_FAMILIES, Episode
@@ -218,4 +218,4 @@ class VisualCost(ExactAnswerFamily):
             f"{values['item']}. I compute {expression}"
         )
         working = [f"{digit} {values['item']} at {values['price']} dollars each."]
-        yield from priced_routes(sample, episode, plan, working, expression)
+        yield from product_routes(sample, episode, plan, working, expression)

@@ -155,7 +155,7 @@ def test_lookup_answer_is_the_asked_persons_fact_and_max_thinking_restates_it():
     assert low.startswith("The question asks for") and len(low) < len(thinking)
 
 
-@pytest.mark.parametrize("name", ["agent/order_cost", "general/unit_cost"])
+@pytest.mark.parametrize("name", ["agent/order_cost", "general/unit_cost", "general/unit_convert"])
 def test_route_choice_families_demonstrate_two_routes_that_part_at_one_token(name):
     # The choice RL can select (issue #21): the calculator, or the product stated in the thinking,
     # drawn from the uid at every effort; both demonstrations verify (generate_trajectory raises on
