@@ -1,8 +1,8 @@
 """How often does a model take the calculator route of the route-choice families, sampled?
 
-The general max specialist's gain is mostly the calculator route of general/unit_cost and
-general/arithmetic that RL selects (bench/RESULTS.md), so it depends on how often the SFT model
-already takes that route. The shipped data demonstrate it on half the rows (`takes_tool_route`);
+The general max specialist's gain is mostly the calculator route of general/unit_cost,
+general/unit_convert and general/arithmetic that RL selects (bench/RESULTS.md), so it depends on
+how often the SFT model already takes that route. The shipped data demonstrate it on half the rows (`takes_tool_route`);
 this measures what a trained model does with that half: for each MODEL, the RL stages' held-out
 prompts of each `--family` (the eval draw, `eval.seed` 0, the harness of `stages/rl.yaml`) are played
 `--samples` times at `--temperature` (0.6: the RL evaluation's) and it prints, per family, the share
@@ -86,7 +86,10 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="write the tables here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    defaults = {"general": ["general/arithmetic", "general/unit_cost"], "agent": ["agent/order_cost"]}
+    defaults = {
+        "general": ["general/arithmetic", "general/unit_convert", "general/unit_cost"],
+        "agent": ["agent/order_cost"],
+    }
     families = args.family or defaults[args.domain]
     results = {}
     print("| model | family | prompts | calculator route | solved |\n| --- | --- | ---: | ---: | ---: |")
