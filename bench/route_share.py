@@ -2,12 +2,12 @@
 
 The general max specialist's gain is mostly the calculator route of general/unit_cost,
 general/unit_convert and general/arithmetic that RL selects (bench/RESULTS.md), so it depends on
-how often the SFT model already takes that route. The shipped data demonstrate it on half the rows (`takes_tool_route`);
-this measures what a trained model does with that half: for each MODEL, the RL stages' held-out
-prompts of each `--family` (the eval draw, `eval.seed` 0, the harness of `stages/rl.yaml`) are played
-`--samples` times at `--temperature` (0.6: the RL evaluation's) and it prints, per family, the share
-of episodes that call the calculator and the share solved, each with its standard error over
-prompts (the episodes of one prompt are not independent).
+how often the SFT model already takes that route. The shipped data demonstrate it on half the
+rows (`takes_tool_route`); this measures what a trained model does with that half: for each MODEL,
+the RL stages' held-out prompts of each `--family` (the eval draw, `eval.seed` 0, the harness of
+`stages/rl.yaml`) are played `--samples` times at `--temperature` (0.6: the RL evaluation's) and it
+prints, per family, the share of episodes that call the calculator and the share solved, each with
+its standard error over prompts (the episodes of one prompt are not independent).
 
 A MODEL may be `MODEL_DIR:WEIGHTS` where WEIGHTS is a training checkpoint's model.safetensors
 (`<stage>/checkpoints/step-N/`): the checkpoint's weights in MODEL_DIR's model, to follow the route
