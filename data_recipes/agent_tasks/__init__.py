@@ -1,8 +1,8 @@
 """Shipped task families for the default run (general, agent, coding) and their real tools.
 
 Importing this package registers the families in posttrain.envs.tasks.TASK_FAMILIES. FAMILIES are
-the default run's; the visual families (general/visual, general/visual_cost: images) and
-general/elements (the vision option's) are registered too but opt-in.
+the default run's; the visual families (general/visual, general/visual_cost: images) are
+registered too but opt-in.
 """
 
 from data_recipes.agent_tasks import (
@@ -14,7 +14,7 @@ from data_recipes.agent_tasks import (
 
 FAMILIES: tuple[str, ...] = (
     general.Arithmetic.name,
-    general.UnitConvert.name,  # in general/elements' place (opt-in since: the vision option's)
+    general.UnitConvert.name,  # in general/elements' place (issue #21)
     general.Ordering.name,
     general.Lookup.name,
     agent.OrderTotal.name,

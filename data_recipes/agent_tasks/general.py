@@ -1,16 +1,13 @@
 """General-domain task families: word arithmetic and unit conversions with a calculator, order
-puzzles, reading; element facts (opt-in).
+puzzles, reading.
 
 Every answer is exact (a number or a name) and checked by normalised string match.
 """
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Iterator
-from functools import cache
-from pathlib import Path
 from typing import Any, NamedTuple
 
 from data_recipes.agent_tasks.common import (
@@ -24,7 +21,6 @@ from data_recipes.agent_tasks.tools import calculate
 from posttrain.data.sample import Sample
 from posttrain.envs.tasks import TASK_FAMILIES, Episode, FinalState
 
-FACTS_PATH = Path(__file__).resolve().parents[1] / "facts" / "elements.json"
 NAMES = ("Ana", "Ben", "Cleo", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun", "Kai", "Lea")
 
 
@@ -126,75 +122,6 @@ class Arithmetic(ExactAnswerFamily):
         # As unit_cost's: at low effort the answer follows the result unrestated (the low budget).
         reading = thinking(effort, f"The calculator gives {result}.", ["That is the final count."], checks)
         yield episode.assistant("" if effort == "low" else reading, content=result)
-
-
-@cache
-def elements() -> tuple[dict[str, Any], ...]:
-    return tuple(json.loads(FACTS_PATH.read_text()))
-
-
-@TASK_FAMILIES.register("general/elements")
-class Elements(ExactAnswerFamily):
-    """Facts about the first 30 chemical elements, recalled or combined with the calculator.
-
-    Opt-in: the vision option's stages list it; the default run has general/unit_convert in its
-    place. The tiny model recalls these facts almost never (0-2 of 19 held-out prompts at max
-    effort over 24 SFT seeds) and RL never moved them (bench/RESULTS.md, issue #21)."""
-
-    name = "general/elements"
-    domain = "general"
-    opt_in = True
-    tool_names = ("calculator",)
-    kinds = ("symbol", "number", "name", "sum")
-
-    def make_prompt(self, rng: random.Random, effort: str) -> Sample:
-        kind = rng.choice(self.kinds)
-        first, second = rng.sample(elements(), 2)
-        if kind == "symbol":
-            question, answer = f"What is the chemical symbol of {first['name'].lower()}?", first["symbol"]
-        elif kind == "number":
-            question, answer = f"What is the atomic number of {first['name'].lower()}?", str(first["number"])
-        elif kind == "name":
-            question, answer = f"Which element has the symbol {first['symbol']}?", first["name"]
-        else:
-            names = f"{first['name'].lower()} and {second['name'].lower()}"
-            question = f"What is the sum of the atomic numbers of {names}?"
-            answer = str(first["number"] + second["number"])
-        messages = [system_message(self.domain, rng), {"role": "user", "content": question}]
-        task = {"answer": answer, "kind": kind, "elements": [first["name"], second["name"]]}
-        return self.sample(f"{self.name}-{rng.getrandbits(40):010x}", effort, messages, task)
-
-    def demonstration(self, sample: Sample, episode: Episode) -> Iterator[dict[str, Any]]:
-        by_name = {element["name"]: element for element in elements()}
-        first, second = (by_name[name] for name in sample.task["elements"])
-        fact = f"{first['name']} is element {first['number']} with symbol {first['symbol']}."
-        if sample.task["kind"] != "sum":
-            answer = sample.task["answer"]
-            neighbours = [e for e in elements() if abs(e["number"] - first["number"]) == 1]
-            checks = [
-                f"Check against its neighbour: {e['name']} is {e['number']} ({e['symbol']}), "
-                "a different element."
-                for e in neighbours[:1]
-            ]
-            plan = f"{fact} So the answer is {answer}."
-            working = ["The question asks for one fact from the periodic table."]
-            yield episode.assistant(
-                thinking(sample.effort, plan, working, checks), content=self.answer_content(answer)
-            )
-            return
-        other = f"{second['name']} is element {second['number']}."
-        expression = f"{first['number']}+{second['number']}"
-        plan = f"{fact} {other} I add {expression} with the calculator."
-        working = ["The atomic number counts the protons, so the sum is a whole number."]
-        checks = ["Both numbers are at most 30, so the sum is at most 60."]
-        yield episode.assistant(
-            thinking(sample.effort, plan, working, checks), calls=[("calculator", {"expression": expression})]
-        )
-        result = episode.results()[0]
-        yield episode.assistant(
-            thinking(sample.effort, f"The sum is {result}.", [], [f"{expression} = {result} is at most 60."]),
-            content=result,
-        )
 
 
 RELATIONS = (
@@ -344,11 +271,11 @@ class UnitConvert(ExactAnswerFamily):
     model cannot compute. The factor is the one fact to recall, from four the data repeat ~50
     times each.
 
-    In the default run it replaced general/elements (kept for the vision option), whose answers
-    are recalled facts the tiny model almost never gets right and RL never moved, neither recalled
-    nor looked up with a periodic-table tool (the model miscopied the rare name tokens): general's
-    max gain then rested on two route families, and a seed whose SFT model already took both
-    routes had nothing left to gain (bench/RESULTS.md, issue #21)."""
+    It replaced general/elements (deleted), element facts the tiny model almost never recalled
+    and RL never moved, neither recalled nor looked up with a periodic-table tool (the model
+    miscopied the rare name tokens): general's max gain then rested on two route families, and a
+    seed whose SFT model already took both routes had nothing left to gain (bench/RESULTS.md,
+    issue #21)."""
 
     name = "general/unit_convert"
     domain = "general"
