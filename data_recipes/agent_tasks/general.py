@@ -260,6 +260,58 @@ class UnitCost(ExactAnswerFamily):
         yield from product_routes(sample, episode, plan, [f"{q} {item} at {p} dollars each."], expression)
 
 
+class RouteChecks(NamedTuple):
+    """What a product family's two routes check at max effort: the mental route's fact, what the
+    calculator's expression multiplies ("Check: 12*34 multiplies the count by the price."), and
+    the check after the result."""
+
+    mental: str
+    multiplies: str
+    reading: str
+
+
+PRICE_CHECKS = RouteChecks("The price is per item.", "the count by the price", "That is the total price.")
+
+
+def product_routes(
+    sample: Sample,
+    episode: Episode,
+    plan: str,
+    working: list[str],
+    expression: str,
+    checks: RouteChecks = PRICE_CHECKS,
+) -> Iterator[dict[str, Any]]:
+    """unit_cost's two routes after a plan ending at the product's expression (general/unit_convert
+    and general/visual_cost share them): the product stated in the thinking and answered at once,
+    or the calculator called on `expression` and its result answered (`takes_tool_route` picks by
+    uid)."""
+    effort = sample.effort
+    if not takes_tool_route(sample.uid):
+        answer = sample.task["answer"]
+        yield episode.assistant(
+            thinking(effort, f"{plan} = {answer}.", working, [checks.mental]), content=answer
+        )
+        return
+    yield episode.assistant(
+        thinking(
+            effort,
+            f"{plan} with the calculator.",
+            working,
+            [f"Check: {expression} multiplies {checks.multiplies}."],
+        ),
+        calls=[("calculator", {"expression": expression})],
+    )
+    result = episode.results()[0]
+    # At low effort the answer follows the call without restating it: the calculator route then
+    # thinks no longer than the mental one, whose thinking is shorter by the call's turn, and the
+    # low budget no longer scores the working route's successes below the failing route's
+    # failures (bench/RESULTS.md, "Why seed 2's general-low specialist kept the failing route").
+    reading = (
+        "" if effort == "low" else thinking(effort, f"The calculator gives {result}.", [], [checks.reading])
+    )
+    yield episode.assistant(reading, content=result)
+
+
 # (the unit asked for, the unit given, how many of the first make one of the second)
 CONVERSIONS = (("minutes", "hours", 60), ("hours", "days", 24), ("days", "weeks", 7), ("inches", "feet", 12))
 
@@ -299,61 +351,9 @@ class UnitConvert(ExactAnswerFamily):
         plan = f"One of the {big} is {factor} {small}. I compute {expression}"
         checks = RouteChecks(
             f"The count is in {small}.",
-            f"Check: {{expression}} multiplies the {big} by {factor}.",
+            f"the {big} by {factor}",
             f"That is the number of {small}.",
         )
         yield from product_routes(
             sample, episode, plan, [f"{q} {big} of {factor} {small} each."], expression, checks
         )
-
-
-class RouteChecks(NamedTuple):
-    """What a product family's two routes check at max effort: the mental route's fact, the
-    calculator call's check (`{expression}` filled in), and the check after the result."""
-
-    mental: str
-    tool: str
-    reading: str
-
-
-PRICE_CHECKS = RouteChecks(
-    "The price is per item.",
-    "Check: {expression} multiplies the count by the price.",
-    "That is the total price.",
-)
-
-
-def product_routes(
-    sample: Sample,
-    episode: Episode,
-    plan: str,
-    working: list[str],
-    expression: str,
-    checks: RouteChecks = PRICE_CHECKS,
-) -> Iterator[dict[str, Any]]:
-    """unit_cost's two routes after a plan ending at the product's expression (general/unit_convert
-    and general/visual_cost share them): the product stated in the thinking and answered at once,
-    or the calculator called on `expression` and its result answered (`takes_tool_route` picks by
-    uid)."""
-    effort = sample.effort
-    if not takes_tool_route(sample.uid):
-        answer = sample.task["answer"]
-        yield episode.assistant(
-            thinking(effort, f"{plan} = {answer}.", working, [checks.mental]), content=answer
-        )
-        return
-    yield episode.assistant(
-        thinking(
-            effort, f"{plan} with the calculator.", working, [checks.tool.format(expression=expression)]
-        ),
-        calls=[("calculator", {"expression": expression})],
-    )
-    result = episode.results()[0]
-    # At low effort the answer follows the call without restating it: the calculator route then
-    # thinks no longer than the mental one, whose thinking is shorter by the call's turn, and the
-    # low budget no longer scores the working route's successes below the failing route's
-    # failures (bench/RESULTS.md, "Why seed 2's general-low specialist kept the failing route").
-    reading = (
-        "" if effort == "low" else thinking(effort, f"The calculator gives {result}.", [], [checks.reading])
-    )
-    yield episode.assistant(reading, content=result)
