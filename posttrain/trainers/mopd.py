@@ -123,8 +123,9 @@ class EvalConfig(BaseModel):
     samples_per_prompt: int = Field(
         4,
         gt=0,
-        description="sampled episodes per held-out prompt and effort for the KL: its estimate "
-        "averages the student's tokens, so its noise falls as 1/sqrt(samples)",
+        description="sampled episodes per held-out prompt and effort for the KL. Its error is over "
+        "prompts (one prompt's copies share its context), so copies shrink only the noise within a "
+        "prompt; more prompts at one copy each shrink the rest for the same episodes",
     )
     seed: int = Field(0, description="draws them; the RL stages' held-out prompts use the same default")
     reuse_before: bool = Field(

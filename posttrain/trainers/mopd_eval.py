@@ -44,7 +44,7 @@ def pair_results(samples: list[Sample], with_kl: bool = True) -> dict[str, dict[
     (accuracy_se, tokens_se) over episodes; with_kl (teacher-scored samples):
     kl, the reverse KL to its teacher (token mean over the student's tokens of
     log p_student - log p_teacher), kl_tokens, how many tokens that mean is over, and (from two
-    episodes a pair) kl_se, its standard error with the episodes as units."""
+    prompts a pair) kl_se, its standard error with the prompts (Sample.group) as units."""
     results = {}
     for name, group in by_pair(samples).items():
         results[name] = row_results(episode_rows(group))
@@ -55,9 +55,10 @@ def pair_results(samples: list[Sample], with_kl: bool = True) -> dict[str, dict[
                 torch.tensor([m for s in group for m in s.generated_mask], dtype=torch.bool),
             )
             results[name]["kl_tokens"] = float(sum(sum(s.generated_mask) for s in group))
-            if len(group) > 1:
+            prompts = [s.group or s.uid for s in group]
+            if len(set(prompts)) > 1:
                 sums = [log_ratio_sum(s) for s in group]
-                results[name]["kl_se"] = standard_error(sums, [sum(s.generated_mask) for s in group])
+                results[name]["kl_se"] = standard_error(prompts, sums, [sum(s.generated_mask) for s in group])
     return results
 
 
@@ -110,24 +111,48 @@ def log_ratio_sum(sample: Sample) -> float:
     return sum(student - teacher for student, teacher, on in pairs if on)
 
 
-def standard_error(episode_sums: list[float], episode_tokens: list[int]) -> float:
-    """token_mean_standard_error of per-episode sums; 0.0 when no episode has a student token."""
+def prompt_totals(
+    prompts: list[str], episode_sums: list[float], episode_tokens: list[int]
+) -> tuple[list[float], list[float]]:
+    """Per prompt, in first-seen order, its episodes' sums and student tokens added up. A KL's
+    error takes the prompts as units: the sampled episodes of one prompt share its context, and
+    one prompt's copies were seen to carry most of a pair's KL together (bench/RESULTS.md), so
+    with the copies as units the error came out too small. The RL evaluation's accuracy errors
+    are over prompts too (posttrain.envs.env_eval.prompt_means)."""
+    totals: dict[str, list[float]] = {}
+    for prompt, value, tokens in zip(prompts, episode_sums, episode_tokens, strict=True):
+        total = totals.setdefault(prompt, [0.0, 0.0])
+        total[0] += value
+        total[1] += tokens
+    return [t[0] for t in totals.values()], [t[1] for t in totals.values()]
+
+
+def standard_error(prompts: list[str], episode_sums: list[float], episode_tokens: list[int]) -> float:
+    """token_mean_standard_error over the prompts (prompt_totals) of per-episode sums; 0.0 when no
+    episode has a student token. Needs two prompts."""
     if not any(episode_tokens):
         return 0.0
+    sums, tokens = prompt_totals(prompts, episode_sums, episode_tokens)
     return token_mean_standard_error(
-        torch.tensor(episode_sums, dtype=torch.float64), torch.tensor(episode_tokens, dtype=torch.float64)
+        torch.tensor(sums, dtype=torch.float64), torch.tensor(tokens, dtype=torch.float64)
     )
+
+
+def table_prompts(rows: Mapping[str, list]) -> list[str]:
+    """Each row's prompt in an episode table; a table written before the `prompt` column existed
+    has the uids, each episode its own prompt."""
+    return list(rows.get("prompt", rows["uid"]))
 
 
 def exact_results(table: Mapping[str, Mapping[str, list]]) -> dict[str, dict[str, float]]:
     """Per pair of an episode_table with exact sums: kl_exact, their token mean, and (from two
-    episodes a pair) kl_exact_se, its standard error over episodes."""
+    prompts a pair) kl_exact_se, its standard error over prompts."""
     return {
         name: {
             "kl_exact": sum(rows["kl_exact"]) / max(sum(rows["tokens"]), 1),
             **(
-                {"kl_exact_se": standard_error(rows["kl_exact"], rows["tokens"])}
-                if len(rows["uid"]) > 1
+                {"kl_exact_se": standard_error(table_prompts(rows), rows["kl_exact"], rows["tokens"])}
+                if len(set(table_prompts(rows))) > 1
                 else {}
             ),
         }
@@ -138,17 +163,25 @@ def exact_results(table: Mapping[str, Mapping[str, list]]) -> dict[str, dict[str
 def episode_table(
     samples: list[Sample], exact_sums: Mapping[str, float] | None
 ) -> dict[str, dict[str, list]]:
-    """Per pair, its teacher-scored episodes in order: uid, kl (the sum of log p_student -
-    log p_teacher over its student tokens), kl_exact (the exact sum, where there is one) and
-    tokens (how many student tokens). The before and after evaluations play the same uids, so
-    write_eval pairs them row by row for the error of the change."""
+    """Per pair, its teacher-scored episodes in order: uid, prompt (Sample.group: the units of the
+    errors), kl (the sum of log p_student - log p_teacher over its student tokens), kl_exact (the
+    exact sum, where there is one) and tokens (how many student tokens). The before and after
+    evaluations play the same uids, so write_eval pairs them row by row for the error of the
+    change."""
     table: dict[str, dict[str, list]] = {}
     for sample in samples:
         rows = table.setdefault(
             pair_name((sample.domain, sample.effort)),
-            {"uid": [], "kl": [], "tokens": [], **({"kl_exact": []} if exact_sums is not None else {})},
+            {
+                "uid": [],
+                "prompt": [],
+                "kl": [],
+                "tokens": [],
+                **({"kl_exact": []} if exact_sums is not None else {}),
+            },
         )
         rows["uid"].append(sample.uid)
+        rows["prompt"].append(sample.group or sample.uid)
         rows["kl"].append(log_ratio_sum(sample))
         rows["tokens"].append(sum(sample.generated_mask))
         if exact_sums is not None:
@@ -179,14 +212,15 @@ def write_eval(
     """DIR/mopd/eval.json: {"<domain>-<effort>": {kl_before, kl_after, kl_tokens_before,
     kl_tokens_after, accuracy_before, accuracy_after, tokens_before, tokens_after}}, plus
     kl_exact_before / kl_exact_after where the engines gave full distributions, the standard
-    errors accuracy_se_* / tokens_se_* and, where a pair has two or more sampled episodes,
-    kl_se_* / kl_exact_se_* of each estimate; kl_change_se / kl_exact_change_se of the KL's change
-    (the same episodes before and after, `paired_change_standard_error`), accuracy_change(_se) and
+    errors accuracy_se_* / tokens_se_* and, where a pair's sampled episodes span two or more
+    prompts, kl_se_* / kl_exact_se_* of each estimate; kl_change_se / kl_exact_change_se of the
+    KL's change (the same episodes before and after, `paired_change_standard_error` over their
+    prompts' totals), accuracy_change(_se) and
     tokens_change(_se) from the accuracy episodes (`accuracy` rows of the episode tables, paired),
     and accuracy_episodes, how many (one per held-out prompt, in the RL stages' order).
 
     Beside it, DIR/mopd/eval_episodes.json: {"<domain>-<effort>": {"before": rows, "after": rows}},
-    each evaluation's episode table of the pair (the sampled episodes' uid, kl, kl_exact, tokens;
+    each evaluation's episode table of the pair (the sampled episodes' uid, prompt, kl, kl_exact, tokens;
     under "accuracy" the accuracy episodes' uid, reward, tokens), as the RL stages' eval.json keeps
     its episodes: the uids name each prompt's task family, so a pair's accuracy or the share of its
     teacher's that the student keeps can be split by family (bench/kept_by_family.py)."""
@@ -205,15 +239,18 @@ def write_eval(
             changes = paired_changes(rows[0]["accuracy"], rows[1]["accuracy"])
             values.update({k.replace("mean_response_tokens", "tokens"): v for k, v in changes.items()})
             values["accuracy_episodes"] = float(len(rows[1]["accuracy"]["uid"]))
+        # the same uids are the same episodes; a before table from an older checkpoint has no prompts
+        prompts = table_prompts(rows[1] if "prompt" in rows[1] else rows[0])
         if (
             rows[0]["uid"] != rows[1]["uid"]
-            or len(rows[0]["uid"]) < 2
+            or len(set(prompts)) < 2
             or not all(sum(r["tokens"]) for r in rows)
         ):
-            continue  # an error needs two paired episodes with student tokens
+            continue  # an error needs two paired prompts with student tokens
         for kl in ("kl", "kl_exact"):
             if all(kl in r for r in rows):
-                columns = [torch.tensor(r[key], dtype=torch.float64) for r in rows for key in (kl, "tokens")]
+                totals = [prompt_totals(prompts, r[kl], r["tokens"]) for r in rows]
+                columns = [torch.tensor(column, dtype=torch.float64) for total in totals for column in total]
                 values[f"{kl}_change_se"] = paired_change_standard_error(*columns)
     episodes = {name: {"before": before_episodes[name], "after": after_episodes[name]} for name in report}
     atomic_write_text(path.with_name(EPISODES_FILE), json.dumps(episodes, sort_keys=True) + "\n")

@@ -351,15 +351,22 @@ def test_the_kl_is_estimated_from_samples_per_prompt_episodes_of_each_held_out_p
             by_pair.setdefault((s.domain, s.effort), []).append(s.tokens)
         for tokens in by_pair.values():
             assert len(tokens) == 6 and sum(t == tokens[0] for t in tokens) == 3  # 2 prompts x 3 copies
+        # one pair's six episodes: prompt 0's three copies, then (after 3 efforts x 3 copies) prompt 1's
+        episodes = sampled[:3] + sampled[9:12]
+        assert len({(s.domain, s.effort) for s in episodes}) == 1 and len({s.group for s in episodes}) == 2
         # kl_tokens counts exactly the student tokens the KL averages
-        for k, s in enumerate(sampled[:3]):
+        for s, last in zip(episodes, [-2.5, -2.0, -1.5, -1.5, -1.5, -1.5], strict=True):
             s.append([5, 6], generated=True, logprobs=[-1.0, -2.0], version=0)
-            s.teacher_logprobs = [0.0] * (len(s.tokens) - 2) + [-1.5, -2.5 + 0.5 * k]
-        results = pair_results(sampled[:3])
+            s.teacher_logprobs = [0.0] * (len(s.tokens) - 2) + [-1.5, last]
+        results = pair_results(episodes)
         (pair,) = results
-        # log-ratio sums per episode 1.0, 0.5, 0.0 over 2 tokens each: mean 0.25, error sd / sqrt(3)
-        assert results[pair]["kl_tokens"] == 6.0 and results[pair]["kl"] == pytest.approx(0.25)
-        assert results[pair]["kl_se"] == pytest.approx(0.25 / math.sqrt(3))
+        # log-ratio sums per episode 1.0, 0.5, 0.0 (prompt 0) and 0.0 x 3 (prompt 1), 2 tokens each:
+        # mean 1.5 / 12. The error's units are the two prompts (1.5 and 0.0 over 6 tokens each):
+        # sqrt(2 * (0.75^2 + 0.75^2)) / 12, not the six copies' sd / sqrt(6)
+        assert results[pair]["kl_tokens"] == 12.0 and results[pair]["kl"] == pytest.approx(0.125)
+        assert results[pair]["kl_se"] == pytest.approx(0.125)
+        # one prompt's copies alone are one unit: no error
+        assert "kl_se" not in pair_results(episodes[:3])[pair]
     finally:
         distiller.close()
 
@@ -367,7 +374,8 @@ def test_the_kl_is_estimated_from_samples_per_prompt_episodes_of_each_held_out_p
 def test_the_exact_kl_is_the_full_vocabulary_reverse_kl_on_the_students_episodes(
     dirs, renderer, stage_runner, tmp_path
 ):
-    ctx = stage_runner.context("mopd", tmp_path, stage_body(), inputs=stage_inputs(dirs))
+    body = stage_body() | {"eval": {"prompts_per_domain": 2, "accuracy_prompts_per_domain": 2}}
+    ctx = stage_runner.context("mopd", tmp_path, body, inputs=stage_inputs(dirs))
     student = load(dirs["sft"])
     # every general pair taught by the student's own checkpoint: both estimates exactly 0
     own = {f"general-{e}": TeacherConfig(model=str(dirs["sft"])) for e in EFFORTS}
@@ -375,7 +383,7 @@ def test_the_exact_kl_is_the_full_vocabulary_reverse_kl_on_the_students_episodes
     pool = TeacherPool(route_teachers(config, ctx.inputs), tmp_path, 0, logging.getLogger("test-mopd"))
     distiller = Distiller(ctx, config, student, renderer, pool)
     try:
-        sampled = distiller.episodes(distiller.eval_prompts, "eval", copies=2)
+        sampled = distiller.episodes(distiller.eval_prompts, "eval", copies=1)
         distiller.rollout(sampled, temperature=1.0)
         exact = exact_results(episode_table(sampled, distiller.exact_kl_sums(sampled)))
         sampled_kl = pair_results(sampled)
@@ -400,7 +408,7 @@ def test_the_exact_kl_is_the_full_vocabulary_reverse_kl_on_the_students_episodes
         assert exact["coding-max"]["kl_exact"] == pytest.approx(sum(per_token) / len(per_token), rel=1e-4)
         sums = torch.tensor([sum(e) for e in episodes])
         error = token_mean_standard_error(sums, torch.tensor([len(e) for e in episodes]))
-        # the se of two episodes is their difference: float32's 1e-4 of the KL, not of the se
+        # the se of two prompts' episodes is their difference: float32's 1e-4 of the KL, not of the se
         kl = exact["coding-max"]["kl_exact"]
         assert exact["coding-max"]["kl_exact_se"] == pytest.approx(error, rel=1e-4, abs=1e-4 * kl)
     finally:
@@ -436,13 +444,47 @@ def test_eval_json_carries_the_paired_error_of_each_change(tmp_path):
     assert not {k for k in report["agent-high"] if "change" in k}
 
 
+def test_the_kl_errors_take_the_prompts_as_units_when_a_prompt_has_copies(tmp_path):
+    results = {"kl": 0.5, "kl_exact": 0.4, "kl_tokens": 10.0, "accuracy": 1.0, "tokens": 5.0}
+    # four episodes, prompt p's two copies carry most of the KL together
+    table = {
+        "uid": ["p", "p-1", "q", "r"],
+        "prompt": ["p", "p", "q", "r"],
+        "kl": [4.0, 5.0, 0.5, 0.2],
+        "kl_exact": [3.0, 4.0, 0.4, 0.1],
+        "tokens": [10, 12, 9, 11],
+    }
+    moved = {**table, "kl": [4.5, 5.5, 0.1, 0.1], "kl_exact": [3.5, 4.5, 0.2, 0.1], "tokens": [11, 12, 9, 10]}
+    report = write_eval(
+        tmp_path / "eval.json", {"a-low": results}, {"a-low": results}, {"a-low": table}, {"a-low": moved}
+    )
+    exact = exact_results({"a-low": table})["a-low"]
+
+    def over_prompts(rows: dict, key: str) -> list[torch.Tensor]:
+        sums = [rows[key][0] + rows[key][1], rows[key][2], rows[key][3]]
+        tokens = [rows["tokens"][0] + rows["tokens"][1], rows["tokens"][2], rows["tokens"][3]]
+        return [torch.tensor(sums, dtype=torch.float64), torch.tensor(tokens, dtype=torch.float64)]
+
+    for kl in ("kl", "kl_exact"):
+        by_prompt = paired_change_standard_error(*over_prompts(table, kl), *over_prompts(moved, kl))
+        by_episode = paired_change_standard_error(
+            *(torch.tensor(r[k], dtype=torch.float64) for r in (table, moved) for k in (kl, "tokens"))
+        )
+        assert report["a-low"][f"{kl}_change_se"] == pytest.approx(by_prompt)
+        assert by_prompt != pytest.approx(by_episode)
+    assert exact["kl_exact_se"] == pytest.approx(token_mean_standard_error(*over_prompts(table, "kl_exact")))
+    # the copies of one prompt alone are one unit: an estimate, no error
+    one = {k: v[:2] for k, v in table.items()}
+    assert set(exact_results({"a-low": one})["a-low"]) == {"kl_exact"}
+
+
 def test_two_evaluations_of_one_student_pair_episode_by_episode(dirs, renderer, stage_runner, tmp_path):
     body = stage_body() | {
         "eval": {
-            "prompts_per_domain": 1,
+            "prompts_per_domain": 2,
             "accuracy_prompts_per_domain": 3,
             "accuracy_temperature": 0.6,
-            "samples_per_prompt": 2,
+            "samples_per_prompt": 1,
         }
     }
     ctx = stage_runner.context("mopd", tmp_path, body, inputs=stage_inputs(dirs))
