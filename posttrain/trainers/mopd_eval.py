@@ -55,7 +55,7 @@ def pair_results(samples: list[Sample], with_kl: bool = True) -> dict[str, dict[
                 torch.tensor([m for s in group for m in s.generated_mask], dtype=torch.bool),
             )
             results[name]["kl_tokens"] = float(sum(sum(s.generated_mask) for s in group))
-            prompts = [s.group or s.uid for s in group]
+            prompts = [episode_prompt(s) for s in group]
             if len(set(prompts)) > 1:
                 sums = [log_ratio_sum(s) for s in group]
                 results[name]["kl_se"] = standard_error(prompts, sums, [sum(s.generated_mask) for s in group])
@@ -138,6 +138,12 @@ def standard_error(prompts: list[str], episode_sums: list[float], episode_tokens
     )
 
 
+def episode_prompt(sample: Sample) -> str:
+    """The prompt an episode was played from, the unit of the KL's errors: its group (an
+    evaluation's copies of one prompt share it), or its own uid where it has none."""
+    return sample.group or sample.uid
+
+
 def table_prompts(rows: Mapping[str, list]) -> list[str]:
     """Each row's prompt in an episode table; a table written before the `prompt` column existed
     has the uids, each episode its own prompt."""
@@ -147,17 +153,13 @@ def table_prompts(rows: Mapping[str, list]) -> list[str]:
 def exact_results(table: Mapping[str, Mapping[str, list]]) -> dict[str, dict[str, float]]:
     """Per pair of an episode_table with exact sums: kl_exact, their token mean, and (from two
     prompts a pair) kl_exact_se, its standard error over prompts."""
-    return {
-        name: {
-            "kl_exact": sum(rows["kl_exact"]) / max(sum(rows["tokens"]), 1),
-            **(
-                {"kl_exact_se": standard_error(table_prompts(rows), rows["kl_exact"], rows["tokens"])}
-                if len(set(table_prompts(rows))) > 1
-                else {}
-            ),
-        }
-        for name, rows in table.items()
-    }
+    results = {}
+    for name, rows in table.items():
+        prompts = table_prompts(rows)
+        results[name] = {"kl_exact": sum(rows["kl_exact"]) / max(sum(rows["tokens"]), 1)}
+        if len(set(prompts)) > 1:
+            results[name]["kl_exact_se"] = standard_error(prompts, rows["kl_exact"], rows["tokens"])
+    return results
 
 
 def episode_table(
@@ -181,7 +183,7 @@ def episode_table(
             },
         )
         rows["uid"].append(sample.uid)
-        rows["prompt"].append(sample.group or sample.uid)
+        rows["prompt"].append(episode_prompt(sample))
         rows["kl"].append(log_ratio_sum(sample))
         rows["tokens"].append(sum(sample.generated_mask))
         if exact_sums is not None:
@@ -239,8 +241,9 @@ def write_eval(
             changes = paired_changes(rows[0]["accuracy"], rows[1]["accuracy"])
             values.update({k.replace("mean_response_tokens", "tokens"): v for k, v in changes.items()})
             values["accuracy_episodes"] = float(len(rows[1]["accuracy"]["uid"]))
-        # the same uids are the same episodes; a before table from an older checkpoint has no prompts
-        prompts = table_prompts(rows[1] if "prompt" in rows[1] else rows[0])
+        # the same uids are the same episodes, so the after table's prompts (always this run's; a
+        # before table resumed from an older checkpoint has none) are the before table's too
+        prompts = table_prompts(rows[1])
         if (
             rows[0]["uid"] != rows[1]["uid"]
             or len(set(prompts)) < 2
