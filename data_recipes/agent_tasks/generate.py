@@ -20,12 +20,23 @@ from typing import Any
 from data_recipes.agent_tasks import FAMILIES
 from data_recipes.shipped import check_shipped_out
 from posttrain.data.sample import EFFORTS, Sample
+from posttrain.envs.environments import HarnessConfig
 from posttrain.envs.tasks import TASK_FAMILIES
 from posttrain.files import atomic_write_text
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parents[1] / "data" / "agent_sft.jsonl"
 DEFAULT_PER_FAMILY = 200
 ROUTE_CHOICE_ROW_SHARE = {"agent/order_cost": 0.6, "general/unit_cost": 0.6, "coding/crate_cost": 0.6}
+# Harness diversity in the demonstrations: each row offers one extra tool set beside its family's
+# own, drawn as the RL and MOPD stages draw theirs (stages/rl.yaml, stages/mopd.yaml: the same
+# pools, tests/envs/test_shipped_harness.py holds them equal). A declaration the SFT data never
+# showed is a prompt the SFT model never saw: without it, one seed's SFT model called coding's
+# run_python in 11 of 15 agent episodes offering read_file and in none of 17 offering only the
+# family's tools (bench/RESULTS.md, issue #21).
+SFT_HARNESS = {
+    "agent": HarnessConfig(tool_sets=[[], ["read_file"]]),
+    "coding": HarnessConfig(tool_sets=[[], ["shell"]]),
+}
 
 
 def family_rows(family_name: str, per_family: int) -> int:
@@ -34,9 +45,13 @@ def family_rows(family_name: str, per_family: int) -> int:
 
 
 def sft_prompt(family_name: str, index: int, seed: int = 0) -> Sample:
-    """The prompt of a family's `index`-th SFT row: its own seeded draw, efforts in turn."""
+    """The prompt of a family's `index`-th SFT row: its own seeded draw, efforts in turn, and its
+    domain's SFT_HARNESS tool set."""
     rng = random.Random(f"sft:{seed}:{family_name}:{index}")
-    return TASK_FAMILIES.get(family_name)().prompt(rng, EFFORTS[index % len(EFFORTS)])
+    sample = TASK_FAMILIES.get(family_name)().prompt(rng, EFFORTS[index % len(EFFORTS)])
+    if sample.domain in SFT_HARNESS:  # its own draw: the prompt and demonstration stay as they were
+        SFT_HARNESS[sample.domain].apply(sample, random.Random(f"sft-harness:{seed}:{family_name}:{index}"))
+    return sample
 
 
 def generate_trajectory(family_name: str, index: int, seed: int = 0) -> dict[str, Any]:

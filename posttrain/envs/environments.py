@@ -106,6 +106,20 @@ class HarnessConfig(BaseModel):
                     ) from None
         return tool_sets
 
+    def apply(self, prompt: Sample, rng: random.Random) -> None:
+        """Give `prompt` (in place) a system prompt and an extra tool set drawn from the pools. The
+        shipped SFT rows are drawn through this too (data_recipes/agent_tasks/generate.py), so the
+        SFT model has seen every tool declaration the RL and MOPD prompts make."""
+        if self.system_prompts:
+            system = {"role": "system", "content": rng.choice(self.system_prompts)}
+            if prompt.messages and prompt.messages[0]["role"] == "system":
+                prompt.messages[0] = system
+            else:
+                prompt.messages.insert(0, system)
+        offered = {tool["function"]["name"] for tool in prompt.tools}
+        extra = [name for name in rng.choice(self.tool_sets) if name not in offered]
+        prompt.tools += [tool.schema for tool in make_tools(extra).values()]
+
 
 class EnvironmentConfig(BaseModel):
     """How one domain's episodes are played and scored."""
@@ -254,7 +268,7 @@ class Environment:
                 continue
             repeats = 0
             seen.add(_question(prompt))
-            self._apply_harness(prompt, rng)
+            self.config.harness.apply(prompt, rng)
             out.append(prompt)
         if len(out) < count:
             excluded = f", besides the {len(exclude)} excluded" if exclude else ""
@@ -264,18 +278,6 @@ class Environment:
                 f"lower {key} to at most {len(out)}"
             )
         return out
-
-    def _apply_harness(self, prompt: Sample, rng: random.Random) -> None:
-        harness = self.config.harness
-        if harness.system_prompts:
-            system = {"role": "system", "content": rng.choice(harness.system_prompts)}
-            if prompt.messages and prompt.messages[0]["role"] == "system":
-                prompt.messages[0] = system
-            else:
-                prompt.messages.insert(0, system)
-        offered = {tool["function"]["name"] for tool in prompt.tools}
-        extra = [name for name in rng.choice(harness.tool_sets) if name not in offered]
-        prompt.tools += [tool.schema for tool in make_tools(extra).values()]
 
     def start(self, prompt: Sample, *, uid: str, group: str, effort: str) -> Sample:
         """A fresh trajectory of `prompt`: its messages rendered with the effort marker, ending in
