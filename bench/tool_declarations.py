@@ -7,8 +7,9 @@ tool set of that harness: the rows' messages with their family's tools plus that
 every demonstrated tool call it reads the model's probability of the demonstrated tool's name and
 the mass on registered tools the prompt does not declare. Prints, per model and tool set, the mean
 of both and the share of calls where the demonstrated name is below one half. This is how one SFT
-seed's failure was found: offered `read_file`, its model put 0.23-0.49 of each agent call on
-coding's `run_python`, and its agent specialists stayed near 0.28 (bench/RESULTS.md).
+seed's failure was found: offered `read_file`, its model put 0.33 of an agent call's probability on
+coding's `run_python` on average (35% of the calls below one half), and its agent specialists stayed
+near 0.28 (bench/RESULTS.md).
 
     PYTHONPATH=.:bench python bench/tool_declarations.py runs/mopd/sft/model --domain agent
 """
