@@ -34,14 +34,16 @@ def family_rows(domain: str, limit: int) -> list[dict]:
     family's own tools (a row's harness draw removed, so every tool set is scored on the same rows)."""
     rows: list[dict] = []
     taken: dict[str, int] = {}
+    own: dict[str, set[str]] = {}  # per family, the names of its own tools
     for line in SHIPPED_ROWS.read_text().splitlines():
         row = json.loads(line)
         family = row["task"]["family"]
         if row["domain"] != domain or taken.get(family, 0) >= limit:
             continue
         taken[family] = taken.get(family, 0) + 1
-        own = {tool["function"]["name"] for tool in TASK_FAMILIES.get(family)().tools}
-        row["tools"] = [tool for tool in row["tools"] if tool["function"]["name"] in own]
+        if family not in own:
+            own[family] = set(TASK_FAMILIES.get(family)().toolset())
+        row["tools"] = [tool for tool in row["tools"] if tool["function"]["name"] in own[family]]
         rows.append(row)
     return rows
 
@@ -66,8 +68,9 @@ def main() -> None:
         print(model_dir)
         for tool_set in tool_sets:
             right, undeclared, below_half = [], [], 0
+            extra = [tool.schema for tool in make_tools(tool_set).values()]
             for row in rows:
-                tools = row["tools"] + [tool.schema for tool in make_tools(tool_set).values()]
+                tools = row["tools"] + extra
                 declared = {tool["function"]["name"] for tool in tools}
                 ids, _ = renderer.render(row["messages"], tools, row["effort"])
                 with torch.no_grad():

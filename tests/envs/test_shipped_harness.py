@@ -59,7 +59,7 @@ def declared_extra_tool_sets() -> dict[str, Counter]:
         names = [tool["function"]["name"] for tool in row["tools"]]
         family = row["task"]["family"]
         if family not in own:
-            own[family] = [tool["function"]["name"] for tool in TASK_FAMILIES.get(family)().tools]
+            own[family] = list(TASK_FAMILIES.get(family)().toolset())
         family_tools = own[family]
         # the extras come after the family's tools, as the harness appends them
         assert names[: len(family_tools)] == family_tools, row["uid"]
