@@ -30,11 +30,15 @@ stages/vision/mopd.yaml is not one of stages/mopd.yaml), stops it (exit 2) rathe
 dropping seeds; stages not done are named under the table (their claims are missing, not misses).
 Writes, atomically (a failed write leaves the last report whole), OUT/outcomes.json ({"commit",
 "machine", "stage_file", "overrides", "kept_samples",
-"unfinished": {seed: {stage: status}}, "seed_commits": {seed: [commits]}, "runs": {seed: claims},
+"unfinished": {seed: {stage: status}}, "seed_commits": {seed: [commits]}, "seed_machines": {seed:
+[machines]}, "runs": {seed: claims},
 "summary": per claim, "subsets_of_3": per claim [held, subsets]}) and OUT/outcomes.md, both naming
-the checkout's commit and the machine as a RESULTS.md entry does. Each seed's run records the
-commit it was started at in OUT/commits.json; the report names a seed run (or resumed) at another
-commit than its own. Exits 1 after the report where a seed's run did not exit 0.
+the checkout's commit and the machines as a RESULTS.md entry does. Each seed's run records the
+commit it was started at in OUT/commits.json and the machine it ran on (with the ATen kernel level
+torch used, which `ATEN_CPU_CAPABILITY` can lower) in OUT/machines.json; the report names a seed
+run (or resumed) at another commit than its own, the machines that ran the seeds, and the machine
+that read them where it is another (`--report-only`: "seed_machines" and "machine" in
+outcomes.json). Exits 1 after the report where a seed's run did not exit 0.
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ from posttrain.files import atomic_write_text  # noqa: E402
 
 SUBSET_SIZE = 3  # the benchmark's default seed count: with more seeds, how often would three pass?
 COMMITS_FILE = "commits.json"  # in OUT: per seed, the commits its runs were started at, in order
+MACHINES_FILE = "machines.json"  # in OUT: per seed, the machines its runs were started on, in order
 PLAN_KEYS = {"file", "overrides", "stages"}  # what a seed's pipeline.json records (rundir.write_pipeline)
 
 
@@ -202,12 +207,13 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     above = next((p for p in (args.out, *args.out.parents) if p.exists()), None)
     if above is not None and not above.is_dir():
         parser.error(f"--out {args.out}: {above} is a file; name a directory for the runs")
-    commits = args.out / COMMITS_FILE
-    if commits.exists() and read_json(commits) is None:  # read as none, a run would write it afresh
-        parser.error(
-            f"{commits} is damaged (not a JSON mapping): remove it, and the report no longer names "
-            "the seeds resumed at another commit than their first"
-        )
+    for name, what in ((COMMITS_FILE, "commit"), (MACHINES_FILE, "machine")):
+        started = args.out / name
+        if started.exists() and read_json(started) is None:  # read as none, a run would write it afresh
+            parser.error(
+                f"{started} is damaged (not a JSON mapping): remove it, and the report no longer names "
+                f"the {what} each seed was started at"
+            )
 
 
 def checkout() -> str:
@@ -223,16 +229,30 @@ def checkout() -> str:
     return head.stdout.strip() + (" +changes" if changed.stdout.strip() else "")
 
 
-def record_commit(out: Path, seeds: list[int], commit: str) -> dict[str, list[str]]:
-    """Add this checkout's commit to each seed's list in OUT/commits.json (once per change): a seed
-    resumed at another commit keeps the stages finished at the earlier one, so its claims may mix
-    two commits' code, which the report then says."""
-    commits = read_json(out / COMMITS_FILE) or {}
+def record_start(out: Path, name: str, seeds: list[int], value: str) -> dict[str, list[str]]:
+    """Add `value` (this checkout's commit, or this machine) to each seed's list in OUT/`name` (once
+    per change): a seed resumed at another commit or on another machine keeps the stages finished
+    at the earlier one, so its claims may mix two commits' code or two float paths, which the report
+    then says."""
+    started = read_json(out / name) or {}
     for seed in map(str, seeds):
-        if commits.get(seed, [None])[-1] != commit:
-            commits[seed] = [*commits.get(seed, []), commit]
-    atomic_write_text(out / COMMITS_FILE, json.dumps(commits, indent=1))
-    return commits
+        if started.get(seed, [None])[-1] != value:
+            started[seed] = [*started.get(seed, []), value]
+    atomic_write_text(out / name, json.dumps(started, indent=1))
+    return started
+
+
+def machine_footer(seed_machines: dict[str, list[str]], seeds: list[int], here: str) -> str:
+    """Which machines ran the seeds (a seed resumed elsewhere lists both), and this one where it only
+    read them: a report read on one machine of runs made on another named the reader alone."""
+    by_machines: dict[str, list[str]] = {}
+    for seed in seeds:
+        by_machines.setdefault(" then ".join(seed_machines.get(str(seed), [])), []).append(str(seed))
+    parts = [
+        f"seed{'s' * (len(s) > 1)} {', '.join(s)} " + (f"ran on {m}" if m else "machine not recorded")
+        for m, s in by_machines.items()
+    ]
+    return "; ".join(parts) + ("" if list(by_machines) == [here] else f"; read on {here}")
 
 
 def recipe_mismatch(run_dir: Path, plan: dict, asked: Pipeline) -> str:
@@ -319,13 +339,14 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     machine = (
         f"{platform.node()} {os.cpu_count()} cores, {cpu_model()}, python {platform.python_version()}, "
-        f"torch {torch.__version__}"
+        f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()} kernels)"
     )
     commit = checkout()
     print(f"machine: {machine}\ncommit: {commit}")
     failed = []
     if not args.report_only:
-        record_commit(args.out, args.seeds, commit)
+        record_start(args.out, COMMITS_FILE, args.seeds, commit)
+        record_start(args.out, MACHINES_FILE, args.seeds, machine)
         with ThreadPoolExecutor(args.parallel) as pool:
             jobs = [
                 pool.submit(run_seed, s, args.out, args.cpus, args.stage_file, args.overrides, args.only)
@@ -368,9 +389,10 @@ def main() -> None:
                 f"Seed {seed}'s runs were started at {', '.join(commits)}, this report's checkout is "
                 f"{commit}: its stages may come from any of them (a resumed run keeps finished stages)."
             ]
+    seed_machines = {s: m for s, m in (read_json(args.out / MACHINES_FILE) or {}).items() if int(s) in runs}
     lines += [
         f"Commit {commit}; {args.stage_file.name} {' '.join(args.overrides)}".rstrip()
-        + f"; machine: {machine}."
+        + f"; {machine_footer(seed_machines, sorted(runs), machine)}."
     ]
     print("\n".join(lines))
     report = {
@@ -381,6 +403,7 @@ def main() -> None:
         "kept_samples": args.kept_samples,
         "unfinished": unfinished,
         "seed_commits": seed_commits,
+        "seed_machines": seed_machines,
         "runs": runs,
         "summary": summary,
         f"subsets_of_{SUBSET_SIZE}": subsets,

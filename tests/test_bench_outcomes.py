@@ -162,7 +162,7 @@ def test_a_report_refuses_missing_seeds_and_other_recipes_and_names_unfinished_s
     assert written["commit"] and written["machine"].startswith(bench_outcomes.platform.node())
     md = (out / "outcomes.md").read_text()
     assert "Seed 0's stages not done, their claims left out: mopd (failed)." in md
-    assert f"Commit {written['commit']}; mopd.yaml; machine: " in md
+    assert f"Commit {written['commit']}; mopd.yaml; seed 0 machine not recorded; read on " in md
 
 
 def test_a_run_of_another_stage_file_of_the_same_name_or_another_configuration_is_refused(
@@ -217,6 +217,44 @@ def test_a_resumed_seed_at_another_commit_is_named_and_a_failed_seed_exits_1(
     md = (out / "outcomes.md").read_text()
     assert "Seed 0's runs were started at aaaa, bbbb, this report's checkout is bbbb" in md
     assert "Seed 1's runs" not in md
+
+
+def test_the_report_names_the_machines_that_ran_each_seed_and_the_one_that_read_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: the footer named only the machine running the report, so runs made on the device's
+    CPU and read on a VM (`--report-only`) were credited to the VM. Each seed's run now records its
+    machine (OUT/machines.json), with the ATen kernel level in use (`ATEN_CPU_CAPABILITY` lowers it)."""
+    out = tmp_path / "out"
+
+    def fake_run_seed(seed: int, out: Path, *_: object) -> tuple[int, float, int]:
+        if not (out / f"seed-{seed}").exists():
+            _seed_run(out, seed, [], {})
+        return seed, 1.0, 0
+
+    monkeypatch.setattr(bench_outcomes, "run_seed", fake_run_seed)
+    for cpu, seeds in (("cpu A", ["0"]), ("cpu B", ["0", "1"])):
+        monkeypatch.setattr(bench_outcomes, "cpu_model", lambda cpu=cpu: cpu)
+        _main(monkeypatch, "--out", str(out), "--seeds", *seeds)
+    _seed_run(out, 2, [], {})  # run before machines were recorded
+    monkeypatch.setattr(bench_outcomes, "cpu_model", lambda: "cpu C")
+    _main(monkeypatch, "--report-only", "--out", str(out), "--seeds", "0", "1", "2")
+    written = json.loads((out / "outcomes.json").read_text())
+    ran = written["seed_machines"]
+    assert set(ran) == {"0", "1"} and ran["1"] == ran["0"][1:] and "cpu A" in ran["0"][0]
+    kernels = f"({torch.backends.cpu.get_cpu_capability()} kernels)"
+    assert "cpu B" in ran["1"][0] and ran["1"][0].endswith(kernels)
+    assert "cpu C" in written["machine"]
+    footer = (out / "outcomes.md").read_text().splitlines()[-1]
+    assert footer == (
+        f"Commit {written['commit']}; mopd.yaml; seed 0 ran on {ran['0'][0]} then {ran['0'][1]}; "
+        f"seed 1 ran on {ran['1'][0]}; seed 2 machine not recorded; read on {written['machine']}."
+    )
+    _main(monkeypatch, "--report-only", "--out", str(out), "--seeds", "1")
+    monkeypatch.setattr(bench_outcomes, "cpu_model", lambda: "cpu B")
+    _main(monkeypatch, "--report-only", "--out", str(out), "--seeds", "1")
+    footer = (out / "outcomes.md").read_text().splitlines()[-1]
+    assert footer.endswith(f"; seed 1 ran on {ran['1'][0]}.")  # read where it ran: named once
 
 
 def test_a_relative_out_and_stage_file_mean_the_same_dirs_to_the_runs_and_the_report(
@@ -338,16 +376,17 @@ def test_a_report_that_cannot_be_written_leaves_the_last_one_whole(
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
 
 
-def test_a_damaged_commit_record_exits_2_naming_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("record", [bench_outcomes.COMMITS_FILE, bench_outcomes.MACHINES_FILE])
+def test_a_damaged_commit_or_machine_record_exits_2_naming_it(
+    record: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Before: read as no record, so the report named no seed resumed at another commit and a run
     wrote the record afresh, the seeds' earlier commits lost."""
     out = tmp_path / "out"
     _seed_run(out, 0, [], {})
-    (out / bench_outcomes.COMMITS_FILE).write_text('{"0": ["aaaa", "bb')
+    (out / record).write_text('{"0": ["aaaa", "bb')
     with pytest.raises(SystemExit) as exit_:
         _main(monkeypatch, "--report-only", "--out", str(out), "--seeds", "0")
     error = capsys.readouterr().err
-    assert exit_.value.code == 2 and f"{out / bench_outcomes.COMMITS_FILE} is damaged" in error
+    assert exit_.value.code == 2 and f"{out / record} is damaged" in error
     assert not (out / "outcomes.json").exists()
