@@ -335,6 +335,7 @@ def _validate(
         issues.extend(number_issues(header_data, StageHeader, inst.display, inst.lines, overridden))
     kind = inst.data["kind"]  # checked while loading: the DAG cannot be built without it
     registered = kind in STAGE_KINDS
+    hashed_body = body
     if registered:
         config = STAGE_KINDS.get(kind).config
         try:
@@ -344,7 +345,11 @@ def _validate(
                 NEEDS_CONTEXT: list(inst.needs),
                 SETS_MODEL_CONTEXT: inst.data.get("model") is not None,
             }
-            config.model_validate(body, context=context)
+            # The hash reads the body as the kind reads it, keys left at their defaults dropped: a
+            # key written out with its default value is the same stage, not one to rerun.
+            hashed_body = config.model_validate(body, context=context).model_dump(
+                mode="json", exclude_defaults=True
+            )
             schema = []
         except ValidationError as exc:
             schema = pydantic_issues(exc, config, inst.display, inst.lines, overridden, GENERIC_KEYS)
@@ -389,7 +394,7 @@ def _validate(
         keep_checkpoints=header.keep_checkpoints,
         registered=registered,
     )
-    stage.config_hash = config_hash(stage)
+    stage.config_hash = config_hash(stage, hashed_body)
     return stage
 
 
@@ -472,17 +477,18 @@ def _shift(located: dict[Any, Any]) -> dict[Any, Any]:
     return {path[1:]: where for path, where in located.items() if path[:1] == ("qat",)}
 
 
-def config_hash(stage: Stage) -> str:
-    """What decides a stage's result: kind, body, seed, model (a preset's or model dir's content),
-    qat, matrix values and needs. Resources, plug-in paths, the description and how many checkpoints
-    are kept do not, so moving a run to a bigger machine does not invalidate it."""
+def config_hash(stage: Stage, body: dict[str, Any]) -> str:
+    """What decides a stage's result: kind, body (as its kind validated it, defaults left out, so
+    spelling out a default changes nothing), seed, model (a preset's or model dir's content), qat,
+    matrix values and needs. Resources, plug-in paths, the description and how many checkpoints are
+    kept do not, so moving a run to a bigger machine does not invalidate it."""
     model: Any = stage.model
     if stage.model and not stage.model_is_input:
         path = Path(stage.model)
         model = {"preset": path.name, "sha256": hash_tree(path)[1] if path.is_dir() else sha256_file(path)}
     content = {
         "kind": stage.kind,
-        "body": stage.body,
+        "body": body,
         "seed": stage.seed,
         "model": model,
         "qat": stage.qat,

@@ -348,6 +348,23 @@ def test_overrides_target_stages_and_keys(write) -> None:
     assert base.stages["c"].config_hash != pipeline.stages["c"].config_hash
 
 
+def test_a_key_spelled_out_at_its_default_is_the_same_stage(write) -> None:
+    """Before: the hash read the body as written, so adding `lr: 0.1` (the kind's default) to a
+    finished stage's file reran it. Now the body is hashed as the kind validated it, defaults left
+    out; a value that differs (or an int where the default is that float) still counts."""
+    hashes = {}
+    for name, train in [
+        ("short", "train: {steps: 2}"),
+        ("spelled", "train: {steps: 2, lr: 0.1}\nvalue: 1"),
+        ("other", "train: {steps: 2, lr: 0.2}"),
+        ("default_steps", "train: {steps: 3}"),
+        ("empty", "train: {}"),
+    ]:
+        hashes[name] = load_pipeline(write(f"{name}.yaml", HEADER, train + "\n")).stages[name].config_hash
+    assert hashes["short"] == hashes["spelled"] != hashes["other"]
+    assert hashes["default_steps"] == hashes["empty"] != hashes["short"]
+
+
 def test_bad_overrides_are_user_errors(write, posttrain, tmp_path: Path) -> None:
     path = write("a.yaml", HEADER, "train: {steps: 2}\n")
     assert_user_error(
