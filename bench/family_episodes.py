@@ -50,8 +50,8 @@ def last_write_miss(task: dict, text: str) -> tuple[str, str | None] | None:
     try:
         arguments = json.loads(writes[-1])
     except ValueError:
-        return "unreadable write", None
-    if not isinstance(arguments, dict):
+        arguments = None
+    if not isinstance(arguments, dict):  # cut JSON, or not an object
         return "unreadable write", None
     path = str(arguments.get("path"))
     right_file, right_answer = (

@@ -242,6 +242,11 @@ def record_start(out: Path, name: str, seeds: list[int], value: str) -> dict[str
     return started
 
 
+def read_started(out: Path, name: str, seeds: list[int]) -> dict[str, list[str]]:
+    """OUT/`name` as `record_start` wrote it, for `seeds` only."""
+    return {s: values for s, values in (read_json(out / name) or {}).items() if int(s) in seeds}
+
+
 def machine_footer(seed_machines: dict[str, list[str]], seeds: list[int], here: str) -> str:
     """Which machines ran the seeds (a seed resumed elsewhere lists both), and this one where it only
     read them: a report read on one machine of runs made on another named the reader alone."""
@@ -382,14 +387,14 @@ def main() -> None:
     for seed, stages in unfinished.items():  # their claims are blank cells or missing rows, not misses
         listed = ", ".join(f"{stage} ({state})" for stage, state in stages.items())
         lines += [f"Seed {seed}'s stages not done, their claims left out: {listed}."]
-    seed_commits = {s: c for s, c in (read_json(args.out / COMMITS_FILE) or {}).items() if int(s) in runs}
+    seed_commits = read_started(args.out, COMMITS_FILE, list(runs))
     for seed, commits in seed_commits.items():
         if commits != [commit]:
             lines += [
                 f"Seed {seed}'s runs were started at {', '.join(commits)}, this report's checkout is "
                 f"{commit}: its stages may come from any of them (a resumed run keeps finished stages)."
             ]
-    seed_machines = {s: m for s, m in (read_json(args.out / MACHINES_FILE) or {}).items() if int(s) in runs}
+    seed_machines = read_started(args.out, MACHINES_FILE, list(runs))
     lines += [
         f"Commit {commit}; {args.stage_file.name} {' '.join(args.overrides)}".rstrip()
         + f"; {machine_footer(seed_machines, sorted(runs), machine)}."
