@@ -275,11 +275,18 @@ def recipe_mismatch(run_dir: Path, plan: dict, asked: Pipeline) -> str:
 
 
 def unfinished_stages(
-    parser: argparse.ArgumentParser, out: Path, seed: int, stage_file: Path, overrides: list[str]
+    parser: argparse.ArgumentParser,
+    out: Path,
+    seed: int,
+    stage_file: Path,
+    overrides: list[str],
+    commit: str,
 ) -> dict[str, str]:
     """Seed's run dir checked before its claims are read: an argparse error (exit 2) where it holds
     no run or its last run was another stage file or other overrides (another recipe's numbers:
-    `recipe_mismatch`);
+    `recipe_mismatch`; where the seed was started at another commit than this checkout's, it names
+    that commit: the data and the hash's definition change between commits, so a run matches only
+    the code that ran it);
     else its stages that are not done, with their status (their claims are missing, not held)."""
     run_dir = out / f"seed-{seed}"
     plan = read_json(run_dir / PIPELINE)
@@ -302,6 +309,12 @@ def unfinished_stages(
         mismatch = found == asked and recipe_mismatch(run_dir, plan, load_pipeline(stage_file, asked[1:]))
     except ConfigError as error:
         parser.error(f"--stage-file {stage_file}: {error}")
+    started = read_started(out, COMMITS_FILE, [seed]).get(str(seed), [])
+    if mismatch and started and commit not in started:
+        mismatch += (
+            f"; seed {seed} was started at {', '.join(started)} and this checkout is {commit}: read it "
+            "with bench/outcomes.py --report-only in a checkout of that commit"
+        )
     if found != asked or mismatch:
         parser.error(
             f"{run_dir}/pipeline.json: its run was {plan['file']} {' '.join(found[1:])}, not "
@@ -366,7 +379,7 @@ def main() -> None:
     unfinished = {
         s: stages
         for s in args.seeds
-        if (stages := unfinished_stages(parser, args.out, s, args.stage_file, args.overrides))
+        if (stages := unfinished_stages(parser, args.out, s, args.stage_file, args.overrides, commit))
     }
     try:
         runs = {s: run_claims(args.out / f"seed-{s}") for s in args.seeds}

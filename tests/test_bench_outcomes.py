@@ -188,6 +188,14 @@ def test_a_run_of_another_stage_file_of_the_same_name_or_another_configuration_i
         exit_.value.code == 2
         and "its stage rl-agent-max ran another configuration (config hash 0123" in error
     )
+    assert "was started at" not in error  # no commit recorded: nothing to name
+    # Started at another commit: the data or the hash's definition may differ, so it names that commit.
+    (tmp_path / "edited" / "commits.json").write_text(json.dumps({"0": ["abc1234"]}))
+    with pytest.raises(SystemExit) as exit_:
+        _main(monkeypatch, "--report-only", "--out", str(tmp_path / "edited"), "--seeds", "0")
+    error = " ".join(capsys.readouterr().err.split())
+    assert exit_.value.code == 2 and "seed 0 was started at abc1234 and this checkout is " in error
+    assert "--report-only in a checkout of that commit" in error
     assert not (out / "outcomes.json").exists() and not (tmp_path / "edited" / "outcomes.json").exists()
 
 
