@@ -38,14 +38,19 @@ from posttrain.stats import mean_standard_error, paired_ratio
 CACHE_FILE = "kept_replay.json"  # in the run dir: a report (bench/outcomes.py) reads the replays again
 
 
+class ReplayError(Exception):
+    """A run dir that cannot be replayed as asked (a stage not finished, a damaged record): the
+    user's to fix, so the command line exits 2 with it (as argparse does), not 1 with a traceback."""
+
+
 def stage_settings(stage_dir: Path) -> tuple[int, EvalConfig, EnvironmentConfig, str, str]:
     """(seed, eval settings, harness, domain, effort) an RL stage recorded in its stage.json."""
     path = stage_dir / "stage.json"
     if not path.is_file():
-        raise SystemExit(f"{path} is missing: is {stage_dir} a finished RL stage of a run?")
+        raise ReplayError(f"{path} is missing: is {stage_dir} a finished RL stage of a run?")
     record = read_json(path)
     if record is None:  # a disk that filled, a hand edit
-        raise SystemExit(
+        raise ReplayError(
             f"{path} is damaged (not a JSON mapping): run the stage again: posttrain run FILE "
             f"--restart {stage_dir.name}"
         )
@@ -74,7 +79,7 @@ def recorded_episodes(run: Path, pair: str, student: str) -> dict[str, dict[str,
     teacher_eval = run / f"rl-{pair}" / "eval.json"
     report = read_eval(teacher_eval)  # None too where the stage's manifest does not say done
     if report is None:
-        raise SystemExit(f"{teacher_eval} is missing: pair {pair}'s specialist has not finished in {run}")
+        raise ReplayError(f"{teacher_eval} is missing: pair {pair}'s specialist has not finished in {run}")
     rows = {"specialist": report["episodes"]["after"]}
     student_rows = student_accuracy_rows(run / student / EPISODES_FILE)
     if pair in student_rows:
@@ -105,12 +110,12 @@ def model_hash(stage_dir: Path) -> str:
     and a replay cached under its hash may be another attempt's."""
     manifest = stage_dir / "manifest.json"
     if not manifest.is_file():
-        raise SystemExit(f"{manifest} is missing: {stage_dir.name} has not finished in {stage_dir.parent}")
+        raise ReplayError(f"{manifest} is missing: {stage_dir.name} has not finished in {stage_dir.parent}")
     record = read_manifest(stage_dir)
     if record is None:  # a disk that filled, a hand edit
-        raise SystemExit(manifest_damage(stage_dir))
+        raise ReplayError(manifest_damage(stage_dir))
     if record.get("status", "done") != "done":
-        raise SystemExit(
+        raise ReplayError(
             f"{manifest}: {stage_dir.name} is {record['status']}, not done, in {stage_dir.parent}; "
             f"finish it first: posttrain run FILE --run-dir {stage_dir.parent} --only {stage_dir.name}"
         )
@@ -137,7 +142,7 @@ def kept_share(run: Path, pair: str, samples: int, student: str = "mopd") -> dic
     }
     means = {who: prompt_means(rows, "reward") for who, rows in played.items()}
     if sum(means["specialist"]) <= 0:
-        raise SystemExit(f"{stage_dir}'s specialist solved none of its prompts: no share to keep")
+        raise ReplayError(f"{stage_dir}'s specialist solved none of its prompts: no share to keep")
     kept, kept_se = paired_ratio(means["student"], means["specialist"])
     row: dict[str, Any] = {
         f"{who}{suffix}": value
@@ -169,7 +174,7 @@ def read_cache(cache_file: Path) -> dict[str, Any]:
         return {}
     cache = read_json(cache_file)
     if cache is None:
-        raise SystemExit(
+        raise ReplayError(
             f"{cache_file} is damaged (not a JSON mapping): remove it, and its replays are played again"
         )
     return cache
@@ -207,7 +212,7 @@ def main() -> None:
         for run in args.runs:
             try:
                 row = kept_share(run, pair, args.samples, args.student)
-            except DamagedEvalError as error:  # a user's file to repair, not a bug: no traceback
+            except (DamagedEvalError, ReplayError) as error:  # the user's to repair: no traceback
                 parser.error(str(error))
             claims.append({pair: claim(row["kept"], row["kept_se"], f">={args.bound}")})
             print(

@@ -59,7 +59,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from kept_replay import kept_share, one_thread  # noqa: E402
+from kept_replay import ReplayError, kept_share, one_thread  # noqa: E402
 
 from orchestration.outcomes import (  # noqa: E402
     DamagedEvalError,
@@ -386,9 +386,12 @@ def main() -> None:
     except DamagedEvalError as error:  # its claims cannot be read, and leaving them out would hide it
         parser.error(str(error))
     if args.kept_samples:
-        replayed = replay_kept_shares(
-            {args.out / f"seed-{s}": c for s, c in runs.items()}, args.kept_samples, args.cpus
-        )
+        try:  # raised in a replay process, re-raised here by its future
+            replayed = replay_kept_shares(
+                {args.out / f"seed-{s}": c for s, c in runs.items()}, args.kept_samples, args.cpus
+            )
+        except (DamagedEvalError, ReplayError) as error:
+            parser.error(str(error))
         runs = {s: replayed[args.out / f"seed-{s}"] for s in runs}
     found = [c for c in runs.values() if c]
     summary = seed_summary(found)

@@ -83,16 +83,16 @@ def test_kept_share_reads_its_cache_only_for_the_same_models(tmp_path: Path) -> 
     assert kept_replay.kept_share(tmp_path, "general-max", 8) == cached
     # the student's stage ran again: replayed, and the untrained base solves none of the prompts
     _finished(student, "cccc")
-    with pytest.raises(SystemExit, match="solved none of its prompts"):
+    with pytest.raises(kept_replay.ReplayError, match="solved none of its prompts"):
         kept_replay.kept_share(tmp_path, "general-max", 2)
     assert json.loads((tmp_path / kept_replay.CACHE_FILE).read_text()) == {key: cached}
     (student / "manifest.json").unlink()
-    with pytest.raises(SystemExit, match="mopd/manifest.json is missing"):
+    with pytest.raises(kept_replay.ReplayError, match="mopd/manifest.json is missing"):
         kept_replay.kept_share(tmp_path, "general-max", 8)
 
 
 def test_a_missing_stage_record_names_the_directory(tmp_path: Path) -> None:
-    with pytest.raises(SystemExit, match="rl-general-max/stage.json is missing"):
+    with pytest.raises(kept_replay.ReplayError, match="rl-general-max/stage.json is missing"):
         kept_replay.stage_settings(tmp_path / "rl-general-max")
 
 
@@ -127,8 +127,21 @@ def test_a_stage_not_done_is_not_replayed_nor_read_from_the_cache(tmp_path: Path
     (student / "manifest.json").write_text(json.dumps({"model_hash": "bbbb", "status": "failed"}))
     key = "mopd/general-max/8/aaaa/bbbb"
     (tmp_path / kept_replay.CACHE_FILE).write_text(json.dumps({key: {"kept": 0.93}}))
-    with pytest.raises(SystemExit, match="mopd is failed, not done.*--only mopd"):
+    with pytest.raises(kept_replay.ReplayError, match="mopd is failed, not done.*--only mopd"):
         kept_replay.kept_share(tmp_path, "general-max", 8)
+
+
+def test_a_pair_that_cannot_be_replayed_exits_2_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A student stage not finished is the user's to finish: exit 2 with the stage and the command,
+    as argparse does for bad input, not exit 1."""
+    stage = _rl_stage(tmp_path, "general", "max", prompts=3)
+    _finished(stage, "aaaa")
+    monkeypatch.setattr(sys, "argv", ["kept_replay.py", str(tmp_path), "--samples", "2"])
+    with pytest.raises(SystemExit) as exit_:
+        kept_replay.main()
+    assert exit_.value.code == 2 and f"{tmp_path}/mopd/manifest.json is missing" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv", [["--samples", "0"], ["--threads", "0"]])
@@ -171,7 +184,7 @@ def test_a_damaged_eval_file_exits_2_naming_it_before_playing(
 def test_a_damaged_manifest_is_named(tmp_path: Path) -> None:
     stage = _rl_stage(tmp_path, "general", "max", prompts=3)
     (stage / "manifest.json").write_text('{"model_ha')
-    with pytest.raises(SystemExit, match="rl-general-max/manifest.json is damaged"):
+    with pytest.raises(kept_replay.ReplayError, match="rl-general-max/manifest.json is damaged"):
         kept_replay.model_hash(stage)
 
 
@@ -179,12 +192,14 @@ def test_a_damaged_stage_record_or_replay_cache_is_named(tmp_path: Path) -> None
     """Before: a JSONDecodeError traceback for either."""
     stage = _rl_stage(tmp_path, "general", "max", prompts=3)
     (stage / "stage.json").write_text('{"stage": {"se')
-    with pytest.raises(SystemExit, match="rl-general-max/stage.json is damaged.*--restart rl-general-max"):
+    with pytest.raises(
+        kept_replay.ReplayError, match="rl-general-max/stage.json is damaged.*--restart rl-general-max"
+    ):
         kept_replay.stage_settings(stage)
     student = tmp_path / "mopd"
     student.mkdir()
     _finished(stage, "aaaa")
     _finished(student, "bbbb")
     (tmp_path / kept_replay.CACHE_FILE).write_text('{"mopd/general-max/8/aaaa/bbbb": {"kept": 0.9')
-    with pytest.raises(SystemExit, match="kept_replay.json is damaged.*remove it"):
+    with pytest.raises(kept_replay.ReplayError, match="kept_replay.json is damaged.*remove it"):
         kept_replay.kept_share(tmp_path, "general-max", 8)

@@ -55,8 +55,26 @@ def test_kept_claims_are_judged_on_the_replay(tmp_path: Path) -> None:
     assert not claims["mopd_keeps_90/general-max"]["holds"]  # the caller's claims are not changed
     # no cached replay of 4 episodes a prompt: it plays one, and this run has no specialist to play
     # (the replay's error, raised in its process, reaches the caller)
-    with pytest.raises(SystemExit, match="rl-general-max/eval.json is missing"):
+    with pytest.raises(bench_outcomes.ReplayError, match="rl-general-max/eval.json is missing"):
         bench_outcomes.replay_kept_shares({run: claims}, 4)
+
+
+def test_a_run_that_cannot_be_replayed_exits_2_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A replay's refusal (a stage not finished, a damaged record: kept_replay.ReplayError) is the
+    user's to fix: exit 2 with its message and no report, as for a damaged eval file, not exit 1."""
+    out = tmp_path / "out"
+    _seed_run(out, 0, [], {})
+
+    def refuse(runs: dict, samples: int, lanes: int = 1) -> dict:
+        raise bench_outcomes.ReplayError(f"{out}/seed-0/mopd/manifest.json is missing")
+
+    monkeypatch.setattr(bench_outcomes, "replay_kept_shares", refuse)
+    with pytest.raises(SystemExit) as exit_:
+        _main(monkeypatch, "--report-only", "--out", str(out), "--seeds", "0", "--kept-samples", "4")
+    assert exit_.value.code == 2 and "seed-0/mopd/manifest.json is missing" in capsys.readouterr().err
+    assert not (out / "outcomes.json").exists()
 
 
 def test_replays_of_several_runs_and_pairs_in_lanes_land_on_their_own_claims(
