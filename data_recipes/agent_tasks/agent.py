@@ -16,16 +16,11 @@ from data_recipes.agent_tasks.tools import DOCS_DIR
 from posttrain.data.sample import Sample
 from posttrain.envs.tasks import TASK_FAMILIES, Episode, FinalState
 
-FILE_NAMES = ("items.txt", "result.txt", "text.txt", "out.txt")
-# Every name is a token the write call copies: `{"path": "` + `out` + `.txt", "content": "`, the same
-# `out` as the question's and the thinking's `"out.txt"`. answer.txt and report.txt, shipped before,
-# are each inside one superword of the frozen tokenizer (`{"path": "answer.txt", "content": "`), so
-# writing them was a choice between two learned tokens, not a copy: one seed's SFT model wrote the
-# right total to answer.txt in 11 of its 15 failed order_total episodes (bench/RESULTS.md, #21).
-# items and text occur nowhere else in the rendered rows, so no other use stands in for the copy.
+FILE_NAMES = ("answer.txt", "result.txt", "report.txt", "out.txt")
 # Questions and thinking name the file in quotes: `to "out.txt".` holds the bare token `out` that
 # write_file's JSON argument uses, while `to out.txt.` is one superword token (` out.txt.`) the tiny
-# model never learned to map to it (docs/data.md).
+# model never learned to map to it; unquoted, the SFT model wrote the right number to answer.txt
+# (`{"path": "answer.txt", "content": "` is one token) instead of the asked file (docs/data.md).
 # Likewise order_total's thinking restates the quantity after the question's own words (`A customer
 # orders ` is one token, the digit after it is what a copy reads): stated only in the question, 150
 # tokens before the calculator call, the SFT model put a guess there (0 of 12 held-out prompts).
