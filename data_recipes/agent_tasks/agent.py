@@ -45,6 +45,14 @@ def _read(results: list[str], pattern: str) -> re.Match[str]:
 Thought = tuple[str, Sequence[str], Sequence[str]]
 
 
+def goes_to(path: str) -> str:
+    """The file named again at the end of every turn's plan before the write, so each mention of it
+    copies the one a turn back: named only in the question, two turns and three tool results before
+    the write's thinking, some SFT seeds wrote a name they had learnt instead (answer.txt for any
+    asked file), and which seeds did was a lottery (bench/RESULTS.md, issue #21)."""
+    return f'It goes to "{path}".'
+
+
 def write_then_report(
     episode: Episode, effort: str, path: str, value: str, write: Thought, written: Thought, report: str
 ) -> Iterator[dict[str, Any]]:
@@ -129,7 +137,7 @@ class OrderTotal(FileAnswerFamily):
             thinking(
                 effort,
                 f"A customer orders {quantity} units. I need the {product} price and the {region} "
-                "shipping fee.",
+                f"shipping fee. {goes_to(path)}",
                 ["The catalog has prices and the shipping document has fees.", "I search both at once."],
                 ["The fee is charged once per order, not per unit."],
             ),
@@ -144,7 +152,8 @@ class OrderTotal(FileAnswerFamily):
         yield episode.assistant(
             thinking(
                 effort,
-                f"A customer orders {quantity} units, price {price}, fee {fee}: the total is {expression}.",
+                f"A customer orders {quantity} units, price {price}, fee {fee}: the total is {expression}. "
+                + goes_to(path),
                 [f"{quantity} units at {price} dollars each, plus one fee of {fee}."],
                 [f"Check: {expression} adds the fee once."],
             ),
@@ -181,7 +190,7 @@ class StaffOffice(FileAnswerFamily):
         yield episode.assistant(
             thinking(
                 effort,
-                f"Search the staff directory for {person}.",
+                f"Search the staff directory for {person}. {goes_to(path)}",
                 ["The directory lists each person's team and office city."],
                 ["If two people share a name I would need to ask, so I check the hit."],
             ),
@@ -219,7 +228,7 @@ class DesksPerFloor(FileAnswerFamily):
         yield episode.assistant(
             thinking(
                 effort,
-                f"Find the {city} office's floors and desks.",
+                f"Find the {city} office's floors and desks. {goes_to(path)}",
                 ["The offices document lists floors and desks per office."],
                 ["I search with the words floors and desks so the office line ranks first."],
             ),
@@ -230,7 +239,10 @@ class DesksPerFloor(FileAnswerFamily):
         expression = f"{desks}/{floors}"
         yield episode.assistant(
             thinking(
-                effort, f"{desks} desks over {floors} floors: {expression}.", ["Divide desks by floors."], []
+                effort,
+                f"{desks} desks over {floors} floors: {expression}. {goes_to(path)}",
+                ["Divide desks by floors."],
+                [],
             ),
             calls=[("calculator", {"expression": expression})],
         )
@@ -281,7 +293,7 @@ class OrderCost(FileAnswerFamily):
         yield episode.assistant(
             thinking(
                 effort,
-                f"A customer orders {quantity} units. I need the {product} price.",
+                f"A customer orders {quantity} units. I need the {product} price. {goes_to(path)}",
                 ["The catalog has the prices.", "Shipping is not asked for."],
                 ["The price is per unit, so the cost is the quantity times the price."],
             ),
@@ -294,7 +306,7 @@ class OrderCost(FileAnswerFamily):
             yield episode.assistant(
                 thinking(
                     effort,
-                    f"{plan} with the calculator.",
+                    f"{plan} with the calculator. {goes_to(path)}",
                     [f"{quantity} units at {price} dollars each."],
                     [f"Check: {expression} multiplies the units by the price."],
                 ),
@@ -306,7 +318,7 @@ class OrderCost(FileAnswerFamily):
             yield episode.assistant(
                 thinking(
                     effort,
-                    f"{plan} = {cost}.",
+                    f"{plan} = {cost}. {goes_to(path)}",
                     [f'I write {cost} to "{path}".'],
                     ["Only the number goes in the file."],
                 ),
