@@ -161,6 +161,25 @@ def _calls(message: dict, name: str) -> list[dict]:
     return [c for c in message.get("tool_calls", []) if c["function"]["name"] == name]
 
 
+def test_file_tasks_name_the_file_in_every_turn_before_the_write(shipped):
+    """Every assistant turn before the write names the asked file in its thinking, at every effort
+    (the plan, which low effort keeps), so each mention, the write's included, has one a turn back
+    to copy. Named only in the question, two turns and three tool results before the write, one
+    seed's SFT model wrote answer.txt in its thinking for whichever file was asked."""
+    checked = 0
+    for record in shipped:
+        path = record["task"].get("path")
+        if record["domain"] != "agent" or path is None:
+            continue
+        turns = [m for m in record["messages"] if m["role"] == "assistant"]
+        write = next(i for i, m in enumerate(turns) if _calls(m, "write_file"))
+        assert write >= 1, record["uid"]
+        for turn in turns[:write]:
+            assert f'"{path}"' in turn["reasoning_content"], (record["uid"], turn["reasoning_content"])
+        checked += 1
+    assert checked == 720  # order_total, staff_office, desks_per_floor 200 rows each; order_cost 120
+
+
 def test_order_total_states_the_quantity_beside_the_call_that_uses_it(renderer, shipped):
     """The calculator call's quantity is a copy from a few tokens back: both thinking turns restate
     the question's own `A customer orders <q>` (the same cue token, then the digit a copy reads), so
