@@ -281,12 +281,13 @@ def unfinished_stages(
     stage_file: Path,
     overrides: list[str],
     commit: str,
+    started: list[str],
 ) -> dict[str, str]:
     """Seed's run dir checked before its claims are read: an argparse error (exit 2) where it holds
     no run or its last run was another stage file or other overrides (another recipe's numbers:
-    `recipe_mismatch`; where the seed was started at another commit than this checkout's, it names
-    that commit: the data and the hash's definition change between commits, so a run matches only
-    the code that ran it);
+    `recipe_mismatch`; where the seed was started (`started`: its commits.json list) at another commit
+    than this checkout's, it names that commit: the data and the hash's definition change between
+    commits, so a run matches only the code that ran it);
     else its stages that are not done, with their status (their claims are missing, not held)."""
     run_dir = out / f"seed-{seed}"
     plan = read_json(run_dir / PIPELINE)
@@ -309,7 +310,6 @@ def unfinished_stages(
         mismatch = found == asked and recipe_mismatch(run_dir, plan, load_pipeline(stage_file, asked[1:]))
     except ConfigError as error:
         parser.error(f"--stage-file {stage_file}: {error}")
-    started = read_started(out, COMMITS_FILE, [seed]).get(str(seed), [])
     if mismatch and started and commit not in started:
         mismatch += (
             f"; seed {seed} was started at {', '.join(started)} and this checkout is {commit}: read it "
@@ -376,10 +376,15 @@ def main() -> None:
                 print(
                     f"seed {seed}: exit {code} after {seconds / 60:.1f} min (log {args.out}/seed-{seed}.log)"
                 )
+    seed_commits = read_started(args.out, COMMITS_FILE, args.seeds)
     unfinished = {
         s: stages
         for s in args.seeds
-        if (stages := unfinished_stages(parser, args.out, s, args.stage_file, args.overrides, commit))
+        if (
+            stages := unfinished_stages(
+                parser, args.out, s, args.stage_file, args.overrides, commit, seed_commits.get(str(s), [])
+            )
+        )
     }
     try:
         runs = {s: run_claims(args.out / f"seed-{s}") for s in args.seeds}
@@ -403,7 +408,6 @@ def main() -> None:
     for seed, stages in unfinished.items():  # their claims are blank cells or missing rows, not misses
         listed = ", ".join(f"{stage} ({state})" for stage, state in stages.items())
         lines += [f"Seed {seed}'s stages not done, their claims left out: {listed}."]
-    seed_commits = read_started(args.out, COMMITS_FILE, list(runs))
     for seed, commits in seed_commits.items():
         if commits != [commit]:
             lines += [
