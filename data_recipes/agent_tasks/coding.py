@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import re
+from abc import abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -299,12 +300,13 @@ class CodeRouteFamily(HiddenTestFamily):
 
     result = "cost"  # "It printed the cost, as expected."
 
+    @abstractmethod
     def routes(self, sample: Sample) -> tuple[str, str, str, str]:
         """(the code route's plan, its code, the stated route's plan, its code)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def examples(self, sample: Sample) -> Examples:
-        raise NotImplementedError
+        """The runs the demonstration tests its code with."""
 
     def demonstration(self, sample: Sample, episode: Episode) -> Iterator[dict[str, Any]]:
         effort = sample.effort
