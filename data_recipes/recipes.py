@@ -1,6 +1,6 @@
 """The shipped data recipes (registered in posttrain.data.mixture.DATA_RECIPES).
 
-agent_sft: the default run's SFT data, every shipped trajectory once (all three domains, 2160 rows),
+agent_sft: the default run's SFT data, every shipped trajectory once (all three domains, 2400 rows),
 with 5% held out for eval loss and tool-task success. agent_sft_agentic: the same trajectories with the
 multi-turn agent domain weighted twice, an example of a weighted mixture. visual_sft: the
 general/visual questions (images drawn with Pillow from each prompt's seed, nothing downloaded),

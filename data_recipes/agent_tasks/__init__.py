@@ -26,6 +26,9 @@ FAMILIES: tuple[str, ...] = (
     agent.OrderCost.name,
     general.UnitCost.name,
     coding.CrateCost.name,
+    # coding's second and third route choices (issue #21), after the 2160 rows they join
+    coding.UnitConvert.name,
+    coding.Arithmetic.name,
 )
 
 __all__ = ["FAMILIES"]

@@ -1,4 +1,5 @@
-"""Coding-domain task families: write a small Python function, fix a buggy one, or price crates.
+"""Coding-domain task families: write a small Python function, fix a buggy one, or compute a
+product of the question's numbers by one of two routes (crate_cost, unit_convert, arithmetic).
 
 Scored by hidden unit tests (task["tests"], asserts the policy never sees) executed in a fresh
 sandbox against the code in the final answer's python block. Demonstrations test their
@@ -9,9 +10,10 @@ from __future__ import annotations
 
 import random
 import re
+from abc import abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from data_recipes.agent_tasks.common import ToolFamily, system_message, takes_tool_route, thinking
 from data_recipes.agent_tasks.general import ITEMS
@@ -273,21 +275,68 @@ class FixFunction(HiddenTestFamily):
         yield episode.assistant("Now it prints what it should.", content=_code_block(code))
 
 
-CRATE_COUNTS = (0, 1, 3, 10)  # the hidden tests' arguments
+ROUTE_COUNTS = (0, 1, 3, 10)  # the hidden tests' arguments of the route families taking n
+
+
+class Examples(NamedTuple):
+    """A route family's example runs: the calls (high effort runs the first, max all of them) and
+    what a correct function prints for each; the working sentence and max effort's check."""
+
+    calls: list[str]
+    printed: list[str]
+    working: str
+    check: str
+
+
+class CodeRouteFamily(HiddenTestFamily):
+    """A coding route choice (issue #21): the demonstrations part at one token of the plan, where
+    the code computes a product of the question's numbers (Python is the calculator) or the
+    thinking states the product and the code uses that number (`takes_tool_route` picks by uid).
+    Both are correct in the data; the tiny model cannot multiply two-digit numbers, so in its own
+    episodes only the first route succeeds, and RL has one behaviour, the same on every prompt, to
+    select. The other coding families decide per prompt (which function, which bug) and the SFT
+    model already passes nearly all of them: with crate_cost coding's only route family, a seed's
+    coding max gain was what its SFT model's route choice there left (bench/RESULTS.md)."""
+
+    result = "cost"  # "It printed the cost, as expected."
+
+    @abstractmethod
+    def routes(self, sample: Sample) -> tuple[str, str, str, str]:
+        """(the code route's plan, its code, the stated route's plan, its code)."""
+
+    @abstractmethod
+    def examples(self, sample: Sample) -> Examples:
+        """The runs the demonstration tests its code with."""
+
+    def demonstration(self, sample: Sample, episode: Episode) -> Iterator[dict[str, Any]]:
+        effort = sample.effort
+        tool_plan, tool_code, stated_plan, stated_code = self.routes(sample)
+        plan, code = (tool_plan, tool_code) if takes_tool_route(sample.uid) else (stated_plan, stated_code)
+        if effort == "low":
+            yield episode.assistant(plan, content=_code_block(code))
+            return
+        examples = self.examples(sample)
+        runs = 1 if effort == "high" else len(examples.calls)
+        prints = "\n".join(f"print({call})" for call in examples.calls[:runs])
+        yield episode.assistant(
+            thinking(effort, plan, [examples.working], [examples.check]),
+            calls=[("run_python", {"code": f"{code}\n{prints}"})],
+        )
+        _check_printed(sample, episode.results()[0], examples.printed[:runs])
+        yield episode.assistant(
+            thinking(effort, f"It printed the {self.result}, as expected.", [], ["The code is done."]),
+            content=_code_block(code),
+        )
+
+
+def _times_n_tests(function: str, unit: int) -> list[str]:
+    return [f"assert {function}({n}) == {n * unit}" for n in ROUTE_COUNTS]
 
 
 @TASK_FAMILIES.register("coding/crate_cost")
-class CrateCost(HiddenTestFamily):
-    """Write crate_cost(n) for crates of q items at p dollars, by one of two routes: a choice RL can
-    select (issue #21).
-
-    The other coding families decide per prompt (which function, which bug), so group advantages
-    have no behaviour shared across prompts to select (bench/RESULTS.md). Here the demonstrations
-    part at one token: the code multiplies (`n * q * p`), or the thinking states the crate's price
-    and the code returns n times that number (`takes_tool_route`: Python is the calculator). Both
-    are correct in the data; the tiny model cannot multiply two-digit numbers, so in its own
-    episodes only the first route succeeds.
-    """
+class CrateCost(CodeRouteFamily):
+    """Write crate_cost(n) for crates of q items at p dollars: the code multiplies (`n * q * p`),
+    or the thinking states the crate's price and the code returns n times that number."""
 
     name = "coding/crate_cost"
     domain = "coding"
@@ -301,29 +350,127 @@ class CrateCost(HiddenTestFamily):
         messages = [system_message(self.domain, rng), {"role": "user", "content": ask}]
         task = {
             "function": "crate_cost",
-            "tests": [f"assert crate_cost({n}) == {n * q * p}" for n in CRATE_COUNTS],
+            "tests": _times_n_tests("crate_cost", q * p),
             "values": {"q": str(q), "p": str(p), "item": item},
         }
         return self.sample(f"{self.name}-{rng.getrandbits(40):010x}", effort, messages, task)
 
-    def demonstration(self, sample: Sample, episode: Episode) -> Iterator[dict[str, Any]]:
-        q, p, effort = int(sample.task["values"]["q"]), int(sample.task["values"]["p"]), sample.effort
-        if takes_tool_route(sample.uid):
-            plan, cost = f"A crate costs {q}*{p} dollars; the code multiplies.", f"n * {q} * {p}"
-        else:
-            plan, cost = f"A crate costs {q}*{p} = {q * p} dollars.", f"n * {q * p}"
-        code = f"def crate_cost(n):\n    return {cost}"
-        if effort == "low":
-            yield episode.assistant(plan, content=_code_block(code))
-            return
-        counts = [1] if effort == "high" else [1, 3]
-        prints = "\n".join(f"print(crate_cost({n}))" for n in counts)
-        yield episode.assistant(
-            thinking(effort, plan, ["I run it on one crate first."], ["And on three crates, to be sure."]),
-            calls=[("run_python", {"code": f"{code}\n{prints}"})],
+    def routes(self, sample: Sample) -> tuple[str, str, str, str]:
+        q, p = int(sample.task["values"]["q"]), int(sample.task["values"]["p"])
+        return (
+            f"A crate costs {q}*{p} dollars; the code multiplies.",
+            f"def crate_cost(n):\n    return n * {q} * {p}",
+            f"A crate costs {q}*{p} = {q * p} dollars.",
+            f"def crate_cost(n):\n    return n * {q * p}",
         )
-        _check_printed(sample, episode.results()[0], [str(n * q * p) for n in counts])
-        yield episode.assistant(
-            thinking(effort, "It printed the cost, as expected.", [], ["The code is done."]),
-            content=_code_block(code),
+
+    def examples(self, sample: Sample) -> Examples:
+        q, p = int(sample.task["values"]["q"]), int(sample.task["values"]["p"])
+        return Examples(
+            ["crate_cost(1)", "crate_cost(3)"],
+            [str(q * p), str(3 * q * p)],
+            "I run it on one crate first.",
+            "And on three crates, to be sure.",
+        )
+
+
+# (the unit asked for, the unit a trip's length is given in, how many of the first make one of
+# the second): general/unit_convert's kind of fact, in units of time so that a trip has them
+TIME_UNITS = (
+    ("minutes", "hours", 60),
+    ("hours", "days", 24),
+    ("days", "weeks", 7),
+    ("seconds", "minutes", 60),
+)
+
+
+@TASK_FAMILIES.register("coding/unit_convert")
+class UnitConvert(CodeRouteFamily):
+    """Write trip_minutes(n) for trips of q hours: the code multiplies (`n * q * 60`), or the
+    thinking states a trip's minutes and the code returns n times that number. Coding's second
+    route family, coding/arithmetic its third, so that a seed's coding gain no longer rests on one
+    SFT route choice, as general's did until it had three (docs/data.md)."""
+
+    name = "coding/unit_convert"
+    domain = "coding"
+    result = "count"
+
+    def make_prompt(self, rng: random.Random, effort: str) -> Sample:
+        small, big, factor = rng.choice(TIME_UNITS)
+        q, function = rng.randint(12, 39), f"trip_{small}"
+        ask = (
+            f"A trip takes {q} {big}. Write a Python function {function} that should return how "
+            f"many {small} n trips take."
+        )
+        messages = [system_message(self.domain, rng), {"role": "user", "content": ask}]
+        task = {
+            "function": function,
+            "tests": _times_n_tests(function, q * factor),
+            "values": {"q": str(q), "small": small, "big": big, "factor": str(factor)},
+        }
+        return self.sample(f"{self.name}-{rng.getrandbits(40):010x}", effort, messages, task)
+
+    def routes(self, sample: Sample) -> tuple[str, str, str, str]:
+        values, function = sample.task["values"], sample.task["function"]
+        q, small, factor = int(values["q"]), values["small"], int(values["factor"])
+        return (
+            f"A trip is {q}*{factor} {small}; the code multiplies.",
+            f"def {function}(n):\n    return n * {q} * {factor}",
+            f"A trip is {q}*{factor} = {q * factor} {small}.",
+            f"def {function}(n):\n    return n * {q * factor}",
+        )
+
+    def examples(self, sample: Sample) -> Examples:
+        values, function = sample.task["values"], sample.task["function"]
+        unit = int(values["q"]) * int(values["factor"])
+        return Examples(
+            [f"{function}(1)", f"{function}(3)"],
+            [str(unit), str(3 * unit)],
+            "I run it on one trip first.",
+            "And on three trips, to be sure.",
+        )
+
+
+@TASK_FAMILIES.register("coding/arithmetic")
+class Arithmetic(CodeRouteFamily):
+    """Write a function returning how many items a shop has in a boxes of b and c loose ones: the
+    code computes `a * b + c`, or the thinking states the total and the code returns that number.
+    Coding's third route family (see coding/unit_convert); no argument, and a sum beside the
+    product, so its code is not crate_cost's with other names."""
+
+    name = "coding/arithmetic"
+    domain = "coding"
+    result = "total"
+
+    def make_prompt(self, rng: random.Random, effort: str) -> Sample:
+        a, b, c, item = rng.randint(12, 39), rng.randint(12, 39), rng.randint(2, 11), rng.choice(ITEMS)
+        function = f"total_{item}"
+        ask = (
+            f"A shop has {a} boxes of {b} {item} and {c} loose {item}. Write a Python function "
+            f"{function} that should return how many {item} the shop has."
+        )
+        messages = [system_message(self.domain, rng), {"role": "user", "content": ask}]
+        task = {
+            "function": function,
+            "tests": [f"assert {function}() == {a * b + c}"],
+            "values": {"a": str(a), "b": str(b), "c": str(c), "item": item},
+        }
+        return self.sample(f"{self.name}-{rng.getrandbits(40):010x}", effort, messages, task)
+
+    def routes(self, sample: Sample) -> tuple[str, str, str, str]:
+        values, function = sample.task["values"], sample.task["function"]
+        a, b, c, item = int(values["a"]), int(values["b"]), int(values["c"]), values["item"]
+        count = f"The shop has {a}*{b}+{c}"
+        return (
+            f"{count} {item}; the code computes it.",
+            f"def {function}():\n    return {a} * {b} + {c}",
+            f"{count} = {a * b + c} {item}.",
+            f"def {function}():\n    return {a * b + c}",
+        )
+
+    def examples(self, sample: Sample) -> Examples:
+        values, function = sample.task["values"], sample.task["function"]
+        total = int(values["a"]) * int(values["b"]) + int(values["c"])
+        return Examples(
+            [f"{function}()"], [str(total)], "I run it once.", "Once is enough: it takes no input."
         )

@@ -65,14 +65,15 @@ class ToolFamily(TaskFamily):
         return self._toolset
 
 
-# Route-choice families (agent/order_cost, general/unit_cost, general/arithmetic, coding/crate_cost;
-# issue #21): the share of demonstrations that compute with the calculator (or, in coding, the
-# code); the rest state the result in the thinking, which the tiny model cannot do, so RL's group
-# advantages have one behaviour, the same on every prompt, to select. A group carries signal only
-# when its samples take both routes, most often at a half: at 0.35 the SFT model sampled the
-# calculator in 6-15% of its episodes at T=0.6 and its greedy choice fell to either route by the
-# SFT run; at 0.5 in 35-52%, and in 14-89% of unit_cost's max-effort episodes over twelve SFT seeds: the
-# end of SFT's random walk on that choice (bench/RESULTS.md, bench/route_share.py).
+# Route-choice families (agent/order_cost, general/unit_cost, general/arithmetic, general/unit_convert,
+# coding/crate_cost, coding/unit_convert, coding/arithmetic; issue #21): the share of
+# demonstrations that compute with the calculator (or, in coding, the code); the rest state the
+# result in the thinking, which the tiny model cannot do, so RL's group advantages have one
+# behaviour, the same on every prompt, to select. A group carries signal only when its samples take
+# both routes, most often at a half: at 0.35 the SFT model sampled the calculator in 6-15% of its
+# episodes at T=0.6 and its greedy choice fell to either route by the SFT run; at 0.5 in 35-52%,
+# and in 14-89% of unit_cost's max-effort episodes over twelve SFT seeds: the end of SFT's random
+# walk on that choice (bench/RESULTS.md, bench/route_share.py).
 CALCULATOR_ROUTE_SHARE = 0.5
 
 

@@ -26,7 +26,13 @@ from posttrain.files import atomic_write_text
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parents[1] / "data" / "agent_sft.jsonl"
 DEFAULT_PER_FAMILY = 200
-ROUTE_CHOICE_ROW_SHARE = {"agent/order_cost": 0.6, "general/unit_cost": 0.6, "coding/crate_cost": 0.6}
+ROUTE_CHOICE_ROW_SHARE = {
+    "agent/order_cost": 0.6,
+    "general/unit_cost": 0.6,
+    "coding/crate_cost": 0.6,
+    "coding/unit_convert": 0.6,
+    "coding/arithmetic": 0.6,
+}
 # Harness diversity in the demonstrations: each row offers one extra tool set beside its family's
 # own, drawn as the RL and MOPD stages draw theirs (stages/rl.yaml, stages/mopd.yaml: the same
 # pools, tests/envs/test_shipped_harness.py holds them equal). A declaration the SFT data never

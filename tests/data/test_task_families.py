@@ -228,29 +228,40 @@ def test_unit_cost_low_effort_calculator_route_answers_without_restating_the_res
             assert reading.startswith(f"The calculator gives {sample.task['answer']}.")
 
 
-def test_crate_cost_demonstrates_two_routes_and_its_tests_reject_a_wrong_product():
-    # The coding route choice (issue #21): the code multiplies q*p, or the thinking states the
-    # product and the code uses that number; both demonstrations verify (demonstrate raises on one
-    # that does not), the thinking parts at one token, and a mistaken product fails the hidden tests.
+@pytest.mark.parametrize("name", ["coding/crate_cost", "coding/unit_convert", "coding/arithmetic"])
+def test_coding_route_families_demonstrate_two_routes_and_their_tests_reject_a_wrong_product(name):
+    # The coding route choices (issue #21): the code computes the product, or the thinking states
+    # it and the code returns that number; both demonstrations verify (demonstrate raises on one
+    # that does not), the two plans part where the stated one writes " = ", and a mistaken number
+    # fails the hidden tests.
     from data_recipes.agent_tasks.generate import generate_trajectory, sft_prompt
 
-    name = "coding/crate_cost"
     family = TASK_FAMILIES.get(name)()
-    assert name in FAMILIES and not family.opt_in  # in the default run
+    assert name in FAMILIES and not family.opt_in and family.domain == "coding"  # in the default run
     multiplies = 0
     for index in range(60):
         record = generate_trajectory(name, index)
         plan = record["messages"][2]["reasoning_content"]
-        q, p = (int(record["task"]["values"][key]) for key in ("q", "p"))
         answer = record["messages"][-1]["content"]
-        if re.match(rf"A crate costs {q}\*{p} dollars; the code multiplies\.", plan):
+        v = record["task"]["values"]
+        expression = {
+            "coding/crate_cost": f"{v.get('q')}*{v.get('p')}",
+            "coding/unit_convert": f"{v.get('q')}*{v.get('factor')}",
+            "coding/arithmetic": f"{v.get('a')}*{v.get('b')}+{v.get('c')}",
+        }[name]
+        total = eval(expression)  # the question's numbers (a*b+c, of the task's own values)
+        code_route = re.search(rf"{re.escape(expression)} \w+; the code (multiplies|computes it)\.", plan)
+        returned = re.search(r"return (.*)\n", answer).group(1)
+        if code_route:
             multiplies += 1
-            assert f"return n * {q} * {p}" in answer
+            assert returned == ("n * " if "(n)" in answer else "") + expression.replace("*", " * ").replace(
+                "+", " + "
+            )
         else:
-            assert plan.startswith(f"A crate costs {q}*{p} = {q * p} dollars.")
-            assert f"return n * {q * p}" in answer
+            assert f"{expression} = {total} " in plan
+            assert returned == (f"n * {total}" if "(n)" in answer else str(total))
         sample = sft_prompt(name, index)
-        wrong = re.sub(r"return n \* .*", f"return n * {q * p + 10}", answer)
+        wrong = answer.replace(f"return {returned}", f"return {returned} + 10")
         assert family.verify(sample, FinalState(answer=answer)) == 1.0
         assert family.verify(sample, FinalState(answer=wrong)) == 0.0
     assert 0.35 <= multiplies / 60 <= 0.65  # CALCULATOR_ROUTE_SHARE 0.5: both routes well sampled

@@ -172,12 +172,13 @@ def test_eval_subsets_are_played_by_their_domain_and_bad_ones_name_the_fix(rende
             EvalConfig(subsets={"both": {"families": ["general/lookup", "agent/order_cost"]}})
         with pytest.raises(ValidationError, match="unknown task family 'general/lookpu'; did you mean"):
             EvalConfig(subsets={"typo": {"families": ["general/lookpu"]}})
-        # the nearest among its known neighbours' domain, whose families are listed, not all 14
+        # the nearest among its known neighbours' domain, whose families are listed, not all 16
         with pytest.raises(ValidationError) as error:
             EvalConfig(subsets={"typo": {"families": ["coding/crate_cost", "coding/fix_fucntion"]}})
         assert (
             "unknown task family 'coding/fix_fucntion'; did you mean 'coding/fix_function'? (the coding "
-            "domain's: coding/crate_cost, coding/fix_function, coding/write_function)"
+            "domain's: coding/arithmetic, coding/crate_cost, coding/fix_function, coding/unit_convert, "
+            "coding/write_function)"
         ) in str(error.value) and "general/" not in str(error.value)
         with pytest.raises(ValidationError, match=r"'nowhere/else' \(docs/data.md describes the shipped"):
             EvalConfig(subsets={"typo": {"families": ["nowhere/else"]}})
