@@ -136,7 +136,7 @@ def test_shipped_stages_bound_their_real_optimizer_steps() -> None:
     """The bound reads the steps each shipped kind takes (rl: iterations x PPO epochs) and stays far
     above what the shipped learning rates can do in one step, so legit stages never trip it."""
     pipeline = load_pipeline(REPO / "stages" / "mopd.yaml")
-    expected = {"sft": 1380, "rl-general-low": 16, "rl-coding-max": 16, "mopd": 16}
+    expected = {"sft": 1380, "rl-general-low": 16, "rl-coding-max": 16, "mopd": 32}
     for sid, steps in expected.items():
         stage = pipeline.stages[sid]
         config = STAGE_KINDS.get(stage.kind).config.model_validate(stage.body)
