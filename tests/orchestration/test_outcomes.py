@@ -51,7 +51,7 @@ def test_claims_of_one_run_hold_and_fail_by_their_rules(tmp_path):
     _rl(tmp_path, "agent", "low", -0.08, 0.03, 70.0)  # loses 8 points
     _rl(tmp_path, "agent", "high", 0.0, 0.03, 60.0)  # shorter than low: order broken
     _rl(tmp_path, "agent", "max", 0.05, 0.04, 90.0)  # z 1.25
-    _rl(tmp_path, "coding", "low", 0.0, 0.03, 20.0)  # high and max missing: no coding claims
+    _rl(tmp_path, "coding", "low", 0.0, 0.03, 20.0)  # high and max missing: only the low claim
     row = {
         "kl_before": 0.05, "kl_after": 0.04, "kl_change_se": 0.02,
         "kl_exact_before": 0.05, "kl_exact_after": 0.03, "kl_exact_change_se": 0.005,
@@ -64,7 +64,8 @@ def test_claims_of_one_run_hold_and_fail_by_their_rules(tmp_path):
     assert claims["low_within_5/general"]["holds"] and not claims["low_within_5/agent"]["holds"]
     assert claims["length_order/general"]["holds"] and not claims["length_order/agent"]["holds"]
     assert claims["length_order/general"]["tokens"] == [20.0, 40.0, 60.0]
-    assert not any(name.endswith("/coding") for name in claims)
+    # coding's low stage alone gives its own claim; the max and length claims need what is missing
+    assert [name for name in claims if name.endswith("/coding")] == ["low_within_5/coding"]
     # an eval subset's change is judged per specialist, at z >= 2
     assert (
         claims["visual_beats_sft/general-low"]["holds"]
@@ -93,7 +94,10 @@ def test_kept_share_compares_with_the_teachers_first_episode_of_each_prompt(tmp_
     stage.mkdir(parents=True)
     uids = [f"eval/general/f-{i}/max/{k}" for i in range(4) for k in range(2)]
     rewards = [1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0]  # first episodes 1, 1, 1, 0; second all 0
-    (stage / "eval.json").write_text(json.dumps({"episodes": {"after": {"uid": uids, "reward": rewards}}}))
+    report = {"accuracy_change": 0.1, "accuracy_change_se": 0.05, "mean_response_tokens": 60.0}
+    (stage / "eval.json").write_text(
+        json.dumps({**report, "episodes": {"after": {"uid": uids, "reward": rewards}}})
+    )
     row = {"accuracy_after": 0.75, "accuracy_se_after": 0.05, "accuracy_episodes": 4.0}
     _mopd(tmp_path, {"general-max": row})
     kept = run_claims(tmp_path)["mopd_keeps_90/general-max"]
