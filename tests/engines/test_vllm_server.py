@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -40,8 +42,7 @@ def engine(server):
 
 # Long enough that the server is still generating when the client first sees tokens, most of
 # the time; `KillMidBatch` makes the rest of the race explicit instead of timed. A lost race costs
-# one batch and is retried: 4 tries were all lost once with another process on the 2 cores (the
-# 77f90c6 CI run), so 8; a won race ends the loop, so a quiet machine pays nothing for them.
+# one batch and is retried; a won race ends the loop, so a quiet machine pays nothing for retries.
 LONG = 900
 ATTEMPTS = 8
 
@@ -54,22 +55,81 @@ def streaming(sample, at_least: int) -> bool:
     return sample.finish_reason is None and generated_tokens(sample) >= at_least
 
 
+# Opens one WINDOW-second run of the stopped engine-core processes (argv) per b"s" on stdin; on
+# EOF or anything else it lets them run. A process of its own, so a window closes on time even
+# while the client's threads fight over the GIL.
+_LOCKSTEP = """
+import os, signal, sys, time
+pids, window = [int(p) for p in sys.argv[2:]], float(sys.argv[1])
+def send(signum):
+    for pid in pids:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+while sys.stdin.buffer.read(1) == b"s":
+    send(signal.SIGCONT)
+    time.sleep(window)
+    send(signal.SIGSTOP)
+send(signal.SIGCONT)
+"""
+
+
+class LockstepEngineCore:
+    """Lets the server's engine-core processes run only in short windows the client asks for.
+
+    With other work on the 2 cores the client can stall for seconds while the engine core
+    finishes all LONG tokens unseen: every one of 8 tries was lost that way (session 69, CI beside
+    another job; reproduced with 3 busy loops, also when the core was throttled on a clock or its
+    windows were timed by a thread of the client: once the core streams, the client's reader
+    threads hold the GIL and the window stays open). Here the core is stopped except for
+    WINDOW_S per hook call, timed by a separate process, so it advances only as the client
+    watches.
+    """
+
+    WINDOW_S = 0.005
+
+    def __init__(self, server: VLLMServer) -> None:
+        import psutil  # a dependency of vLLM
+
+        pids = [str(core.pid) for core in psutil.Process(server.process.pid).children(recursive=True)]
+        for pid in pids:
+            os.kill(int(pid), signal.SIGSTOP)  # here, not in the controller: before any request
+        self.controller = subprocess.Popen(
+            [sys.executable, "-c", _LOCKSTEP, str(self.WINDOW_S), *pids], stdin=subprocess.PIPE
+        )
+
+    def step(self) -> None:
+        self.controller.stdin.write(b"s")
+        self.controller.stdin.flush()
+
+    def end(self) -> None:
+        """Stop opening windows; the core is left as the last window left it (stopped or not)."""
+        self.controller.kill()
+        self.controller.wait()
+        self.controller.stdin.close()
+
+    def release(self) -> None:
+        self.controller.stdin.close()  # EOF: the controller lets the core run and exits
+        self.controller.wait()
+
+
 class KillMidBatch:
     """A pause_when hook that never pauses: it SIGKILLs the server while a sample is mid-stream.
 
-    A server can finish the whole batch before the client reads its first chunk (CI saw the kill
-    land after generation at 400 tokens; likely vLLM merging stream deltas while its API process
-    lagged). So once an unfinished sample has tokens, the hook freezes the server (SIGSTOP),
-    lets the client drain what was already sent, and kills only if a sample is still unfinished
-    with tokens; otherwise it thaws the server and watches again. `killed` stays False when the
-    server finished first; the caller then calls `thaw()` (the batch may have ended while the
-    server was frozen) and tries a fresh batch. `seen` holds response lengths at the kill.
+    The engine core runs in lockstep with the hook (`LockstepEngineCore`) until an unfinished
+    sample has tokens. Then the hook freezes the whole server (SIGSTOP), lets the client drain what
+    was already sent, and kills only if a sample is still unfinished with tokens; otherwise it
+    thaws the server. `killed` stays False when the server finished first; the caller then calls
+    `thaw()` (the batch may have ended while the server was frozen or in lockstep) and tries a
+    fresh batch. `seen` holds response lengths at the kill.
     """
 
     SETTLE_S = 2.0
 
     def __init__(self, server: VLLMServer) -> None:
         self.server = server
+        self.lockstep: LockstepEngineCore | None = LockstepEngineCore(server)
         self.frozen_at: float | None = None
         self.killed = False
         self.seen: dict[str, int] = {}
@@ -80,8 +140,12 @@ class KillMidBatch:
             return False
         if self.frozen_at is None:
             if any(streaming(s, 2) for s in samples):
+                self.lockstep.end()
+                self.lockstep = None
                 os.killpg(group, signal.SIGSTOP)
                 self.frozen_at = time.monotonic()
+            elif self.lockstep is not None:  # None once a freeze found every sample done
+                self.lockstep.step()
         elif time.monotonic() - self.frozen_at >= self.SETTLE_S:
             if any(streaming(s, 1) for s in samples):
                 self.seen = {s.uid: s.response_length for s in samples}
@@ -92,6 +156,9 @@ class KillMidBatch:
         return False
 
     def thaw(self) -> None:
+        if self.lockstep is not None:
+            self.lockstep.release()
+            self.lockstep = None
         if self.frozen_at is not None and not self.killed:
             os.killpg(self.server.process.pid, signal.SIGCONT)
             self.frozen_at = None
