@@ -327,6 +327,12 @@ def unfinished_stages(
     return {stage: state for stage, state in status.items() if state != "done"}
 
 
+def shown(stage_file: Path) -> str:
+    """The stage file as the report names it: from the repo root (stages/vision/mopd.yaml, not
+    mopd.yaml, which is also the default recipe's name), or whole when it lies elsewhere."""
+    return str(stage_file.relative_to(REPO)) if stage_file.is_relative_to(REPO) else str(stage_file)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -416,14 +422,14 @@ def main() -> None:
             ]
     seed_machines = read_started(args.out, MACHINES_FILE, list(runs))
     lines += [
-        f"Commit {commit}; {args.stage_file.name} {' '.join(args.overrides)}".rstrip()
+        f"Commit {commit}; {shown(args.stage_file)} {' '.join(args.overrides)}".rstrip()
         + f"; {machine_footer(seed_machines, sorted(runs), machine)}."
     ]
     print("\n".join(lines))
     report = {
         "commit": commit,
         "machine": machine,
-        "stage_file": args.stage_file.name,
+        "stage_file": shown(args.stage_file),
         "overrides": args.overrides,
         "kept_samples": args.kept_samples,
         "unfinished": unfinished,

@@ -180,7 +180,7 @@ def test_a_report_refuses_missing_seeds_and_other_recipes_and_names_unfinished_s
     assert written["commit"] and written["machine"].startswith(bench_outcomes.platform.node())
     md = (out / "outcomes.md").read_text()
     assert "Seed 0's stages not done, their claims left out: mopd (failed)." in md
-    assert f"Commit {written['commit']}; mopd.yaml; seed 0 machine not recorded; read on " in md
+    assert f"Commit {written['commit']}; stages/mopd.yaml; seed 0 machine not recorded; read on " in md
 
 
 def test_a_run_of_another_stage_file_of_the_same_name_or_another_configuration_is_refused(
@@ -215,6 +215,11 @@ def test_a_run_of_another_stage_file_of_the_same_name_or_another_configuration_i
     assert exit_.value.code == 2 and "seed 0 was started at abc1234 and this checkout is " in error
     assert "--report-only in a checkout of that commit" in error
     assert not (out / "outcomes.json").exists() and not (tmp_path / "edited" / "outcomes.json").exists()
+    # read with its own stage file, the vision run passes, and the report names that file, not
+    # mopd.yaml, the default recipe's name too
+    _main(monkeypatch, *report, "--stage-file", str(REPO / "stages" / "vision" / "mopd.yaml"))
+    assert json.loads((out / "outcomes.json").read_text())["stage_file"] == "stages/vision/mopd.yaml"
+    assert "; stages/vision/mopd.yaml; seed 0 machine not recorded" in (out / "outcomes.md").read_text()
 
 
 def test_a_resumed_seed_at_another_commit_is_named_and_a_failed_seed_exits_1(
@@ -273,7 +278,7 @@ def test_the_report_names_the_machines_that_ran_each_seed_and_the_one_that_read_
     assert "cpu C" in written["machine"]
     footer = (out / "outcomes.md").read_text().splitlines()[-1]
     assert footer == (
-        f"Commit {written['commit']}; mopd.yaml; seed 0 ran on {ran['0'][0]} then {ran['0'][1]}; "
+        f"Commit {written['commit']}; stages/mopd.yaml; seed 0 ran on {ran['0'][0]} then {ran['0'][1]}; "
         f"seed 1 ran on {ran['1'][0]}; seed 2 machine not recorded; read on {written['machine']}."
     )
     _main(monkeypatch, "--report-only", "--out", str(out), "--seeds", "1")
