@@ -21,7 +21,9 @@ from posttrain.config.errors import ConfigError, Issue, did_you_mean, key_path
 from posttrain.config.overrides import apply_overrides, parse_overrides
 from posttrain.config.stage_file import (
     GENERIC_KEYS,
+    MATRIX_CONTEXT,
     NEEDS_CONTEXT,
+    SEED_CONTEXT,
     SETS_MODEL_CONTEXT,
     STAGE_ID,
     STRUCTURAL_KEYS,
@@ -344,6 +346,8 @@ def _validate(
             context = {
                 NEEDS_CONTEXT: list(inst.needs),
                 SETS_MODEL_CONTEXT: inst.data.get("model") is not None,
+                SEED_CONTEXT: None if header is None else header.seed,
+                MATRIX_CONTEXT: inst.matrix,
             }
             # The hash reads the body as the kind reads it, keys left at their defaults dropped: a
             # key written out with its default value is the same stage, not one to rerun.

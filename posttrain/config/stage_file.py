@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from posttrain.checkpoint import KEEP_CHECKPOINTS
 from posttrain.config.errors import Issue, did_you_mean, key_path
@@ -78,6 +79,20 @@ STRUCTURAL_KEYS: frozenset[str] = frozenset({"stage", "kind", "needs", "plugins"
 NEEDS_CONTEXT = "needs"
 # And whether the stage file sets `model:`, from which a kind may start instead of a need's model.
 SETS_MODEL_CONTEXT = "sets_model"
+# And the stage's seed and matrix values: a kind makes the draws that depend on them (its prompts)
+# when the stage file is read.
+SEED_CONTEXT = "seed"
+MATRIX_CONTEXT = "matrix"
+
+
+def error_at_key(model: type[BaseModel], key: str, message: str, value: Any) -> ValidationError:
+    """A model validator's error located at `key` (dotted, e.g. rollout.prompts): raised from the
+    validator, it is reported at that key's line, or at the override that set it, not at the top
+    of the file. A key with a space (a phrase naming several) is left at the top."""
+    loc = tuple(key.split(".")) if " " not in key else ()
+    error = PydanticCustomError("value_error", "{message}", {"message": message})
+    details = InitErrorDetails(type=error, loc=loc, input=value)
+    return ValidationError.from_exception_data(model.__name__, [details])
 
 
 def check_model_reference(ref: str, info: ValidationInfo, what: str) -> str:

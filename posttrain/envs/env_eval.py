@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from posttrain.data.sample import Sample
 from posttrain.engines.base import Engine
-from posttrain.envs.environments import TRUNCATED, Environment
+from posttrain.envs.environments import TRUNCATED, Environment, PromptSource
 from posttrain.envs.tasks import TASK_FAMILIES, check_listed_once, registered_family
 from posttrain.stats import mean_standard_error, paired_standard_error
 
@@ -92,7 +92,7 @@ class EvalConfig(BaseModel):
     )
 
 
-def domain_subsets(cfg: EvalConfig, env: Environment) -> dict[str, EvalSubset]:
+def domain_subsets(cfg: EvalConfig, env: Environment | PromptSource) -> dict[str, EvalSubset]:
     """The subsets `env`'s stages play: those whose families belong to its domain (a subset's
     families are of one domain, `EvalSubset`). A subset naming a family the environment does not
     offer is a config error."""

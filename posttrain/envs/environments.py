@@ -154,6 +154,73 @@ class _Play:
     done: bool = False
 
 
+class PromptCountError(ValueError):
+    """Fewer distinct prompts exist than `key` (a stage-file key, or a phrase naming two) asks for."""
+
+    def __init__(self, message: str, key: str, count: int) -> None:
+        super().__init__(message)
+        self.key, self.count = key, count
+
+
+class PromptSource:
+    """One domain's task families under its harness, drawing prompts. An environment draws through
+    one; built alone (`Environment.prompt_source`: no renderer, no sandboxes) it makes a stage's
+    draws when its stage file is read, so a prompt count the families cannot meet is refused by
+    `plan`, not at the stage's start after its needs have run."""
+
+    def __init__(self, domain: str, family_names: Sequence[str], harness: HarnessConfig) -> None:
+        self.domain = domain
+        self.family_names = list(family_names)
+        self.harness = harness
+        self.families: dict[str, TaskFamily] = {name: TASK_FAMILIES.get(name)() for name in family_names}
+
+    def prompts(
+        self,
+        split: str,
+        count: int,
+        seed: int,
+        exclude: Sequence[Sample] = (),
+        families: Sequence[str] | None = None,
+        key: str = "the prompt count",
+    ) -> list[Sample]:
+        """`count` distinct prompts, families in turn (`families`, a subset of those offered, or all
+        of them), harness applied; a pure function of its arguments. Questions of `exclude` (e.g.
+        the held-out set when drawing training prompts) never appear. `key`: the stage-file key
+        that set `count`, named when fewer distinct prompts exist (known once a long run of draws,
+        REPEATS_PER_QUESTION per distinct question, brought no new one)."""
+        rng = random.Random(f"rl-prompts:{self.domain}:{split}:{seed}")
+        seen = {_question(p) for p in exclude}
+        out: list[Sample] = []
+        names = list(families) if families else self.family_names
+        unknown = [name for name in names if name not in self.families]
+        if unknown:
+            raise ValueError(
+                f"{self.domain}: {unknown} are not among the offered families {self.family_names}"
+            )
+        repeats = 0  # draws in a row that brought no new question
+        for attempt in range(count * 50):
+            if len(out) == count or repeats >= max(REPEATS_FLOOR, REPEATS_PER_QUESTION * len(seen)):
+                break
+            prompt = self.families[names[attempt % len(names)]].prompt(rng, "high")
+            if _question(prompt) in seen:
+                repeats += 1
+                continue
+            repeats = 0
+            seen.add(_question(prompt))
+            self.harness.apply(prompt, rng)
+            out.append(prompt)
+        if len(out) < count:
+            excluded = f", besides the {len(exclude)} excluded" if exclude else ""
+            raise PromptCountError(
+                f"{self.domain}: only {len(out)} distinct {split} prompts could be drawn from {names} "
+                f"(the last {repeats} draws brought no new one{excluded}), {count} were asked for; "
+                f"lower {key} to at most {len(out)}",
+                key,
+                count,
+            )
+        return out
+
+
 class Environment:
     """The episode loop and prompt source of one domain (subclasses say how episodes are scored).
 
@@ -182,9 +249,8 @@ class Environment:
             )
         self.check_config(self.config)
         self.judge = judge
-        self._families: dict[str, TaskFamily] = {
-            name: TASK_FAMILIES.get(name)() for name in self.family_names
-        }
+        self.source = PromptSource(self.domain, self.family_names, self.config.harness)
+        self._families = self.source.families
         self.sandboxes = SandboxPool(
             sandbox_dir or Path(tempfile.mkdtemp(prefix=f"rl-{self.domain}-sandboxes-")),
             max_idle=POOLED_SANDBOXES,
@@ -219,19 +285,32 @@ class Environment:
 
     @property
     def family_names(self) -> list[str]:
-        if self.config.families:
-            return list(self.config.families)
+        return self.offered_families(self.config)
+
+    @classmethod
+    def offered_families(cls, config: EnvironmentConfig) -> list[str]:
+        """The families `config` lists, or every registered one of the domain that is not opt-in."""
+        if config.families:
+            return list(config.families)
         names = [
             name
             for name, family in TASK_FAMILIES.items()
-            if family.domain == self.domain and not family.opt_in
+            if family.domain == cls.domain and not family.opt_in
         ]
         if not names:
             raise ValueError(
-                f"no task family of domain {self.domain!r} is registered; list the families under "
-                f"environments.{self.domain}.families or install a plug-in that registers some"
+                f"no task family of domain {cls.domain!r} is registered; list the families under "
+                f"environments.{cls.domain}.families or install a plug-in that registers some"
             )
         return names
+
+    @classmethod
+    def prompt_source(cls, config: EnvironmentConfig) -> PromptSource | None:
+        """The prompts this environment would draw under `config`, built without playing anything;
+        None for a subclass that draws its own (it overrides `prompts`): its draws are its own."""
+        if cls.prompts is not Environment.prompts:
+            return None
+        return PromptSource(cls.domain, cls.offered_families(config), config.harness)
 
     # Prompts ---------------------------------------------------------------------------------
 
@@ -244,40 +323,8 @@ class Environment:
         families: Sequence[str] | None = None,
         key: str = "the prompt count",
     ) -> list[Sample]:
-        """`count` distinct prompts, families in turn (`families`, a subset of those offered, or all
-        of them), harness applied; a pure function of its arguments. Questions of `exclude` (e.g.
-        the held-out set when drawing training prompts) never appear. `key`: the stage-file key
-        that set `count`, named when fewer distinct prompts exist (known once a long run of draws,
-        REPEATS_PER_QUESTION per distinct question, brought no new one)."""
-        rng = random.Random(f"rl-prompts:{self.domain}:{split}:{seed}")
-        seen = {_question(p) for p in exclude}
-        out: list[Sample] = []
-        names = list(families) if families else self.family_names
-        unknown = [name for name in names if name not in self._families]
-        if unknown:
-            raise ValueError(
-                f"{self.domain}: {unknown} are not among the offered families {self.family_names}"
-            )
-        repeats = 0  # draws in a row that brought no new question
-        for attempt in range(count * 50):
-            if len(out) == count or repeats >= max(REPEATS_FLOOR, REPEATS_PER_QUESTION * len(seen)):
-                break
-            prompt = self._families[names[attempt % len(names)]].prompt(rng, "high")
-            if _question(prompt) in seen:
-                repeats += 1
-                continue
-            repeats = 0
-            seen.add(_question(prompt))
-            self.config.harness.apply(prompt, rng)
-            out.append(prompt)
-        if len(out) < count:
-            excluded = f", besides the {len(exclude)} excluded" if exclude else ""
-            raise ValueError(
-                f"{self.domain}: only {len(out)} distinct {split} prompts could be drawn from {names} "
-                f"(the last {repeats} draws brought no new one{excluded}), {count} were asked for; "
-                f"lower {key} to at most {len(out)}"
-            )
-        return out
+        """`count` distinct prompts of this environment's families (`PromptSource.prompts`)."""
+        return self.source.prompts(split, count, seed, exclude, families, key)
 
     def start(self, prompt: Sample, *, uid: str, group: str, effort: str) -> Sample:
         """A fresh trajectory of `prompt`: its messages rendered with the effort marker, ending in

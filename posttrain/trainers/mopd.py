@@ -25,18 +25,24 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from posttrain.algos.advantages import group_balance_weights, returns_to_go, subtract_group_mean
 from posttrain.algos.mopd_reward import NonFiniteLogprobError, exact_reverse_kl, mopd_token_rewards
 from posttrain.algos.policy_loss import PolicyLossConfig
-from posttrain.config.stage_file import NEEDS_CONTEXT, check_model_reference
+from posttrain.config.stage_file import NEEDS_CONTEXT, SEED_CONTEXT, check_model_reference, error_at_key
 from posttrain.data.batch import left_pad_values
 from posttrain.data.chat import ChatRenderer, TokenizerDir, load_tokenizer, model_tokenizer_dir
 from posttrain.data.sample import Sample
 from posttrain.engines import EmbeddedEngine
 from posttrain.envs.env_eval import eval_episodes, eval_protocol
-from posttrain.envs.environments import EnvironmentConfig, play_episodes
+from posttrain.envs.environments import (
+    Environment,
+    EnvironmentConfig,
+    PromptCountError,
+    PromptSource,
+    play_episodes,
+)
 from posttrain.files import remove_tree
 from posttrain.rewards.budget import model_digest
 from posttrain.stages import EVAL_FILE, StageContext, stage_kind
@@ -208,8 +214,49 @@ class MOPDConfig(TeacherRoutingConfig):
             TEACHER_DOMAINS.get(domain).environment.check_config(env)
         return environments
 
+    @model_validator(mode="after")
+    def _enough_prompts(self, info: ValidationInfo) -> MOPDConfig:
+        # The stage's own draws, when the stage file is read: a count the domains' families cannot
+        # meet was refused only at the stage's start, after the specialists had run.
+        seed = (info.context or {}).get(SEED_CONTEXT)
+        if seed is None:
+            return self
+        sources = {
+            d: TEACHER_DOMAINS.get(d).environment.prompt_source(self.environment_of(d)) for d in self.domains
+        }
+        try:
+            draw_prompts({d: s for d, s in sources.items() if s is not None}, self, seed)
+        except PromptCountError as error:
+            raise error_at_key(type(self), error.key, str(error), error.count) from None
+        return self
+
     def environment_of(self, domain: str) -> EnvironmentConfig:
         return self.environments.get(domain) or EnvironmentConfig()
+
+
+def draw_prompts(
+    sources: Mapping[str, Environment | PromptSource], cfg: MOPDConfig, seed: int
+) -> tuple[dict[str, list[Sample]], dict[str, list[Sample]]]:
+    """Each domain's held-out and training prompts: drawn by the stage, and first when its stage
+    file is read (`MOPDConfig._enough_prompts`). One held-out draw: prompts() is prefix-stable, so
+    the KL's prompts are the first of the accuracy ones."""
+    held_out = {
+        d: source.prompts(
+            "eval",
+            max(cfg.eval.prompts_per_domain, cfg.eval.accuracy_prompts_per_domain),
+            cfg.eval.seed,
+            key="eval.prompts_per_domain or eval.accuracy_prompts_per_domain",
+        )
+        for d, source in sources.items()
+    }
+    count = cfg.train.steps * cfg.rollout.prompts_per_domain
+    train = {
+        d: source.prompts(
+            "train", count, seed, exclude=held_out[d], key="train.steps x rollout.prompts_per_domain"
+        )
+        for d, source in sources.items()
+    }
+    return held_out, train
 
 
 # Episodes and what they measure --------------------------------------------------------------------
@@ -333,25 +380,9 @@ class Distiller:
             d: TEACHER_DOMAINS.get(d).environment(renderer, cfg.environment_of(d), sandbox_dir=sandboxes)
             for d in cfg.domains
         }
-        # One draw: prompts() is prefix-stable, so the KL's prompts are the first of the accuracy ones.
-        held_out = {
-            d: e.prompts(
-                "eval",
-                max(cfg.eval.prompts_per_domain, cfg.eval.accuracy_prompts_per_domain),
-                cfg.eval.seed,
-                key="eval.prompts_per_domain or eval.accuracy_prompts_per_domain",
-            )
-            for d, e in self.envs.items()
-        }
+        held_out, self.train_prompts = draw_prompts(self.envs, cfg, ctx.seed)
         self.eval_prompts = {d: p[: cfg.eval.prompts_per_domain] for d, p in held_out.items()}  # the KL's
         self.accuracy_prompts = {d: p[: cfg.eval.accuracy_prompts_per_domain] for d, p in held_out.items()}
-        count = cfg.train.steps * cfg.rollout.prompts_per_domain
-        self.train_prompts = {
-            d: env.prompts(
-                "train", count, ctx.seed, exclude=held_out[d], key="train.steps x rollout.prompts_per_domain"
-            )
-            for d, env in self.envs.items()
-        }
 
     def episodes(self, prompts: Mapping[str, list[Sample]], tag: str, copies: int = 1) -> list[Sample]:
         """Fresh trajectories, each prompt at every effort `copies` times (distinct uids, hence

@@ -41,7 +41,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from posttrain.algos import group_advantages
 from posttrain.algos.policy_loss import PolicyLossConfig
 from posttrain.config.errors import did_you_mean
-from posttrain.config.stage_file import NEEDS_CONTEXT, SETS_MODEL_CONTEXT
+from posttrain.config.stage_file import (
+    MATRIX_CONTEXT,
+    NEEDS_CONTEXT,
+    SEED_CONTEXT,
+    SETS_MODEL_CONTEXT,
+    error_at_key,
+)
 from posttrain.data.chat import ChatRenderer, TokenizerDir, load_tokenizer, model_tokenizer_dir
 from posttrain.data.sample import DOMAINS, EFFORTS, Sample
 from posttrain.engines import Engine
@@ -54,7 +60,14 @@ from posttrain.envs.env_eval import (
     paired_changes,
     subset_config,
 )
-from posttrain.envs.environments import ENVIRONMENTS, Environment, EnvironmentConfig, make_environment
+from posttrain.envs.environments import (
+    ENVIRONMENTS,
+    Environment,
+    EnvironmentConfig,
+    PromptCountError,
+    PromptSource,
+    make_environment,
+)
 from posttrain.files import atomic_write_text, remove_tree
 from posttrain.rewards.budget import BudgetConfig, base_budgets, model_digest, trajectory_rewards
 from posttrain.rewards.genrm import GenRM, GenRMConfig, stage_judge
@@ -227,6 +240,23 @@ class RLConfig(BaseModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _enough_prompts(self, info: ValidationInfo) -> RLConfig:
+        # The stage's own draws, when the stage file is read: a count its families cannot meet was
+        # refused only at the stage's start, after its needs had run.
+        context = info.context or {}
+        seed = context.get(SEED_CONTEXT)
+        domain = self.domain or (context.get(MATRIX_CONTEXT) or {}).get("domain")
+        if seed is None or domain not in ENVIRONMENTS:  # no pipeline, or a domain reported elsewhere
+            return self
+        source = ENVIRONMENTS.get(domain).prompt_source(self.environments.get(domain, EnvironmentConfig()))
+        if source is not None:
+            try:
+                draw_prompts(source, self, seed)
+            except PromptCountError as error:
+                raise error_at_key(type(self), error.key, str(error), error.count) from None
+        return self
+
 
 def registered_domain(name: str) -> None:
     """Raise ValueError unless `name` is a domain with a registered environment."""
@@ -241,6 +271,23 @@ def registered_domain(name: str) -> None:
 
 
 # Setup -----------------------------------------------------------------------------------------
+
+
+def draw_prompts(
+    source: Environment | PromptSource, cfg: RLConfig, seed: int
+) -> tuple[list[Sample], dict[str, list[Sample]], list[Sample]]:
+    """The stage's held-out prompts, its evaluation subsets' and its training prompts (none of the
+    others'): drawn by the stage, and first when its stage file is read (`_enough_prompts`)."""
+    held_out = source.prompts("eval", cfg.eval.prompts, cfg.eval.seed, key="eval.prompts")
+    subset_prompts = {
+        name: source.prompts(
+            "eval", s.prompts, cfg.eval.seed, families=s.families, key=f"eval.subsets.{name}.prompts"
+        )
+        for name, s in domain_subsets(cfg.eval, source).items()
+    }
+    excluded = held_out + [p for prompts in subset_prompts.values() for p in prompts]
+    train = source.prompts("train", cfg.rollout.prompts, seed, exclude=excluded, key="rollout.prompts")
+    return held_out, subset_prompts, train
 
 
 def _route(cfg: RLConfig, ctx: StageContext) -> tuple[str, str]:
@@ -306,19 +353,9 @@ def run_rl(ctx: StageContext) -> dict[str, float]:
         serve_policy(engine, model, version=0)
         # Behaviour log-probs of the distribution actually sampled, which the trainer recomputes.
         sampling = env.turn_sampling(cfg.rollout.temperature, ctx.seed, logprobs="processed")
-        held_out = env.prompts("eval", cfg.eval.prompts, cfg.eval.seed, key="eval.prompts")
-        subsets = domain_subsets(cfg.eval, env)
-        subset_prompts = {
-            name: env.prompts(
-                "eval", s.prompts, cfg.eval.seed, families=s.families, key=f"eval.subsets.{name}.prompts"
-            )
-            for name, s in subsets.items()
-        }
+        held_out, subset_prompts, train_prompts = draw_prompts(env, cfg, ctx.seed)
+        subsets = {name: cfg.eval.subsets[name] for name in subset_prompts}  # this domain's
         subset_cfgs = {name: subset_config(cfg.eval, s) for name, s in subsets.items()}
-        excluded = held_out + [p for prompts in subset_prompts.values() for p in prompts]
-        train_prompts = env.prompts(
-            "train", cfg.rollout.prompts, ctx.seed, exclude=excluded, key="rollout.prompts"
-        )
         ctx.log.info(
             "RL %s/%s from %s: %d training prompts, %d held out",
             domain,

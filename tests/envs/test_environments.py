@@ -19,6 +19,7 @@ from posttrain.engines.testing import ScriptedTurns
 from posttrain.envs.environments import (
     SUBMISSION_FEEDBACK,
     SUBMISSIONS,
+    CodingEnvironment,
     Environment,
     EnvironmentConfig,
     HarnessConfig,
@@ -371,3 +372,23 @@ def test_an_impossible_prompt_count_fails_once_new_prompts_stop_coming(tmp_path,
         "plugin-bugs: only 3 distinct train prompts could be drawn from ['plugin-bugs/verdict'] (the "
         "last 1000 draws brought no new one), 1000000 were asked for; lower rollout.prompts to at most 3"
     )
+
+
+def test_the_prompt_source_built_alone_draws_what_the_environment_draws(tmp_path, renderer):
+    """Reading a stage file makes the stage's draws through `Environment.prompt_source` (no
+    renderer, no sandboxes): the same families, harness and prompts as the environment's own."""
+    cfg = EnvironmentConfig(harness={"tool_sets": [[], ["shell"]]})
+    source = CodingEnvironment.prompt_source(cfg)
+    with make_environment("coding", renderer, cfg, sandbox_dir=tmp_path) as env:
+        assert source.family_names == env.family_names
+        held_out = env.prompts("eval", 12, seed=3)
+        drawn = [env.prompts("eval", 12, seed=3), env.prompts("train", 20, seed=5, exclude=held_out)]
+    alone = [source.prompts("eval", 12, seed=3), source.prompts("train", 20, seed=5, exclude=held_out)]
+    assert [[p.messages for p in ps] for ps in alone] == [[p.messages for p in ps] for ps in drawn]
+    assert [[p.tools for p in ps] for ps in alone] == [[p.tools for p in ps] for ps in drawn]
+
+    class OwnDraws(CodingEnvironment):  # a plug-in environment with prompts of its own
+        def prompts(self, *args, **kwargs):
+            return []
+
+    assert OwnDraws.prompt_source(cfg) is None  # its draws are not the base's: not checked ahead

@@ -584,3 +584,49 @@ def test_a_block_check_names_its_key_without_printing_the_block(tmp_path: Path) 
     ), messages
     assert any("environments: " in m and "['agent', 'coding'] are not in `domains`" in m for m in messages)
     assert not any("(got {" in m for m in messages), messages
+
+
+def test_a_prompt_count_the_families_cannot_meet_is_refused_when_the_file_is_read(tmp_path: Path) -> None:
+    """Before: rl and mopd stages drew their prompts at their start, so a count their task families
+    cannot meet failed after their needs had run (the SFT, or the nine specialists). Now each makes
+    its own draws (`draw_prompts`) when its stage file is read, the error at the key that asked."""
+    one_family = "rl-coding-high.environments.coding.families=[coding/fix_function]"  # 165 questions
+    with pytest.raises(ConfigError) as caught:  # 96 of them held out
+        load_pipeline(REPO / "stages" / "mopd.yaml", [one_family, "rl-coding-high.rollout.prompts=100"])
+    (issue,) = caught.value.issues
+    assert str(issue) == (
+        "command line override 'rl-coding-high.rollout.prompts=100': rollout.prompts: coding: only 69 "
+        "distinct train prompts could be drawn from ['coding/fix_function'] (the last 1650 draws brought "
+        "no new one, besides the 96 excluded), 100 were asked for; lower rollout.prompts to at most 69 "
+        "(got 100)"
+    )
+    load_pipeline(REPO / "stages" / "mopd.yaml", [one_family, "rl-coding-high.rollout.prompts=69"])  # plans
+
+    stages = tmp_path / "stages"  # set in the file: at the key's line, once for the three efforts
+    shutil.copytree(REPO / "stages", stages)
+    rl = stages / "rl.yaml"
+    rl.write_text(
+        rl.read_text().replace(
+            "    max_submissions: 1 ", "    families: [coding/fix_function]\n    max_submissions: 1 "
+        )
+    )
+    line = next(
+        i for i, text in enumerate(rl.read_text().splitlines(), 1) if text.startswith("  prompts: 128")
+    )
+    with pytest.raises(ConfigError) as caught:
+        load_pipeline(stages / "mopd.yaml")
+    (issue,) = [issue for issue in caught.value.issues if "rl.yaml" in str(issue)]  # and sft's base model
+    assert str(issue).startswith(f"{rl}:{line}: rollout.prompts: coding: only 69 distinct train prompts"), (
+        issue
+    )
+
+    mopd_one_family = "mopd.environments.coding.families=[coding/fix_function]"
+    with pytest.raises(ConfigError) as caught:  # MOPD's held-out draw, set by either of two keys
+        load_pipeline(
+            REPO / "stages" / "mopd.yaml", [mopd_one_family, "mopd.eval.accuracy_prompts_per_domain=200"]
+        )
+    (issue,) = caught.value.issues
+    assert "coding: only 165 distinct eval prompts could be drawn from ['coding/fix_function']" in str(issue)
+    assert "200 were asked for; lower eval.prompts_per_domain or eval.accuracy_prompts_per_domain" in str(
+        issue
+    )
