@@ -314,17 +314,9 @@ class Environment:
 
     # Prompts ---------------------------------------------------------------------------------
 
-    def prompts(
-        self,
-        split: str,
-        count: int,
-        seed: int,
-        exclude: Sequence[Sample] = (),
-        families: Sequence[str] | None = None,
-        key: str = "the prompt count",
-    ) -> list[Sample]:
-        """`count` distinct prompts of this environment's families (`PromptSource.prompts`)."""
-        return self.source.prompts(split, count, seed, exclude, families, key)
+    def prompts(self, *args: Any, **kwargs: Any) -> list[Sample]:
+        """Distinct prompts of this environment's families: `PromptSource.prompts`, its arguments."""
+        return self.source.prompts(*args, **kwargs)
 
     def start(self, prompt: Sample, *, uid: str, group: str, effort: str) -> Sample:
         """A fresh trajectory of `prompt`: its messages rendered with the effort marker, ending in
