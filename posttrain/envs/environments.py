@@ -249,8 +249,7 @@ class Environment:
             )
         self.check_config(self.config)
         self.judge = judge
-        self.source = PromptSource(self.domain, self.family_names, self.config.harness)
-        self._families = self.source.families
+        self.source = PromptSource(self.domain, self.offered_families(self.config), self.config.harness)
         self.sandboxes = SandboxPool(
             sandbox_dir or Path(tempfile.mkdtemp(prefix=f"rl-{self.domain}-sandboxes-")),
             max_idle=POOLED_SANDBOXES,
@@ -285,7 +284,7 @@ class Environment:
 
     @property
     def family_names(self) -> list[str]:
-        return self.offered_families(self.config)
+        return self.source.family_names
 
     @classmethod
     def offered_families(cls, config: EnvironmentConfig) -> list[str]:
@@ -370,11 +369,11 @@ class Environment:
             raise ValueError(f"sample {sample.uid}: its episode already ended; play a fresh or paused one")
         if not sample.tokens:
             raise ValueError(f"sample {sample.uid} has no tokens; make it with Environment.start")
-        family = self._families.get(sample.task.get("family", ""))
+        family = self.source.families.get(sample.task.get("family", ""))
         if family is None:
             raise ValueError(
                 f"sample {sample.uid}: task family {sample.task.get('family')!r} is not one of the "
-                f"{self.domain} environment's ({', '.join(self._families)})"
+                f"{self.domain} environment's ({', '.join(self.source.families)})"
             )
         episode = Episode(family, sample, None)
         extra = [t["function"]["name"] for t in sample.tools if t["function"]["name"] not in episode.toolset]

@@ -246,7 +246,7 @@ class RLConfig(BaseModel):
         # refused only at the stage's start, after its needs had run.
         context = info.context or {}
         seed = context.get(SEED_CONTEXT)
-        domain = self.domain or (context.get(MATRIX_CONTEXT) or {}).get("domain")
+        domain = stage_domain(self, context.get(MATRIX_CONTEXT) or {})
         if seed is None or domain not in ENVIRONMENTS:  # no pipeline, or a domain reported elsewhere
             return self
         source = ENVIRONMENTS.get(domain).prompt_source(self.environments.get(domain, EnvironmentConfig()))
@@ -290,8 +290,14 @@ def draw_prompts(
     return held_out, subset_prompts, train
 
 
+def stage_domain(cfg: RLConfig, matrix: dict[str, Any]) -> str | None:
+    """The stage's domain: its `domain` key, else the matrix value (the stage and its file's check
+    read it alike)."""
+    return cfg.domain or matrix.get("domain")
+
+
 def _route(cfg: RLConfig, ctx: StageContext) -> tuple[str, str]:
-    domain = cfg.domain or ctx.matrix.get("domain")
+    domain = stage_domain(cfg, ctx.matrix)
     effort = cfg.effort or ctx.matrix.get("effort")
     if domain is None or effort is None:
         raise ValueError(
