@@ -140,11 +140,12 @@ class KillMidBatch:
             return False
         if self.frozen_at is None:
             if any(streaming(s, 2) for s in samples):
-                self.lockstep.end()
-                self.lockstep = None
+                if self.lockstep is not None:
+                    self.lockstep.end()
+                    self.lockstep = None
                 os.killpg(group, signal.SIGSTOP)
                 self.frozen_at = time.monotonic()
-            elif self.lockstep is not None:  # None once a freeze found every sample done
+            elif self.lockstep is not None:  # None after a freeze and thaw: the server runs free
                 self.lockstep.step()
         elif time.monotonic() - self.frozen_at >= self.SETTLE_S:
             if any(streaming(s, 1) for s in samples):
