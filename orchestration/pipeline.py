@@ -427,6 +427,15 @@ def _resolve_model(
                 )
             )
             return None, False
+        # Its content too: a misspelt or mistyped key stopped the stage at its start, after its
+        # needs had run. The message names the preset and its key.
+        from posttrain.model.configuration_kimi_k3 import load_model_config  # transformers: not at the top
+
+        try:
+            load_model_config(target)
+        except ValueError as error:
+            issues.append(Issue(message=str(error), **where))
+            return None, False
         return str(target), False
     if value not in inst.needs:
         directory = (base / value).resolve()

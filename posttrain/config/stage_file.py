@@ -83,16 +83,22 @@ SETS_MODEL_CONTEXT = "sets_model"
 # when the stage file is read.
 SEED_CONTEXT = "seed"
 MATRIX_CONTEXT = "matrix"
+# The error type of `error_at_key` located at several keys, one of which `pydantic_issues` keeps.
+AT_ONE_OF_KEYS = "value_error_at_one_of_keys"
 
 
-def error_at_key(model: type[BaseModel], key: str, message: str, value: Any) -> ValidationError:
-    """A model validator's error located at `key` (dotted, e.g. rollout.prompts): raised from the
+def error_at_key(
+    model: type[BaseModel], keys: str | collections.abc.Sequence[str], message: str, value: Any
+) -> ValidationError:
+    """A model validator's error located at a key (dotted, e.g. rollout.prompts): raised from the
     validator, it is reported at that key's line, or at the override that set it, not at the top
-    of the file. A key with a space (a phrase naming several) is left at the top."""
-    loc = tuple(key.split(".")) if " " not in key else ()
-    error = PydanticCustomError("value_error", "{message}", {"message": message})
-    details = InitErrorDetails(type=error, loc=loc, input=value)
-    return ValidationError.from_exception_data(model.__name__, [details])
+    of the file. Several keys (a value they set together, e.g. train.steps x
+    rollout.prompts_per_domain): said once, at the one a command-line override set, else the first."""
+    keys = [keys] if isinstance(keys, str) else list(keys)
+    kind = AT_ONE_OF_KEYS if len(keys) > 1 else "value_error"
+    error = PydanticCustomError(kind, "{message}", {"message": message})
+    details = [InitErrorDetails(type=error, loc=tuple(key.split(".")), input=value) for key in keys]
+    return ValidationError.from_exception_data(model.__name__, details)
 
 
 def check_model_reference(ref: str, info: ValidationInfo, what: str) -> str:
@@ -320,9 +326,9 @@ def pydantic_issues(
     extra_names: more names valid at the top level (the generic keys, when validating a body).
     """
     issues = []
-    for err in error.errors():
+    for err in _said_once(error.errors(), overridden):
         loc = tuple(p for p in err["loc"] if isinstance(p, int | str))
-        source = next((text for path, text in overridden.items() if loc[: len(path)] == path), None)
+        source = _override_of(loc, overridden)
         where = file if source is None else f"command line override {source!r}"
         line = None if source is not None else line_of(lines, loc)
         kind = err["type"]
@@ -341,6 +347,25 @@ def pydantic_issues(
             message = err["msg"].removeprefix("Value error, ")
             issues.append(Issue(where, f"{message}{shown}", key=key_path(loc), line=line))
     return issues
+
+
+def _said_once(errors: list[Any], overridden: dict[tuple[str, ...], str]) -> list[Any]:
+    """`errors` with each error of `error_at_key` at several keys kept once: at the key a
+    command-line override set, else at the first."""
+    kept, said = [], set()
+    for err in errors:
+        if err["type"] != AT_ONE_OF_KEYS:
+            kept.append(err)
+        elif err["msg"] not in said:
+            said.add(err["msg"])
+            same = [e for e in errors if e["type"] == AT_ONE_OF_KEYS and e["msg"] == err["msg"]]
+            kept.append(next((e for e in same if _override_of(e["loc"], overridden)), err))
+    return kept
+
+
+def _override_of(loc: tuple[Any, ...], overridden: dict[tuple[str, ...], str]) -> str | None:
+    """The command-line override that set the key at `loc` (or a block above it), if one did."""
+    return next((text for path, text in overridden.items() if tuple(loc[: len(path)]) == path), None)
 
 
 def relative_display(path: Path) -> str:

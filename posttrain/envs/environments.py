@@ -28,7 +28,7 @@ import copy
 import json
 import random
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,11 +155,12 @@ class _Play:
 
 
 class PromptCountError(ValueError):
-    """Fewer distinct prompts exist than `key` (a stage-file key, or a phrase naming two) asks for."""
+    """Fewer distinct prompts exist than `key` (a stage-file key, or a phrase naming two) asks for:
+    `count` were asked of `split`, `drawn` could be drawn."""
 
-    def __init__(self, message: str, key: str, count: int) -> None:
+    def __init__(self, message: str, key: str, split: str, count: int, drawn: int) -> None:
         super().__init__(message)
-        self.key, self.count = key, count
+        self.key, self.split, self.count, self.drawn = key, split, count, drawn
 
 
 class PromptSource:
@@ -188,9 +189,22 @@ class PromptSource:
         the held-out set when drawing training prompts) never appear. `key`: the stage-file key
         that set `count`, named when fewer distinct prompts exist (known once a long run of draws,
         REPEATS_PER_QUESTION per distinct question, brought no new one)."""
+        return list(self.draws(split, count, seed, exclude, families, key))
+
+    def draws(
+        self,
+        split: str,
+        count: int,
+        seed: int,
+        exclude: Sequence[Sample] = (),
+        families: Sequence[str] | None = None,
+        key: str = "the prompt count",
+    ) -> Iterator[Sample]:
+        """`prompts`, one at a time: PromptCountError is raised when the families run out, so
+        domains drawn in turn (`draw_in_turn`) stop at the first that cannot meet its count."""
         rng = random.Random(f"rl-prompts:{self.domain}:{split}:{seed}")
         seen = {_question(p) for p in exclude}
-        out: list[Sample] = []
+        drawn = 0
         names = list(families) if families else self.family_names
         unknown = [name for name in names if name not in self.families]
         if unknown:
@@ -199,7 +213,7 @@ class PromptSource:
             )
         repeats = 0  # draws in a row that brought no new question
         for attempt in range(count * 50):
-            if len(out) == count or repeats >= max(REPEATS_FLOOR, REPEATS_PER_QUESTION * len(seen)):
+            if drawn == count or repeats >= max(REPEATS_FLOOR, REPEATS_PER_QUESTION * len(seen)):
                 break
             prompt = self.families[names[attempt % len(names)]].prompt(rng, "high")
             if _question(prompt) in seen:
@@ -208,17 +222,35 @@ class PromptSource:
             repeats = 0
             seen.add(_question(prompt))
             self.harness.apply(prompt, rng)
-            out.append(prompt)
-        if len(out) < count:
+            drawn += 1
+            yield prompt
+        if drawn < count:
             excluded = f", besides the {len(exclude)} excluded" if exclude else ""
             raise PromptCountError(
-                f"{self.domain}: only {len(out)} distinct {split} prompts could be drawn from {names} "
+                f"{self.domain}: only {drawn} distinct {split} prompts could be drawn from {names} "
                 f"(the last {repeats} draws brought no new one{excluded}), {count} were asked for; "
-                f"lower {key} to at most {len(out)}",
+                f"lower {key} to at most {drawn}",
                 key,
+                split,
                 count,
+                drawn,
             )
-        return out
+
+
+def draw_in_turn(draws: Mapping[str, Iterable[Sample]]) -> dict[str, list[Sample]]:
+    """Each domain's draws (`PromptSource.draws`), one prompt from each in turn: a domain whose
+    families cannot meet its count fails after its own draws, not after every domain before it has
+    drawn its whole count (at plan, a mistyped count of 10^5 prompts a step took minutes)."""
+    out: dict[str, list[Sample]] = {domain: [] for domain in draws}
+    live = {domain: iter(d) for domain, d in draws.items()}
+    while live:
+        for domain, it in list(live.items()):
+            prompt = next(it, None)
+            if prompt is None:
+                del live[domain]
+            else:
+                out[domain].append(prompt)
+    return out
 
 
 class Environment:
@@ -316,6 +348,12 @@ class Environment:
     def prompts(self, *args: Any, **kwargs: Any) -> list[Sample]:
         """Distinct prompts of this environment's families: `PromptSource.prompts`, its arguments."""
         return self.source.prompts(*args, **kwargs)
+
+    def draws(self, *args: Any, **kwargs: Any) -> Iterator[Sample]:
+        """`prompts`, one at a time (`PromptSource.draws`); a subclass's own `prompts`, whole."""
+        if type(self).prompts is Environment.prompts:
+            return self.source.draws(*args, **kwargs)
+        return iter(self.prompts(*args, **kwargs))
 
     def start(self, prompt: Sample, *, uid: str, group: str, effort: str) -> Sample:
         """A fresh trajectory of `prompt`: its messages rendered with the effort marker, ending in

@@ -380,17 +380,23 @@ def load_model_config(path: str | Path) -> KimiK3Config:
 
     Raises:
         FileNotFoundError: the file does not exist.
-        ValueError: unknown extension, not a mapping, or an invalid configuration (the message names
-            the file and the key).
+        ValueError: unknown extension, not YAML or JSON, not a mapping, or an invalid configuration
+            (the message names the file and the key).
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"model config {path} does not exist")
     text = path.read_text()
     if path.suffix in (".yaml", ".yml"):
-        data = yaml.safe_load(text)
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as error:
+            raise ValueError(f"model config {path}: not valid YAML: {error}") from None
     elif path.suffix == ".json":
-        data = json.loads(text)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"model config {path}: not valid JSON: {error}") from None
     else:
         raise ValueError(f"model config {path}: use a .yaml, .yml or .json file")
     if not isinstance(data, dict):

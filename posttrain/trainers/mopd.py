@@ -41,6 +41,7 @@ from posttrain.envs.environments import (
     EnvironmentConfig,
     PromptCountError,
     PromptSource,
+    draw_in_turn,
     play_episodes,
 )
 from posttrain.files import remove_tree
@@ -85,6 +86,10 @@ from posttrain.trainers.policy_step import policy_step
 
 # Per-step rates whose medians the stage returns (bench/RESULTS.md reports them for GPU runs).
 THROUGHPUT = ("rollout_tokens_per_s", "teacher_tokens_per_s", "train_tokens_per_s")
+# The keys whose values set each domain's prompt counts: held out, the larger of the two (the KL's
+# prompts are the first of the accuracy ones); for training, their product.
+HELD_OUT_COUNT_KEYS = ("eval.prompts_per_domain", "eval.accuracy_prompts_per_domain")
+TRAIN_COUNT_KEYS = ("train.steps", "rollout.prompts_per_domain")
 
 
 class RolloutConfig(BaseModel):
@@ -227,8 +232,16 @@ class MOPDConfig(TeacherRoutingConfig):
         try:
             draw_prompts({d: s for d, s in sources.items() if s is not None}, self, seed)
         except PromptCountError as error:
-            raise error_at_key(type(self), error.key, str(error), error.count) from None
+            if error.split == "train":
+                keys = TRAIN_COUNT_KEYS
+            else:  # the one of the two that asked for more than the families hold, or both
+                asked = dict(zip(HELD_OUT_COUNT_KEYS, self.held_out_counts(), strict=True))
+                keys = tuple(key for key, count in asked.items() if count > error.drawn)
+            raise error_at_key(type(self), keys, str(error), error.count) from None
         return self
+
+    def held_out_counts(self) -> tuple[int, int]:
+        return self.eval.prompts_per_domain, self.eval.accuracy_prompts_per_domain
 
     def environment_of(self, domain: str) -> EnvironmentConfig:
         return self.environments.get(domain) or EnvironmentConfig()
@@ -240,22 +253,21 @@ def draw_prompts(
     """Each domain's held-out and training prompts: drawn by the stage, and first when its stage
     file is read (`MOPDConfig._enough_prompts`). One held-out draw: prompts() is prefix-stable, so
     the KL's prompts are the first of the accuracy ones."""
-    held_out = {
-        d: source.prompts(
-            "eval",
-            max(cfg.eval.prompts_per_domain, cfg.eval.accuracy_prompts_per_domain),
-            cfg.eval.seed,
-            key="eval.prompts_per_domain or eval.accuracy_prompts_per_domain",
-        )
-        for d, source in sources.items()
-    }
+    held_out = draw_in_turn(
+        {
+            d: source.draws(
+                "eval", max(cfg.held_out_counts()), cfg.eval.seed, key=" and ".join(HELD_OUT_COUNT_KEYS)
+            )
+            for d, source in sources.items()
+        }
+    )
     count = cfg.train.steps * cfg.rollout.prompts_per_domain
-    train = {
-        d: source.prompts(
-            "train", count, seed, exclude=held_out[d], key="train.steps x rollout.prompts_per_domain"
-        )
-        for d, source in sources.items()
-    }
+    train = draw_in_turn(
+        {
+            d: source.draws("train", count, seed, exclude=held_out[d], key=" x ".join(TRAIN_COUNT_KEYS))
+            for d, source in sources.items()
+        }
+    )
     return held_out, train
 
 

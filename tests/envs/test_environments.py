@@ -22,7 +22,10 @@ from posttrain.envs.environments import (
     CodingEnvironment,
     Environment,
     EnvironmentConfig,
+    GeneralEnvironment,
     HarnessConfig,
+    PromptCountError,
+    draw_in_turn,
     make_environment,
 )
 from posttrain.envs.sandbox import Sandbox
@@ -392,3 +395,39 @@ def test_the_prompt_source_built_alone_draws_what_the_environment_draws(tmp_path
             return []
 
     assert OwnDraws.prompt_source(cfg) is None  # its draws are not the base's: not checked ahead
+
+
+def test_domains_drawn_in_turn_stop_at_the_first_whose_families_run_out(tmp_path, renderer):
+    """Before: MOPD drew its domains one after another, so a count of 10^5 prompts a step made
+    `plan` draw general's 3.2 million prompts (six minutes) before agent's families ran out. Drawn
+    in turn, general draws one prompt for each of coding's, and coding's error ends the draw."""
+    general = GeneralEnvironment.prompt_source(EnvironmentConfig())
+    coding = CodingEnvironment.prompt_source(EnvironmentConfig(families=["coding/fix_function"]))
+    drawn: list[Sample] = []
+
+    def counted(draws):
+        for prompt in draws:
+            drawn.append(prompt)
+            yield prompt
+
+    with pytest.raises(PromptCountError) as caught:
+        draw_in_turn(
+            {
+                "general": counted(general.draws("train", 10**6, 0, key="k")),
+                "coding": coding.draws("train", 10**6, 0, key="k"),
+            }
+        )
+    assert caught.value.split == "train" and caught.value.drawn == 165 and caught.value.count == 10**6
+    assert len(drawn) == 166  # one per coding prompt, and the one of the round that ended it
+    together = draw_in_turn({"general": general.draws("eval", 30, 2), "coding": coding.draws("eval", 20, 2)})
+    assert {d: [p.messages for p in ps] for d, ps in together.items()} == {
+        "general": [p.messages for p in general.prompts("eval", 30, 2)],
+        "coding": [p.messages for p in coding.prompts("eval", 20, 2)],
+    }  # the same prompts as drawn alone
+
+    class OwnDraws(CodingEnvironment):  # a plug-in environment with prompts of its own
+        def prompts(self, *args, **kwargs):
+            return ["its own"]
+
+    with OwnDraws(renderer, EnvironmentConfig(), sandbox_dir=tmp_path) as env:
+        assert list(env.draws("train", 5, 0)) == ["its own"]

@@ -3,6 +3,7 @@ written; matrices expand; overrides follow the documented targeting rules."""
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -165,6 +166,40 @@ def test_missing_model_preset_and_duplicate_key(write, posttrain, tmp_path: Path
         "did you mean 'tiny.yaml'?",
         "a.yaml:5: value: duplicate key (first written on line 4)",
     )
+
+
+def test_the_content_of_a_model_preset_is_checked_when_the_file_is_read(
+    write, posttrain, tmp_path: Path
+) -> None:
+    """Before: `plan` checked only that the preset existed, and a misspelt, mistyped or unparsable
+    preset stopped the stage at its start, after its needs had run. Now each is a plan-time error
+    at the stage's `model:` line, naming the preset and its key; nothing is written."""
+    tiny = (REPO / "stages" / "models" / "tiny.yaml").read_text()
+    presets = {
+        "misspelt.yaml": (tiny.replace("num_experts:", "num_expert:"), "unknown key 'num_expert'"),
+        "mistyped.yaml": (
+            re.sub(r"(?m)^num_experts: .*$", "num_experts: many", tiny),
+            "num_experts='many' is a str",
+        ),
+        "broken.yaml": ("hidden_size: [64\n", "not valid YAML"),
+        "broken.json": ('{"hidden_size": 64', "not valid JSON"),
+    }
+    for name, (text, said) in presets.items():
+        write(f"models/{name}", text)
+        path = write(f"{name.replace('.', '_')}.yaml", HEADER, f"model: models/{name}\n")
+        with pytest.raises(ConfigError) as caught:
+            load_pipeline(path)
+        (issue,) = caught.value.issues
+        assert str(issue).startswith(f"{path}:3: model: model config {tmp_path / 'models' / name}: "), issue
+        assert said in str(issue), issue
+    assert_user_error(  # the command line says it the same way, and writes nothing
+        posttrain("run", path, "--run-dir", tmp_path / "run"),
+        "broken_json.yaml:3: model: ",
+        "not valid JSON",
+    )
+    assert not (tmp_path / "run").exists()
+    write("models/tiny.yaml", tiny)
+    assert load_pipeline(write("ok.yaml", HEADER, "model: models/tiny.yaml\n")).stages["ok"].model
 
 
 def test_keys_are_read_as_written_not_as_yaml_booleans_or_numbers(write, posttrain, tmp_path: Path) -> None:
@@ -620,13 +655,47 @@ def test_a_prompt_count_the_families_cannot_meet_is_refused_when_the_file_is_rea
         issue
     )
 
-    mopd_one_family = "mopd.environments.coding.families=[coding/fix_function]"
-    with pytest.raises(ConfigError) as caught:  # MOPD's held-out draw, set by either of two keys
-        load_pipeline(
-            REPO / "stages" / "mopd.yaml", [mopd_one_family, "mopd.eval.accuracy_prompts_per_domain=200"]
-        )
-    (issue,) = caught.value.issues
-    assert "coding: only 165 distinct eval prompts could be drawn from ['coding/fix_function']" in str(issue)
-    assert "200 were asked for; lower eval.prompts_per_domain or eval.accuracy_prompts_per_domain" in str(
-        issue
+
+def test_mopd_counts_set_by_two_keys_are_refused_at_the_key_that_asked(tmp_path: Path) -> None:
+    """MOPD's held-out count is the larger of two keys and its training count a product of two;
+    before, a count its families could not meet was reported at the top of the file. Now at the
+    override that set it, else at the key's line in the file."""
+    one_family = "mopd.environments.coding.families=[coding/fix_function]"  # 165 questions
+    said = "coding: only 165 distinct eval prompts could be drawn from ['coding/fix_function']"
+    lower = "lower eval.prompts_per_domain and eval.accuracy_prompts_per_domain to at most 165"
+    for counts, at in [
+        (["mopd.eval.accuracy_prompts_per_domain=200"], "mopd.eval.accuracy_prompts_per_domain=200"),
+        (["mopd.eval.prompts_per_domain=300"], "mopd.eval.prompts_per_domain=300"),
+        # the one of the two over the families' count, not the other override
+        (
+            ["mopd.eval.prompts_per_domain=100", "mopd.eval.accuracy_prompts_per_domain=200"],
+            "mopd.eval.accuracy_prompts_per_domain=200",
+        ),
+    ]:
+        with pytest.raises(ConfigError) as caught:
+            load_pipeline(REPO / "stages" / "mopd.yaml", [one_family, *counts])
+        (issue,) = caught.value.issues
+        key = at.removeprefix("mopd.").split("=")[0]
+        assert str(issue).startswith(f"command line override {at!r}: {key}: {said}"), issue
+        assert lower in str(issue), issue
+
+    train = "coding: only 69 distinct train prompts could be drawn"  # 96 of the 165 held out
+    for override in ["mopd.rollout.prompts_per_domain=3", "mopd.train.steps=9"]:  # 96 and 72 asked
+        with pytest.raises(ConfigError) as caught:
+            load_pipeline(REPO / "stages" / "mopd.yaml", [one_family, override])
+        (issue,) = caught.value.issues
+        key = override.removeprefix("mopd.").split("=")[0]
+        assert str(issue).startswith(f"command line override {override!r}: {key}: {train}"), issue
+        assert "lower train.steps x rollout.prompts_per_domain to at most 69" in str(issue), issue
+
+    stages = tmp_path / "stages"  # neither overridden: at the first key's line, said once
+    shutil.copytree(REPO / "stages", stages)
+    with pytest.raises(ConfigError) as caught:
+        load_pipeline(stages / "mopd.yaml", [one_family])
+    (issue,) = [issue for issue in caught.value.issues if "mopd.yaml" in str(issue)]  # and sft's base model
+    line = next(
+        i
+        for i, text in enumerate((stages / "mopd.yaml").read_text().splitlines(), 1)
+        if text.startswith("  steps: ")
     )
+    assert str(issue).startswith(f"{stages / 'mopd.yaml'}:{line}: train.steps: {train}"), issue
