@@ -70,14 +70,21 @@ from orchestration.outcomes import (  # noqa: E402
     subsets_all_holding,
 )
 from orchestration.pipeline import Pipeline, load_pipeline  # noqa: E402
-from orchestration.rundir import PIPELINE, planned_stages, read_json, read_manifest  # noqa: E402
+from orchestration.rundir import (  # noqa: E402
+    DAMAGED_PIPELINE,
+    PIPELINE,
+    pipeline_damaged,
+    planned_stages,
+    read_json,
+    read_manifest,
+    read_pipeline,
+)
 from posttrain.config.errors import ConfigError  # noqa: E402
 from posttrain.files import atomic_write_text  # noqa: E402
 
 SUBSET_SIZE = 3  # the benchmark's default seed count: with more seeds, how often would three pass?
 COMMITS_FILE = "commits.json"  # in OUT: per seed, the commits its runs were started at, in order
 MACHINES_FILE = "machines.json"  # in OUT: per seed, the machines its runs were started on, in order
-PLAN_KEYS = {"file", "overrides", "stages"}  # what a seed's pipeline.json records (rundir.write_pipeline)
 
 
 def run_seed(
@@ -290,13 +297,12 @@ def unfinished_stages(
     commits, so a run matches only the code that ran it);
     else its stages that are not done, with their status (their claims are missing, not held)."""
     run_dir = out / f"seed-{seed}"
-    plan = read_json(run_dir / PIPELINE)
-    if (run_dir / PIPELINE).exists() and (plan is None or PLAN_KEYS - plan.keys()):
-        # a disk that filled or a hand edit: a run is there, and rerunning the seed rewrites its record
+    if pipeline_damaged(run_dir):  # a run is there, and rerunning the seed rewrites its record
         parser.error(
-            f"{run_dir / PIPELINE} is damaged (not the JSON record `posttrain run` writes): run the "
-            "seed without --report-only, which writes it again (finished stages are not run again)"
+            f"{run_dir / PIPELINE} {DAMAGED_PIPELINE}: run the seed without --report-only, which writes "
+            "it again (finished stages are not run again)"
         )
+    plan = read_pipeline(run_dir)
     if plan is None:
         parser.error(
             f"{run_dir} holds no run (no pipeline.json; log {out}/seed-{seed}.log): run the seed "

@@ -26,10 +26,12 @@ from orchestration.executors import Outcome
 from orchestration.pipeline import Pipeline
 from orchestration.report import headline_order, is_timing
 from orchestration.rundir import (
+    DAMAGED_PIPELINE,
     PIPELINE,
     StageState,
-    read_json,
+    pipeline_damaged,
     read_manifest,
+    read_pipeline,
     read_progress,
     recorded_damage,
     recorded_status,
@@ -122,8 +124,7 @@ def summary_lines(run_dir: Path, outcome: Outcome) -> list[str]:
 def status_table(run_dir: Path) -> tuple[Table, str | None]:
     """The run dir as its manifests describe it (no stage files needed), and a note naming the
     stages it holds from another stage file (None when there are none)."""
-    recorded = read_json(run_dir / PIPELINE)
-    plan = recorded or {}
+    plan = read_pipeline(run_dir) or {}
     listed = list(plan.get("stages", {}))
     # Stages of another stage file run in this dir earlier keep their results here: shown after
     # the last run's own (pipeline.json lists only those), not hidden.
@@ -134,13 +135,13 @@ def status_table(run_dir: Path) -> tuple[Table, str | None]:
         if listed and others
         else None
     )
-    if recorded is None and (run_dir / PIPELINE).exists():
+    if pipeline_damaged(run_dir):
         # Without it the stage order and the run's stage file are unknown: say why the table is
         # in name order and holds only the stages that have started.
         note = (
-            f"{run_dir / PIPELINE} is damaged (not a JSON mapping): the stages are listed from their "
-            "manifests, in name order; `posttrain run FILE --run-dir DIR` writes it again "
-            "(finished stages are not run again)"
+            f"{run_dir / PIPELINE} {DAMAGED_PIPELINE}: the stages are listed from their manifests, in "
+            "name order; `posttrain run FILE --run-dir DIR` writes it again (finished stages are not "
+            "run again)"
         )
     table = Table(title=f"status: {run_dir}", title_justify="left")
     for column in ("stage", "status", "progress", "attempts", "time (s)", "final metrics / error"):

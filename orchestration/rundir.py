@@ -35,6 +35,8 @@ LOCK = ".lock"
 PROGRESS = "progress.json"
 # DIR/pipeline.json: the stage file, overrides and stages (kinds, needs) of the last `run`.
 PIPELINE = "pipeline.json"
+PIPELINE_KEYS = frozenset({"file", "overrides", "stages"})
+DAMAGED_PIPELINE = "is damaged (not the JSON record `posttrain run` writes)"
 
 
 def stage_dir(run_dir: Path, stage_id: str) -> Path:
@@ -70,6 +72,20 @@ def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
 def planned_stages(pipeline: Pipeline) -> dict[str, dict[str, Any]]:
     """The stages pipeline.json records of a run: id -> its kind and needs, in the file's order."""
     return {sid: {"kind": s.kind, "needs": s.needs} for sid, s in pipeline.stages.items()}
+
+
+def read_pipeline(run_dir: Path) -> dict[str, Any] | None:
+    """DIR/pipeline.json as `write_pipeline` wrote it ({file, overrides, stages}), or None: there is
+    none, or it is damaged (`pipeline_damage`)."""
+    record = read_json(Path(run_dir) / PIPELINE)
+    return record if record is not None and PIPELINE_KEYS <= record.keys() else None
+
+
+def pipeline_damaged(run_dir: Path) -> bool:
+    """Whether DIR/pipeline.json is there but unusable (a disk that filled, a hand edit): what it
+    records, the last run's stage file and stage order, is lost until `run` writes it again.
+    Said as f"{path} {DAMAGED_PIPELINE}"."""
+    return (Path(run_dir) / PIPELINE).is_file() and read_pipeline(run_dir) is None
 
 
 def write_pipeline(run_dir: Path, pipeline: Pipeline, overrides: list[str]) -> None:

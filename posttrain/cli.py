@@ -42,15 +42,17 @@ from orchestration.executors import busy_machine_warning, check_local_gpus, exec
 from orchestration.pipeline import Pipeline, load_pipeline
 from orchestration.report import REPORT, report_statuses, write_report
 from orchestration.rundir import (
+    DAMAGED_PIPELINE,
     MANIFEST,
     PIPELINE,
     StageLock,
     StageState,
     continue_restart,
     model_damage,
+    pipeline_damaged,
     plan_states,
-    read_json,
     read_manifest,
+    read_pipeline,
     restart_finished,
     write_pipeline,
 )
@@ -142,7 +144,7 @@ def _stage_file(args: argparse.Namespace) -> Path:
     """FILE, refused when it is a directory: most likely a run dir, which `status` takes but these
     commands take after --run-dir (a run dir's pipeline.json names its stage file)."""
     if args.file.is_dir():
-        recorded = (read_json(args.file / PIPELINE) or {}).get("file")
+        recorded = (read_pipeline(args.file) or {}).get("file")
         hint = (
             f"posttrain {args.command} {recorded} --run-dir {args.file}"
             if recorded
@@ -268,10 +270,10 @@ def _check_run_of(run_dir: Path, pipeline: Pipeline, file: Path) -> None:
         hint = f"pass the run dir: posttrain report {file} --run-dir {run}"
         raise ConfigError([Issue(str(run_dir), f"is a stage dir of the run {run}", hint=hint)])
     path = run_dir / PIPELINE
-    recorded = read_json(path)
-    if recorded is None and path.exists():
+    if pipeline_damaged(run_dir):
         hint = f"{start} writes it again; finished stages are not run again"
-        raise ConfigError([Issue(str(path), "is damaged (not a JSON mapping)", hint=hint)])
+        raise ConfigError([Issue(str(path), DAMAGED_PIPELINE, hint=hint)])
+    recorded = read_pipeline(run_dir)
     if recorded is None:
         raise ConfigError([Issue(str(path), "is missing: this dir holds no run", hint=f"start one: {start}")])
     if recorded.get("file") != str(pipeline.root):

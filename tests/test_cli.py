@@ -53,7 +53,7 @@ def test_a_run_dir_given_as_the_stage_file_names_the_stage_file(
     file its pipeline.json names."""
     run = tmp_path / "run"
     run.mkdir()
-    (run / "pipeline.json").write_text('{"file": "/stages/mopd.yaml", "stages": {}}')
+    (run / "pipeline.json").write_text('{"file": "/stages/mopd.yaml", "overrides": [], "stages": {}}')
     code, out, err = posttrain(command, run)
     assert code == 2 and "Traceback" not in out + err
     assert (

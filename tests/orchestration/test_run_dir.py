@@ -465,7 +465,7 @@ def test_report_refuses_a_dir_that_holds_no_run_of_the_stage_file(write, posttra
     assert f"--run-dir {tmp_path / 'run-of-a'})" in err
     cases = [("run dir does not exist", f"posttrain run {stage} --run-dir {run}")]
     cases.append((f"{run / 'pipeline.json'}: is missing: this dir holds no run", "start one"))
-    cases.append((f"{run / 'pipeline.json'}: is damaged (not a JSON mapping)", "writes it again"))
+    cases.append((f"{run / 'pipeline.json'}: is damaged (not the JSON record", "writes it again"))
     other = tmp_path / "other.yaml"
     cases.append(
         (f"the run in {run} was made by {other}, not {stage}", f"posttrain report {other} --run-dir")
@@ -476,7 +476,9 @@ def test_report_refuses_a_dir_that_holds_no_run_of_the_stage_file(write, posttra
         if index == 2:
             (run / "pipeline.json").write_text('{"file": "a.ya')  # cut short by hand
         if index == 3:
-            (run / "pipeline.json").write_text(json.dumps({"file": str(other), "stages": {}}))
+            (run / "pipeline.json").write_text(
+                json.dumps({"file": str(other), "overrides": [], "stages": {}})
+            )
         code, out, err = posttrain("report", stage, "--run-dir", run)
         assert code == 2 and problem in err and fix in err and "Traceback" not in out + err, err
         assert not (run / "report.md").exists()
