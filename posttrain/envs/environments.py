@@ -175,21 +175,9 @@ class PromptSource:
         self.harness = harness
         self.families: dict[str, TaskFamily] = {name: TASK_FAMILIES.get(name)() for name in family_names}
 
-    def prompts(
-        self,
-        split: str,
-        count: int,
-        seed: int,
-        exclude: Sequence[Sample] = (),
-        families: Sequence[str] | None = None,
-        key: str = "the prompt count",
-    ) -> list[Sample]:
-        """`count` distinct prompts, families in turn (`families`, a subset of those offered, or all
-        of them), harness applied; a pure function of its arguments. Questions of `exclude` (e.g.
-        the held-out set when drawing training prompts) never appear. `key`: the stage-file key
-        that set `count`, named when fewer distinct prompts exist (known once a long run of draws,
-        REPEATS_PER_QUESTION per distinct question, brought no new one)."""
-        return list(self.draws(split, count, seed, exclude, families, key))
+    def prompts(self, *args: Any, **kwargs: Any) -> list[Sample]:
+        """All of `draws`, its arguments."""
+        return list(self.draws(*args, **kwargs))
 
     def draws(
         self,
@@ -200,8 +188,12 @@ class PromptSource:
         families: Sequence[str] | None = None,
         key: str = "the prompt count",
     ) -> Iterator[Sample]:
-        """`prompts`, one at a time: PromptCountError is raised when the families run out, so
-        domains drawn in turn (`draw_in_turn`) stop at the first that cannot meet its count."""
+        """`count` distinct prompts, one at a time, families in turn (`families`, a subset of those
+        offered, or all of them), harness applied; a pure function of its arguments. Questions of
+        `exclude` (e.g. the held-out set when drawing training prompts) never appear. `key`: the
+        stage-file key that set `count`, named in the PromptCountError raised when fewer distinct
+        prompts exist (known once a long run of draws, REPEATS_PER_QUESTION per distinct question,
+        brought no new one): domains drawn in turn (`draw_in_turn`) stop at the first that runs out."""
         rng = random.Random(f"rl-prompts:{self.domain}:{split}:{seed}")
         seen = {_question(p) for p in exclude}
         drawn = 0
