@@ -2,14 +2,17 @@
 engines, environments, tools, task families, teacher domains and data recipes.
 
 Duplicate names are errors: two plug-ins silently shadowing each other is the bug a registry exists
-to prevent. This repository's own entries are registered by plain imports (the modules that define
-them, and `load_plugins`'s imports of the stage kinds and the shipped data); a third party's package
-registers through the ``posttrain.plugins`` entry-point group, and a user's module or file through
-a stage file's ``plugins`` list.
+to prevent. A plug-in whose import fails registers nothing: what it registered before the failure is
+taken back, so the fixed plug-in imports cleanly in the same process. This repository's own entries
+are registered by plain imports (the modules that define them, and `load_plugins`'s imports of the
+stage kinds and the shipped data); a third party's package registers through the
+``posttrain.plugins`` entry-point group, and a user's module or file through a stage file's
+``plugins`` list.
 """
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import hashlib
 import importlib
@@ -19,7 +22,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from importlib.metadata import entry_points
-from typing import Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -41,10 +44,14 @@ class Registry(Generic[T]):
     own name, a prompt names its family by the family's, and lookups go through the registry's.
     """
 
+    # Every registry, so a plug-in whose import fails takes back what it registered (`_all_or_none`).
+    _instances: ClassVar[list[Registry[Any]]] = []
+
     def __init__(self, kind: str, *, named: bool = False) -> None:
         self.kind = kind
         self.named = named
         self._entries: dict[str, T] = {}
+        Registry._instances.append(self)
 
     def register(self, name: str) -> Callable[[T], T]:
         def decorator(obj: T) -> T:
@@ -115,7 +122,8 @@ def load_plugins(extra_modules: tuple[str, ...] = ()) -> None:
                 import posttrain.trainers  # noqa: F401
 
                 for module in third_party_plugins():
-                    importlib.import_module(module)
+                    with _all_or_none():
+                        importlib.import_module(module)
             except BaseException:
                 _loaded = False  # the next lookup raises the same import error, not "unknown name"
                 raise
@@ -136,8 +144,29 @@ def third_party_plugins() -> list[str]:
     )
 
 
+@contextlib.contextmanager
+def _all_or_none() -> Iterator[None]:
+    """A plug-in's registrations, kept only if its import finishes: the entries of one that failed
+    half-way are taken back with it, or the fixed plug-in's retry (in a notebook, a test, a
+    long-lived process) met its own first half as "registered twice"."""
+    before = [(registry, dict(registry._entries)) for registry in Registry._instances]
+    try:
+        yield
+    except BaseException:
+        for registry, entries in before:
+            registry._entries.clear()
+            registry._entries.update(entries)
+        raise
+
+
 def import_plugin(spec: str) -> None:
-    """Import a module by dotted name or by file path (a user's own plug-in file)."""
+    """Import a module by dotted name or by file path (a user's own plug-in file): all of its
+    registrations, or none where the import fails."""
+    with _all_or_none():
+        _import(spec)
+
+
+def _import(spec: str) -> None:
     if spec.endswith(".py"):
         path = pathlib.Path(spec).resolve()
         if not path.exists():

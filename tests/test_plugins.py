@@ -1,11 +1,11 @@
-"""The user plug-in path: a third party's package, installed with a `posttrain.plugins` entry
-point, registers a stage kind that a stage file names without any `plugins:` key, and `posttrain
-run` (its own process, stage processes forked from the preloaded server) runs it. Without the entry
-point the same file names an unknown kind: the entry point, not the import path, does the work.
-posttrain's own packages are plain imports (tests/test_architecture.py). A stage file's plug-in
-files are each imported, whatever their names, and a file whose import failed is imported again
-once fixed. And the registry's own contract: a taken name is an error naming both entries, and a
-tool or task family is registered under its own name."""
+"""The user plug-in path: a third party's package, installed with a `posttrain.plugins` entry point,
+registers a stage kind that a stage file names without any `plugins:` key, and `posttrain run` (its
+own process, stage processes forked from the preloaded server) runs it. Without the entry point the
+same file names an unknown kind: the entry point, not the import path, does the work. posttrain's
+own packages are plain imports (tests/test_architecture.py). A stage file's plug-in files are each
+imported, whatever their names, and a file whose import failed (even after it registered something)
+is imported again once fixed. And the registry's own contract: a taken name is an error naming both
+entries, and a tool or task family is registered under its own name."""
 
 from __future__ import annotations
 
@@ -113,6 +113,20 @@ def test_a_plugin_file_that_failed_to_import_is_imported_again_once_fixed(tmp_pa
     kind_plugin(path, "fixed-after-a-failed-import")
     import_plugin(str(path))
     assert "fixed-after-a-failed-import" in STAGE_KINDS
+
+    # Failed after registering: what it registered is taken back with it. Before, the fixed file's
+    # retry in the same process was refused: "stage kind ... is registered twice".
+    half = tmp_path / "half.py"
+    kind_plugin(half, "registered-before-a-failure")
+    half.write_text(half.read_text() + "\nraise RuntimeError('a typo after the registration')\n")
+    with pytest.raises(RuntimeError, match="a typo after the registration"):
+        import_plugin(str(half))
+    assert "registered-before-a-failure" not in STAGE_KINDS
+    kind_plugin(half, "registered-before-a-failure")
+    import_plugin(str(half))
+    assert STAGE_KINDS.get("registered-before-a-failure").run.__module__.startswith(
+        "posttrain_user_plugin_half_"
+    )
 
 
 def test_a_registry_rejects_a_second_entry_under_a_taken_name() -> None:
