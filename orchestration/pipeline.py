@@ -380,7 +380,7 @@ def _validate(
     if header is None:
         return None
     model, model_is_input = _resolve_model(inst, header, overridden, issues)
-    _check_qat(inst, header.qat, overridden, issues)
+    hashed_qat = _check_qat(inst, header.qat, overridden, issues)
     stage = Stage(
         id=inst.id,
         kind=kind,
@@ -398,7 +398,7 @@ def _validate(
         keep_checkpoints=header.keep_checkpoints,
         registered=registered,
     )
-    stage.config_hash = config_hash(stage, hashed_body)
+    stage.config_hash = config_hash(stage, hashed_body, hashed_qat)
     return stage
 
 
@@ -462,14 +462,17 @@ def _resolve_model(
 
 def _check_qat(
     inst: _Instance, qat: dict[str, Any] | None, overridden: dict[tuple[str, ...], str], issues: list[Issue]
-) -> None:
-    """Validate `qat:` with posttrain.qat.config.QATConfig."""
+) -> dict[str, Any] | None:
+    """Validate `qat:` with posttrain.qat.config.QATConfig; return it as the config hash reads it:
+    keys left at their defaults dropped, as for the body (spelling out `block_size: 32` is the same
+    stage), its scheme always kept (so `{scheme: k3}` hashes as it did when `qat:` was hashed as
+    written). Invalid, it is returned as written: its issues stop the load."""
     if qat is None:
-        return
+        return None
     from posttrain.qat.config import QATConfig  # here, not at the top: posttrain.qat imports torch
 
     try:
-        QATConfig.model_validate(qat)
+        config = QATConfig.model_validate(qat)
     except ValidationError as exc:
         for issue in pydantic_issues(exc, QATConfig, inst.display, _shift(inst.lines), _shift(overridden)):
             issues.append(
@@ -482,6 +485,8 @@ def _check_qat(
                     hint=issue.hint,
                 )
             )
+        return qat
+    return {"scheme": config.scheme, **config.model_dump(mode="json", exclude_defaults=True)}
 
 
 def _shift(located: dict[Any, Any]) -> dict[Any, Any]:
@@ -490,11 +495,12 @@ def _shift(located: dict[Any, Any]) -> dict[Any, Any]:
     return {path[1:]: where for path, where in located.items() if path[:1] == ("qat",)}
 
 
-def config_hash(stage: Stage, body: dict[str, Any]) -> str:
+def config_hash(stage: Stage, body: dict[str, Any], qat: dict[str, Any] | None) -> str:
     """What decides a stage's result: kind, body (as its kind validated it, defaults left out, so
-    spelling out a default changes nothing), seed, model (a preset's or model dir's content), qat,
-    matrix values and needs. Resources, plug-in paths, the description and how many checkpoints are
-    kept do not, so moving a run to a bigger machine does not invalidate it."""
+    spelling out a default changes nothing), seed, model (a preset's or model dir's content), qat
+    (likewise, `_check_qat`), matrix values and needs. Resources, plug-in paths, the description
+    and how many checkpoints are kept do not, so moving a run to a bigger machine does not
+    invalidate it."""
     model: Any = stage.model
     if stage.model and not stage.model_is_input:
         path = Path(stage.model)
@@ -504,7 +510,7 @@ def config_hash(stage: Stage, body: dict[str, Any]) -> str:
         "body": body,
         "seed": stage.seed,
         "model": model,
-        "qat": stage.qat,
+        "qat": qat,
         "matrix": stage.matrix,
         "needs": stage.needs,
     }

@@ -12,7 +12,7 @@ import pytest
 from orchestration_support import REPO
 from safetensors.numpy import save_file
 
-from orchestration.pipeline import load_pipeline
+from orchestration.pipeline import config_hash, load_pipeline
 from posttrain.config.errors import ConfigError, did_you_mean
 
 HEADER = """
@@ -398,6 +398,27 @@ def test_a_key_spelled_out_at_its_default_is_the_same_stage(write) -> None:
         hashes[name] = load_pipeline(write(f"{name}.yaml", HEADER, train + "\n")).stages[name].config_hash
     assert hashes["short"] == hashes["spelled"] != hashes["other"]
     assert hashes["default_steps"] == hashes["empty"] != hashes["short"]
+
+
+def test_a_qat_key_spelled_out_at_its_default_is_the_same_stage(write) -> None:
+    """Before: `qat:` was hashed as written, so spelling out `block_size: 32` beside `scheme: k3`
+    reran a finished stage. Now it is hashed as QATConfig reads it, defaults left out but its
+    scheme kept, so `{scheme: k3}` (every shipped stage file) hashes as it did before."""
+    hashes = {}
+    for name, qat in [
+        ("short", "{scheme: k3}"),
+        ("spelled", "{scheme: k3, block_size: 32, weight_scale_rule: floor}"),
+        ("unset", "{}"),  # the default scheme, k3
+        ("rule", "{scheme: k3, weight_scale_rule: rceil}"),
+        ("off", "{scheme: none}"),
+    ]:
+        stage = load_pipeline(write(f"{name}.yaml", HEADER, f"qat: {qat}\n")).stages[name]
+        hashes[name] = stage.config_hash
+    assert hashes["short"] == hashes["spelled"] == hashes["unset"]
+    assert len({hashes["short"], hashes["rule"], hashes["off"]}) == 3
+    assert stage.qat == {"scheme": "none"}  # the stage still gets its block as written
+    as_written = load_pipeline(write("written.yaml", HEADER, "qat: {scheme: k3}\n")).stages["written"]
+    assert as_written.config_hash == config_hash(as_written, {}, {"scheme": "k3"})
 
 
 def test_bad_overrides_are_user_errors(write, posttrain, tmp_path: Path) -> None:
