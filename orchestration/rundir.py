@@ -76,7 +76,7 @@ def planned_stages(pipeline: Pipeline) -> dict[str, dict[str, Any]]:
 
 def read_pipeline(run_dir: Path) -> dict[str, Any] | None:
     """DIR/pipeline.json as `write_pipeline` wrote it ({file, overrides, stages}), or None: there is
-    none, or it is damaged (`pipeline_damage`)."""
+    none, or it is damaged (`pipeline_damaged`)."""
     record = read_json(Path(run_dir) / PIPELINE)
     return record if record is not None and PIPELINE_KEYS <= record.keys() else None
 

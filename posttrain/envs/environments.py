@@ -331,7 +331,7 @@ class Environment:
     def prompt_source(cls, config: EnvironmentConfig) -> PromptSource | None:
         """The prompts this environment would draw under `config`, built without playing anything;
         None for a subclass that draws its own (it overrides `prompts`): its draws are its own."""
-        if cls.prompts is not Environment.prompts:
+        if cls._draws_its_own():
             return None
         return PromptSource(cls.domain, cls.offered_families(config), config.harness)
 
@@ -343,9 +343,14 @@ class Environment:
 
     def draws(self, *args: Any, **kwargs: Any) -> Iterator[Sample]:
         """`prompts`, one at a time (`PromptSource.draws`); a subclass's own `prompts`, whole."""
-        if type(self).prompts is Environment.prompts:
-            return self.source.draws(*args, **kwargs)
-        return iter(self.prompts(*args, **kwargs))
+        if self._draws_its_own():
+            return iter(self.prompts(*args, **kwargs))
+        return self.source.draws(*args, **kwargs)
+
+    @classmethod
+    def _draws_its_own(cls) -> bool:
+        """Whether a subclass (a plug-in's environment) overrides `prompts` with draws of its own."""
+        return cls.prompts is not Environment.prompts
 
     def start(self, prompt: Sample, *, uid: str, group: str, effort: str) -> Sample:
         """A fresh trajectory of `prompt`: its messages rendered with the effort marker, ending in
